@@ -1,0 +1,3 @@
+"""Keel: reinforcement learning for large language models, from a laptop CPU to a Ray cluster."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,79 @@
+"""Derived numbers of a config (sequences per step, mini/micro-batches) and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keel.config.schema import KeelConfig
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one step's sequences are cut up.
+
+    sequences_per_step = prompts per step × responses per prompt (1 for SFT).
+    mini_batches = sequences_per_step / mini_batch_size (optimizer updates per epoch).
+    micro_batches = mini_batch_size / micro_batch_size = gradient-accumulation steps.
+    """
+
+    sequences_per_step: int
+    mini_batch_size: int
+    mini_batches_per_step: int
+    micro_batch_size: int
+    grad_accumulation_steps: int
+    optimizer_steps_per_step: int
+    total_optimizer_steps: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def responses_per_prompt(cfg: KeelConfig) -> int:
+    """n for sampling algorithms, 1 for supervised ones (they have no rollout)."""
+    return 1 if cfg.algorithm.name == "sft" else cfg.rollout.n
+
+
+def batch_plan(cfg: KeelConfig) -> BatchPlan:
+    """The numbers `keel config show` prints; see `check_batch_algebra` for the rules."""
+    t = cfg.train
+    seqs = t.batch_size * responses_per_prompt(cfg)
+    mini = t.mini_batch_size or seqs
+    micro = t.micro_batch_size or mini
+    mini_batches = max(seqs // mini, 1)
+    opt_per_step = mini_batches * t.ppo_epochs if cfg.algorithm.name != "sft" else 1
+    return BatchPlan(
+        sequences_per_step=seqs,
+        mini_batch_size=mini,
+        mini_batches_per_step=mini_batches,
+        micro_batch_size=micro,
+        grad_accumulation_steps=max(mini // micro, 1),
+        optimizer_steps_per_step=opt_per_step,
+        total_optimizer_steps=opt_per_step * t.steps,
+    )
+
+
+def check_batch_algebra(cfg: KeelConfig) -> None:
+    """Raise ValueError naming the keys when the batch sizes do not divide evenly."""
+    t = cfg.train
+    n = responses_per_prompt(cfg)
+    seqs = t.batch_size * n
+    what = f"train.batch_size ({t.batch_size}) × rollout.n ({n}) = {seqs} sequences per step"
+    if cfg.algorithm.name == "sft":
+        what = f"train.batch_size ({t.batch_size}) examples per step"
+    mini = t.mini_batch_size or seqs
+    if mini > seqs or seqs % mini:
+        raise ValueError(
+            f"train.mini_batch_size ({mini}) must divide {what}; try one of {_divisors(seqs)}"
+        )
+    micro = t.micro_batch_size or mini
+    if micro > mini or mini % micro:
+        raise ValueError(
+            f"train.micro_batch_size ({micro}) must divide train.mini_batch_size ({mini}); "
+            f"try one of {_divisors(mini)}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

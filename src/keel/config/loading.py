@@ -1,0 +1,158 @@
+"""Reading a run config: YAML file → environment overrides → `--set` overrides → validation.
+
+Override forms (later wins):
+  environment  KEEL__TRAIN__LR=1e-6        (prefix KEEL__, sections joined by __, any case)
+  command line --set train.lr=1e-6         (dotted path; the value is parsed as YAML)
+Every error names the file and the dotted key path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from keel.config.schema import ALGORITHMS, KeelConfig
+
+ENV_PREFIX = "KEEL__"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file and the key."""
+
+
+def load_config(
+    path: str | Path,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> KeelConfig:
+    """Load, override and validate the config in `path`."""
+    path = Path(path)
+    raw = read_yaml(path)
+    env = os.environ if environ is None else environ
+    for key, value in env_overrides(env):
+        set_path(raw, key, value, source=f"environment variable {ENV_PREFIX}…")
+    for item in overrides:
+        key, value = parse_override(item)
+        set_path(raw, key, value, source=f"--set {item}")
+    return validate(raw, source=str(path))
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=c` → ("a.b", yaml-parsed c)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-6")
+    key, _, text = item.partition("=")
+    return key.strip(), _parse_scalar(text)
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
+    """(dotted key, value) for every KEEL__SECTION__KEY variable, sorted by name."""
+    found = []
+    for name in sorted(environ):
+        if name.upper().startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+            dotted = ".".join(p.lower() for p in name[len(ENV_PREFIX) :].split("__"))
+            found.append((dotted, _parse_scalar(environ[name])))
+    return found
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def set_path(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    """Set tree[a][b]… = value for dotted 'a.b…', creating sections as needed."""
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(f"{source}: empty key")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"{source}: {where} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(raw: dict[str, Any], source: str = "<config>") -> KeelConfig:
+    """KeelConfig from a plain dict; a ConfigError lists every problem with its key path."""
+    try:
+        return KeelConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe(err, raw) for err in exc.errors()]
+        head = f"{source}: invalid config ({len(lines)} problem{'s' * (len(lines) > 1)})"
+        raise ConfigError("\n".join([head, *(f"  {line}" for line in lines)])) from None
+
+
+def _describe(err: Mapping[str, Any], raw: dict[str, Any]) -> str:
+    loc = _clean_loc(err["loc"], raw)
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        hint = _suggest(loc, raw)
+        return f"{key}: unknown key{hint}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind != "value_error" and "input" in err and not isinstance(err["input"], dict):
+        msg += f" (got {err['input']!r})"
+    return f"{key}: {msg}"
+
+
+def _clean_loc(loc: tuple[Any, ...], raw: dict[str, Any]) -> tuple[Any, ...]:
+    # A discriminated union inserts the tag ('algorithm', 'grpo', 'lr') — drop it.
+    if len(loc) >= 2 and loc[0] == "algorithm":
+        name = (raw.get("algorithm") or {}).get("name") if isinstance(raw, dict) else None
+        if loc[1] == name:
+            return (loc[0], *loc[2:])
+    return tuple(loc)
+
+
+def _suggest(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
+    """' (did you mean 'x'?)' using the fields of the section that holds the key."""
+    model: type[BaseModel] | None = KeelConfig
+    for part in loc[:-1]:
+        if model is KeelConfig and part == "algorithm":
+            model = ALGORITHMS.get(str((raw.get("algorithm") or {}).get("name")))
+            continue
+        field = model.model_fields.get(str(part)) if model else None
+        ann = field.annotation if field else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if model is None:
+            return ""
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def dump_config(cfg: KeelConfig) -> str:
+    """The resolved config as YAML (what RUN_DIR/config.yaml holds)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

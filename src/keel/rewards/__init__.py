@@ -1,0 +1,16 @@
+"""Rewards: built-in verifiers, user reward functions named in YAML, and scoring with a policy."""
+
+from keel.rewards.loading import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
+from keel.rewards.scoring import RewardError, RewardScorer
+from keel.rewards.verifiers import exact_match, extract_final_number, numeric_match
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardError",
+    "RewardLoadError",
+    "RewardScorer",
+    "exact_match",
+    "extract_final_number",
+    "load_reward_fn",
+    "numeric_match",
+]

@@ -1,0 +1,80 @@
+"""Resolving a reward named in YAML: `builtin:NAME`, `package.module:fn` or `path/file.py:fn`."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from keel.rewards.verifiers import exact_match, numeric_match
+
+RewardFn = Callable[..., float]
+BUILTIN_REWARDS: dict[str, RewardFn] = {"numeric_match": numeric_match, "exact_match": exact_match}
+
+
+class RewardLoadError(ValueError):
+    """The reward named in the config cannot be found; the message says where it looked."""
+
+
+def load_reward_fn(spec: str, base_dir: Path | None = None) -> RewardFn:
+    """The callable named by `spec`. Relative file paths resolve against `base_dir` first
+    (the config file's folder), then the working directory."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        if name not in BUILTIN_REWARDS:
+            known = ", ".join(f"builtin:{k}" for k in BUILTIN_REWARDS)
+            raise RewardLoadError(f"reward.fn: unknown built-in reward {spec!r} (known: {known})")
+        return BUILTIN_REWARDS[name]
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise RewardLoadError(
+            f"reward.fn: {spec!r} must be builtin:NAME, package.module:function "
+            "or path/to/file.py:function"
+        )
+    module = _load_file(target, base_dir) if target.endswith(".py") else _load_module(target)
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise RewardLoadError(f"reward.fn: {target} has no function named {attr!r}")
+    _check_signature(fn, spec)
+    return fn
+
+
+def _load_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise RewardLoadError(f"reward.fn: cannot import module {name!r} ({exc})") from None
+
+
+def _load_file(target: str, base_dir: Path | None):
+    candidates = [Path(target)] if Path(target).is_absolute() else []
+    if base_dir is not None and not Path(target).is_absolute():
+        candidates.append(base_dir / target)
+    candidates.append(Path(target))
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise RewardLoadError(f"reward.fn: file not found: {target}")
+    name = f"keel_user_reward_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RewardLoadError(f"reward.fn: {path} failed to import: {exc!r}") from exc
+    return module
+
+
+def _check_signature(fn: RewardFn, spec: str) -> None:
+    try:
+        inspect.signature(fn).bind("prompt", "response", "answer")
+    except TypeError:
+        raise RewardLoadError(
+            f"reward.fn: {spec} must accept (prompt, response, answer, **kwargs)"
+        ) from None
+    except ValueError:  # builtins without a signature: trust them
+        return

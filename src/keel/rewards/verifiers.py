@@ -1,0 +1,44 @@
+"""Rule-based verifiers. Every reward function has the signature
+`fn(prompt: str, response: str, answer: str | None, **kwargs) -> float`.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_final_number(text: str) -> Fraction | None:
+    """The last number written in `text` (integers, decimals, a/b), or None."""
+    found = _NUMBER.findall(text.replace(",", ""))
+    if not found:
+        return None
+    try:
+        return Fraction(found[-1])
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def numeric_match(
+    prompt: str, response: str, answer: str | None, *, strict: bool = False, **_: object
+) -> float:
+    """1.0 if the response's final number equals the reference answer numerically, else 0.0.
+
+    strict=True also requires the response to be nothing but that number (whitespace aside).
+    """
+    if answer is None:
+        raise ValueError("numeric_match needs a reference answer (data.answer_key)")
+    want = extract_final_number(str(answer))
+    if strict and not _NUMBER.fullmatch(response.strip()):
+        return 0.0
+    got = extract_final_number(response)
+    return float(got is not None and want is not None and got == want)
+
+
+def exact_match(prompt: str, response: str, answer: str | None, **_: object) -> float:
+    """1.0 if the response equals the answer after stripping surrounding whitespace."""
+    if answer is None:
+        raise ValueError("exact_match needs a reference answer (data.answer_key)")
+    return float(response.strip() == str(answer).strip())

@@ -1,0 +1,142 @@
+"""The Batch: the one data type that flows between the controller and the roles.
+
+Shapes: B rows (sequences), P prompt tokens (left-padded), R response tokens (right-padded),
+T = P + R. Every tensor field is optional; a role fills the fields it computes. A batch splits and
+concatenates by rows, which is how worker groups dispatch work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Rows of prompt + response sequences and everything computed about them.
+
+    Tensors (all optional):
+      input_ids        [B, T] long   prompt (left-padded) followed by response (right-padded)
+      attention_mask   [B, T] long   1 for real tokens of prompt and response, 0 for padding
+      response_mask    [B, R] float  1 for generated tokens up to and including the first EOS
+      logprobs         [B, R] float  log π_θ of the response tokens (current policy)
+      old_logprobs     [B, R] float  log π_old (the policy that produced the rollout), no grad
+      ref_logprobs     [B, R] float  log π_ref (frozen reference policy)
+      rollout_logprobs [B, R] float  log-probs reported by the rollout engine
+      values           [B, R] float  critic values
+      advantages       [B, R] float  per-token advantages
+      returns          [B, R] float  per-token returns
+      scores           [B]    float  one scalar score (reward) per sequence
+      group_ids        [B]    long   rows with the same id were sampled from the same prompt
+    Per-row metadata (lists of length B): prompts, responses (decoded text), answers.
+    """
+
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+    prompts: list[str] | None = None
+    responses: list[str] | None = None
+    answers: list[Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ shape
+    def __len__(self) -> int:
+        for f in _row_fields():
+            v = getattr(self, f)
+            if v is not None:
+                return len(v)
+        return 0
+
+    @property
+    def response_length(self) -> int:
+        """R, the padded number of response tokens."""
+        assert self.response_mask is not None, "batch has no response_mask"
+        return self.response_mask.shape[1]
+
+    @property
+    def prompt_length(self) -> int:
+        """P, the padded number of prompt tokens."""
+        assert self.input_ids is not None
+        return self.input_ids.shape[1] - self.response_length
+
+    # ------------------------------------------------------------ row algebra
+    def select(self, index: Sequence[int] | torch.Tensor) -> Batch:
+        """The rows at `index`, in that order (tensors are indexed, lists picked)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        out = {}
+        for f in _row_fields():
+            v = getattr(self, f)
+            if v is None:
+                out[f] = None
+            elif isinstance(v, torch.Tensor):
+                out[f] = v[idx]
+            else:
+                out[f] = [v[int(i)] for i in idx]
+        return Batch(**out, meta=dict(self.meta))
+
+    def split(self, chunk_rows: int) -> list[Batch]:
+        """Consecutive chunks of `chunk_rows` rows (the last may be shorter)."""
+        n = len(self)
+        if chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+        return [self.select(range(s, min(s + chunk_rows, n))) for s in range(0, n, chunk_rows)]
+
+    def chunk(self, parts: int) -> list[Batch]:
+        """`parts` nearly equal consecutive pieces (for data-parallel dispatch)."""
+        n = len(self)
+        bounds = [round(i * n / parts) for i in range(parts + 1)]
+        return [self.select(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """Rows of all `batches` in order. Tensors are right-padded with 0 to a common width."""
+        if not batches:
+            raise ValueError("cannot concatenate zero batches")
+        out: dict[str, Any] = {}
+        for f in _row_fields():
+            vals = [getattr(b, f) for b in batches]
+            if all(v is None for v in vals):
+                out[f] = None
+            elif any(v is None for v in vals):
+                raise ValueError(f"field {f!r} is set in some batches and not in others")
+            elif isinstance(vals[0], torch.Tensor):
+                out[f] = _cat_padded(vals)
+            else:
+                out[f] = [x for v in vals for x in v]
+        return Batch(**out, meta=dict(batches[0].meta))
+
+    def replace(self, **changes: Any) -> Batch:
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> Batch:
+        changes = {
+            f: getattr(self, f).to(device)
+            for f in _row_fields()
+            if isinstance(getattr(self, f), torch.Tensor)
+        }
+        return self.replace(**changes)
+
+
+def _row_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(Batch) if f.name != "meta"]
+
+
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+    return torch.cat(padded)
