@@ -80,6 +80,9 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(16, ge=1)
     batch_size: int | None = Field(None, ge=1, description="prompts per generate call")
+    return_logprobs: bool = Field(
+        False, description="keep the engine's log-probs and log their gap to the trainer's"
+    )
 
 
 class TrainConfig(Section):
@@ -111,6 +114,7 @@ class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0, description="0 means greedy")
     max_new_tokens: int | None = None
     batch_size: int = Field(256, ge=1)
+    correct_threshold: float = Field(1.0, description="a response is correct if score ≥ this")
 
 
 class CheckpointConfig(Section):

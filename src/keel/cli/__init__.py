@@ -1,0 +1,1 @@
+"""The `keel` command line."""

@@ -1,0 +1,120 @@
+"""`keel` command line: train, config validate/show, demo, model create-tiny.
+
+Bad input (config, data, model folder, reward function, run directory) prints one line
+`keel: error: …` and exits with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train as a YAML config says")
+    train.add_argument("config", type=Path)
+    _add_overrides(train)
+    train.add_argument("--run-dir", help="where the run lives (overrides run_dir)")
+    train.add_argument("--overwrite", action="store_true", help="replace a previous run there")
+
+    config = sub.add_parser("config", help="check a config before running it")
+    csub = config.add_subparsers(dest="config_command", required=True)
+    for name, text in (("validate", "check a config"), ("show", "print the resolved config")):
+        p = csub.add_parser(name, help=text)
+        p.add_argument("config", type=Path)
+        _add_overrides(p)
+
+    demo = sub.add_parser("demo", help="tiny model: SFT warm-start, then GRPO on arithmetic")
+    demo.add_argument("--run-dir", type=Path, help="where the GRPO run lives")
+    demo.add_argument("--seed", type=int, default=None, help="seed of the GRPO run")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override the demo's GRPO config")  # fmt: skip
+
+    model = sub.add_parser("model", help="model utilities")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    tiny = msub.add_parser("create-tiny", help="write the built-in tiny model as an HF folder")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-6 (repeatable)")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("keel: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        user_error = _is_user_error(exc)
+        msg = str(exc).strip() or type(exc).__name__
+        print(f"keel: error: {msg}", file=sys.stderr)
+        if not user_error:
+            print(
+                "keel: (an internal error; rerun with --debug for the traceback)", file=sys.stderr
+            )
+        return EXIT_USAGE if user_error else EXIT_FAILURE
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from keel.config import ConfigError
+    from keel.controller.runner import RunDirError
+    from keel.data import DataError
+    from keel.models import ModelLoadError
+    from keel.rewards import RewardError, RewardLoadError
+
+    user = (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, RunDirError)
+    return isinstance(exc, user)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "config":
+        from keel.cli.config_cmd import show, validate_file
+
+        if args.config_command == "validate":
+            return validate_file(args.config, args.set)
+        return show(args.config, args.set)
+    if args.command == "train":
+        from keel.cli.train_cmd import train
+
+        return train(args.config, args.set, run_dir=args.run_dir, overwrite=args.overwrite)
+    if args.command == "demo":
+        from keel.cli.demo import demo
+
+        return demo(run_dir=args.run_dir, seed=args.seed, overrides=args.set)
+    if args.command == "model":
+        from keel.models import TinyModelSpec, create_tiny_model
+
+        spec = TinyModelSpec(hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed)
+        print(create_tiny_model(args.out, spec))
+        return EXIT_OK
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

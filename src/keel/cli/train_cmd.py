@@ -1,0 +1,25 @@
+"""`keel train FILE`: load the config, run it, say where the run lives."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from keel.config import load_config
+
+
+def train(
+    path: Path, overrides: Sequence[str], *, run_dir: str | None = None, overwrite: bool = False
+) -> int:
+    extra = [f"run_dir={run_dir}"] if run_dir else []
+    cfg = load_config(path, [*overrides, *extra])
+    from keel.controller import run_training
+
+    result = run_training(
+        cfg, config_dir=path.parent, overwrite=overwrite, title=cfg.algorithm.name
+    )
+    last = result.last_eval.get("eval/accuracy")
+    summary = f" eval/accuracy {last:.3f}" if last is not None else ""
+    print(f"run: {result.run_dir}  model: {result.model_dir}{summary}", file=sys.stderr)
+    return 0

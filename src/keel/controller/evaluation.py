@@ -1,0 +1,42 @@
+"""Held-out evaluation: generate (greedy by default), score, report accuracy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from keel.config.schema import EvalConfig, RolloutConfig
+from keel.data.examples import Example
+from keel.rollout import SamplingParams
+from keel.workers.group import WorkerGroup
+
+
+def evaluate(
+    rollout: WorkerGroup,
+    reward: WorkerGroup,
+    examples: Sequence[Example],
+    eval_cfg: EvalConfig,
+    rollout_cfg: RolloutConfig,
+) -> dict[str, float]:
+    """eval/accuracy: fraction of responses scoring ≥ eval.correct_threshold;
+    eval/reward_mean; eval/length_mean (response tokens, EOS included)."""
+    sampling = SamplingParams(
+        n=1,
+        temperature=eval_cfg.temperature,
+        top_p=1.0 if eval_cfg.temperature == 0 else rollout_cfg.top_p,
+        max_new_tokens=eval_cfg.max_new_tokens or rollout_cfg.max_new_tokens,
+    )
+    scores, lengths = [], []
+    for start in range(0, len(examples), eval_cfg.batch_size):
+        chunk = list(examples[start : start + eval_cfg.batch_size])
+        batch = rollout.call("generate", chunk, sampling=sampling)
+        batch = reward.call("score", batch)
+        scores.append(batch.scores)
+        lengths.append(batch.response_mask.sum(dim=1))
+    s, n = torch.cat(scores), torch.cat(lengths)
+    return {
+        "eval/accuracy": (s >= eval_cfg.correct_threshold).float().mean().item(),
+        "eval/reward_mean": s.mean().item(),
+        "eval/length_mean": n.float().mean().item(),
+    }

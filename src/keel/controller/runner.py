@@ -1,0 +1,110 @@
+"""Running a whole training job: assemble, evaluate at step 0, step, log, save, export."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from keel.checkpoint import prune_step_folders, publish_folder, step_folder_name
+from keel.config.loading import dump_config
+from keel.config.schema import KeelConfig
+from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.evaluation import evaluate
+from keel.controller.rl import RLController
+from keel.controller.sft import SFTController
+from keel.monitor import ConsoleSink, JsonlSink, Monitor
+from keel.recipes.spec import build_spec
+
+CONTROLLERS = {"rl": RLController, "sft": SFTController}
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used without damaging what it holds."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    model_dir: Path
+    first_eval: dict[str, float]
+    last_eval: dict[str, float]
+    steps: int
+
+
+def run_training(
+    cfg: KeelConfig, *, config_dir: Path = Path("."), overwrite: bool = False, title: str = "train"
+) -> RunResult:
+    """Train as `cfg` says. Inputs are all loaded and checked before RUN_DIR is written."""
+    spec = build_spec(cfg)
+    run_dir = Path(cfg.run_dir)
+    check_run_dir(run_dir, overwrite)
+    seed_everything(cfg.seed)
+    data = load_datasets(cfg, spec, config_dir)
+    scorer = build_reward(cfg, config_dir)
+    roles = build_roles(cfg, spec, scorer)
+    controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
+
+    prepare_run_dir(run_dir, overwrite)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    sinks: list = [ConsoleSink(cfg.train.steps, title=title, enabled=cfg.monitor.progress)]
+    if cfg.monitor.jsonl:
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    monitor = Monitor(sinks)
+
+    def run_eval() -> dict[str, float]:
+        if not data.eval:
+            return {}
+        return evaluate(roles.rollout, roles.reward, data.eval, cfg.eval, cfg.rollout)
+
+    first_eval = last_eval = run_eval()
+    try:
+        if first_eval:
+            monitor.log(0, first_eval)
+        for step in range(1, cfg.train.steps + 1):
+            metrics = controller.step(step)
+            every = cfg.eval.every
+            if step == cfg.train.steps or (every and step % every == 0):
+                last_eval = run_eval()
+                metrics.update(last_eval)
+            monitor.log(step, metrics)
+            if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0:
+                save_policy(roles, run_dir / "checkpoints" / step_folder_name(step) / "actor")
+                prune_step_folders(run_dir / "checkpoints", cfg.checkpoint.keep)
+    finally:
+        monitor.close()
+    model_dir = save_policy(roles, run_dir / "model")
+    return RunResult(run_dir, model_dir, first_eval, last_eval, cfg.train.steps)
+
+
+def save_policy(roles, target: Path) -> Path:
+    return publish_folder(target, lambda tmp: roles.actor.call_all("save_pretrained", path=tmp))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_run_dir(run_dir: Path, overwrite: bool) -> None:
+    if (run_dir / "metrics.jsonl").exists() and not overwrite:
+        raise RunDirError(
+            f"{run_dir} already holds a run (metrics.jsonl); choose another run_dir "
+            "(--run-dir DIR) or pass --overwrite to replace it"
+        )
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    if overwrite:
+        for name in ("metrics.jsonl", "config.yaml", "model", "checkpoints"):
+            p = run_dir / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,43 @@
+"""The SFT step: a batch of (prompt, response) examples → one or more optimizer updates."""
+
+from __future__ import annotations
+
+import time
+
+from keel.config.schema import KeelConfig
+from keel.controller.assembly import Datasets, Roles
+from keel.data import BatchStream
+from keel.data.encoding import encode_sft
+from keel.monitor import StageTimer
+from keel.recipes.spec import AlgorithmSpec
+
+
+class SFTController:
+    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
+        self.cfg = cfg
+        self.spec = spec
+        self.roles = roles
+        self.examples = BatchStream(
+            data.train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed
+        )
+        self.timer = StageTimer()
+
+    def step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        with self.timer("data"):
+            batch = encode_sft(
+                self.roles.tokenizer,
+                self.examples.next_batch(),
+                chat=self.cfg.data.apply_chat_template,
+                max_prompt_length=self.cfg.data.max_prompt_length,
+            )
+        with self.timer("update"):
+            metrics = self.roles.actor.call("sft_update", batch, spec=self.spec)
+        elapsed = time.perf_counter() - start
+        return {
+            **metrics,
+            **self.timer.pop(),
+            "timing/step_s": elapsed,
+            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
+            "response/length_mean": batch.response_mask.sum(dim=1).float().mean().item(),
+        }

@@ -1,0 +1,45 @@
+"""One forward pass of a causal LM over a Batch, returning per-response-token quantities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from keel.algo.logits import entropy_from_logits, logprobs_from_logits
+from keel.types import Batch
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only (left padding gets position 0). [B, T] → [B, T]."""
+    pos = attention_mask.long().cumsum(dim=-1) - 1
+    return pos.clamp(min=0)
+
+
+def response_forward(
+    model: Any, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs [B, R], entropy [B, R] or None) of the response tokens under `model`.
+
+    The logits at position t−1 predict token t, so only the last R+1 positions are projected
+    onto the vocabulary. Logits are divided by the sampling temperature (ALGORITHMS.md §0).
+    """
+    assert batch.input_ids is not None and batch.attention_mask is not None
+    r = batch.response_length
+    device = next(model.parameters()).device
+    input_ids = batch.input_ids.to(device)
+    attention = batch.attention_mask.to(device)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=position_ids_from_mask(attention),
+        logits_to_keep=r + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, -(r + 1) : -1, :].float()
+    if temperature not in (0, 1.0):
+        logits = logits / temperature
+    labels = input_ids[:, -r:]
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy

@@ -1,0 +1,57 @@
+"""One optimizer update from gradient-accumulated micro-batches, with clipping and a NaN guard."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from keel.types import Batch
+
+MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class GradientStep:
+    """Owns a model's optimizer and scheduler and applies one update per `apply` call.
+
+    The loss function must already use the mini-batch's global denominators (ALGORITHMS.md §1),
+    so micro-batch losses are *summed*: 1 × 8 and 8 × 1 give the same gradient.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        grad_clip: float | None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grad_clip = grad_clip
+
+    def apply(self, micro_batches: Sequence[Batch], loss_fn: MicroLoss) -> dict[str, float]:
+        """Backward every micro-batch, clip, step. Metrics are summed over micro-batches
+        (each loss term is already a share of the mini-batch total), plus grad_norm and lr.
+        A non-finite gradient norm skips the update (metrics report `skipped`: 1)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for micro in micro_batches:
+            loss, metrics = loss_fn(micro)
+            loss.backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}

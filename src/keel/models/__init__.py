@@ -1,0 +1,36 @@
+"""Models and tokenizers: the built-in char tokenizer, tiny Llama factory and local HF loading."""
+
+from keel.models.factory import (
+    TinyModelSpec,
+    build_tiny_model,
+    count_parameters,
+    create_tiny_model,
+)
+from keel.models.loading import (
+    BUILTIN_MODELS,
+    ModelLoadError,
+    check_vocab,
+    keel_cache_dir,
+    load_causal_lm,
+    load_tokenizer,
+    register_builtin_model,
+    resolve_model_path,
+)
+from keel.models.tokenizer import CHAR_VOCAB, build_char_tokenizer
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "CHAR_VOCAB",
+    "ModelLoadError",
+    "TinyModelSpec",
+    "build_char_tokenizer",
+    "build_tiny_model",
+    "check_vocab",
+    "count_parameters",
+    "create_tiny_model",
+    "keel_cache_dir",
+    "load_causal_lm",
+    "load_tokenizer",
+    "register_builtin_model",
+    "resolve_model_path",
+]

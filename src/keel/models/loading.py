@@ -1,0 +1,180 @@
+"""Load tokenizers and causal LMs from local HF folders (or built-in names) with clear errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from keel.models.factory import create_tiny_model
+
+BUILTIN_PREFIX = "builtin:"
+
+# Any one of these means "a tokenizer lives here" (fast json, config, sentencepiece, BPE vocab).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "auto": "auto",
+}
+
+
+class ModelLoadError(Exception):
+    """A model or tokenizer folder is missing, incomplete or inconsistent; the message names it."""
+
+
+def _tiny_builder(path: Path) -> None:
+    create_tiny_model(path)
+
+
+BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {"tiny": _tiny_builder}
+
+
+def register_builtin_model(name: str, builder: Callable[[Path], None]) -> None:
+    """Make `builtin:NAME` resolvable; builder(path) must create a complete HF folder at path."""
+    if not name or ":" in name or "/" in name:
+        raise ValueError(f"invalid builtin model name: {name!r}")
+    BUILTIN_MODELS[name] = builder
+
+
+def keel_cache_dir() -> Path:
+    """$KEEL_CACHE if set, else ~/.cache/keel (not created here)."""
+    env = os.environ.get("KEEL_CACHE")
+    return Path(env).expanduser() if env else Path("~/.cache/keel").expanduser()
+
+
+def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
+    """Map a model spec to a local folder; `builtin:NAME` is created in the cache on first use."""
+    text = os.fspath(spec)
+    if not text.startswith(BUILTIN_PREFIX):
+        return Path(text).expanduser()
+    name = text[len(BUILTIN_PREFIX) :]
+    builder = BUILTIN_MODELS.get(name)
+    if builder is None:
+        known = ", ".join(f"{BUILTIN_PREFIX}{n}" for n in sorted(BUILTIN_MODELS))
+        raise ModelLoadError(f"unknown builtin model {text!r}; known: {known}")
+    target = keel_cache_dir() / "models" / name
+    if target.is_dir() and (target / "config.json").is_file():
+        return target
+    _build_atomically(target, builder)
+    return target
+
+
+def _build_atomically(target: Path, builder: Callable[[Path], None]) -> None:
+    """Run builder into a staging folder next to target, then rename it into place.
+
+    A crash leaves only a hidden staging folder behind, never a half-written target; if another
+    process wins the race, its folder is kept and ours is discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    try:
+        built = staging / target.name
+        builder(built)
+        if not (built / "config.json").is_file():
+            raise ModelLoadError(f"builtin model builder wrote no config.json into {built}")
+        if target.exists() and not (target / "config.json").is_file():
+            # Left over from something other than our atomic rename: an empty or broken folder.
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+        try:
+            os.rename(built, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _require_folder(path: Path, what: str) -> None:
+    if not path.exists():
+        raise ModelLoadError(f"{what} folder not found: {path}")
+    if not path.is_dir():
+        raise ModelLoadError(f"{what} path is not a folder: {path}")
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """AutoTokenizer from a local folder; when there is no pad token, eos doubles as pad."""
+    folder = Path(path).expanduser()
+    _require_folder(folder, "tokenizer")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"no tokenizer files in {folder} (expected one of: {', '.join(_TOKENIZER_FILES)})"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"could not load tokenizer from {folder}: {e}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(f"tokenizer in {folder} has neither a pad token nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def load_causal_lm(
+    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode)."""
+    folder = Path(path).expanduser()
+    torch_dtype = _torch_dtype(dtype)
+    _require_folder(folder, "model")
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in model folder: {folder}")
+    if not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        raise ModelLoadError(
+            f"no weights in model folder: {folder} (expected *.safetensors or *.bin, "
+            "or a sharded *.index.json)"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"could not load model from {folder}: {e}") from e
+    return model
+
+
+def check_vocab(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]
+) -> None:
+    """Raise ModelLoadError when the tokenizer can emit ids the model's embedding has no row for."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    n_tokens = len(tokenizer)
+    if n_tokens > rows:
+        raise ModelLoadError(
+            f"tokenizer has {n_tokens} tokens but the model's input embedding has only {rows} rows "
+            f"in {Path(path).expanduser()}"
+        )

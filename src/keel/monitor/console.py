@@ -1,0 +1,62 @@
+"""The console sink: a rich progress bar whose description carries the headline numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+HEADLINE = (
+    ("reward/mean", "reward"),
+    ("eval/accuracy", "eval_acc"),
+    ("actor/pg_loss", "pg"),
+    ("actor/sft_loss", "loss"),
+    ("actor/kl", "kl"),
+    ("actor/entropy", "ent"),
+    ("perf/tokens_per_second", "tok/s"),
+)
+
+
+class ConsoleSink:
+    """Progress over `total` steps; without a terminal it prints one line every `every` steps."""
+
+    def __init__(self, total: int, *, title: str = "train", every: int = 10, enabled: bool = True):
+        self.total = total
+        self.every = max(every, 1)
+        self.enabled = enabled
+        self.console = Console(stderr=True)
+        self.last: dict[str, float] = {}
+        self.progress: Progress | None = None
+        if enabled and self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]{task.fields[title]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("", total=total, title=title)
+            self.progress.start()
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.last.update(metrics)
+        text = headline(self.last)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, description=text)
+        elif self.enabled and (step % self.every == 0 or step == self.total):
+            self.console.print(f"step {step}/{self.total}  {text}", highlight=False)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def headline(metrics: Mapping[str, float]) -> str:
+    parts = []
+    for key, label in HEADLINE:
+        if key in metrics:
+            v = metrics[key]
+            parts.append(f"{label}={v:.0f}" if abs(v) >= 1000 else f"{label}={v:.3g}")
+    return "  ".join(parts)

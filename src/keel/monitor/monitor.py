@@ -1,0 +1,60 @@
+"""The Monitor fans each step's metrics out to its sinks; StageTimer times named stages."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+class Monitor:
+    """Metric keys are `area/name`; values are converted to float before any sink sees them."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        clean = {k: _to_float(v) for k, v in metrics.items()}
+        for sink in self.sinks:
+            sink.log(step, clean)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def _to_float(value: Any) -> float:
+    if hasattr(value, "item"):
+        value = value.item()
+    return float(value)
+
+
+def all_finite(metrics: Mapping[str, float]) -> bool:
+    return all(math.isfinite(v) for v in metrics.values())
+
+
+class StageTimer:
+    """`with timer("rollout"): …` records `timing/rollout_s`; `pop()` returns and resets."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing/{stage}_s"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out

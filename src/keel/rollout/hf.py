@@ -1,0 +1,131 @@
+"""The rollout engine on HF `generate`: batched, KV cache, temperature / top-p, n per prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keel.algo.logits import logprobs_from_logits
+from keel.data.encoding import assemble, encode_prompts
+from keel.data.examples import Example
+from keel.types import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """n responses per prompt; temperature 0 means greedy decoding."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+class HFRolloutEngine:
+    """Generates with the model it is given (colocated: the actor's own module, so the weights
+    are always the latest). Rows of one prompt are adjacent and share a group id."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        chat: bool = False,
+        max_prompt_length: int = 64,
+        batch_size: int | None = None,
+        return_logprobs: bool = False,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.max_prompt_length = max_prompt_length
+        self.batch_size = batch_size
+        self.return_logprobs = return_logprobs
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    @torch.no_grad()
+    def generate(
+        self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
+    ) -> Batch:
+        prompt_ids = encode_prompts(
+            self.tokenizer, examples, chat=self.chat, max_prompt_length=self.max_prompt_length
+        )
+        rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
+        chunk = (self.batch_size or len(prompt_ids)) * sampling.n
+        responses: list[list[int]] = []
+        logps: list[list[float]] = []
+        for start in range(0, len(rows), chunk):
+            r, lp = self._generate_chunk(rows[start : start + chunk], sampling)
+            responses.extend(r)
+            logps.extend(lp)
+        lengths = [self._valid_length(r) for r in responses]
+        batch = assemble(rows, responses, lengths, self.pad_id)
+        if self.return_logprobs:
+            width = batch.response_length
+            batch.rollout_logprobs = torch.tensor(
+                [x[:width] + [0.0] * (width - len(x[:width])) for x in logps]
+            )
+        batch.group_ids = torch.arange(len(examples)).repeat_interleave(sampling.n) + group_offset
+        batch.prompts = [str(ex.prompt) for ex in examples for _ in range(sampling.n)]
+        batch.answers = [ex.answer for ex in examples for _ in range(sampling.n)]
+        batch.responses = [
+            self.tokenizer.decode(r[: lengths[i]], skip_special_tokens=True)
+            for i, r in enumerate(responses)
+        ]
+        batch.meta["eos_token_id"] = self.eos_id
+        return batch
+
+    def _valid_length(self, ids: Sequence[int]) -> int:
+        """Tokens up to and including the first EOS; all of them when there is no EOS."""
+        for i, tok in enumerate(ids):
+            if tok == self.eos_id:
+                return i + 1
+        return len(ids)
+
+    def _generate_chunk(
+        self, rows: list[list[int]], sampling: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        p = max(len(x) for x in rows)
+        input_ids = torch.full((len(rows), p), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), p), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            input_ids[i, p - len(ids) :] = torch.as_tensor(ids)
+            attention[i, p - len(ids) :] = 1
+        device = next(self.model.parameters()).device
+        greedy = sampling.temperature == 0
+        kwargs: dict[str, Any] = {"do_sample": False}
+        if not greedy:
+            kwargs = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": 0,
+            }
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=self.eos_id,
+                pad_token_id=self.pad_id,
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_logits=self.return_logprobs,
+                **kwargs,
+            )
+        finally:
+            self.model.train(was_training)
+        seqs = out.sequences[:, p:].cpu()
+        logps: list[list[float]] = [[] for _ in rows]
+        if self.return_logprobs and out.logits:
+            logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, R, V]
+            if not greedy:
+                logits = logits / sampling.temperature
+            logps = logprobs_from_logits(logits, seqs).tolist()
+        return seqs.tolist(), logps

@@ -1,0 +1,156 @@
+"""ActorWorker: the policy being trained. Log-probs, the RL update, the SFT update, export."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.algo import (
+    POLICY_LOSSES,
+    agg_loss,
+    kl_penalty,
+    loss_denominators,
+    masked_mean,
+    sft_loss,
+)
+from keel.engine.forward import response_forward
+from keel.engine.update import GradientStep
+from keel.recipes.spec import AlgorithmSpec
+from keel.types import Batch
+
+
+class ActorWorker:
+    """Owns the policy model, its optimizer and scheduler (through GradientStep).
+
+    temperature: the sampling temperature; log-probs are computed from logits / temperature.
+    mini_batch_size / micro_batch_size: rows per optimizer update / per forward-backward.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        step: GradientStep,
+        *,
+        temperature: float,
+        mini_batch_size: int,
+        micro_batch_size: int,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.step = step
+        self.temperature = temperature
+        self.mini_batch_size = mini_batch_size
+        self.micro_batch_size = micro_batch_size
+
+    # ---------------------------------------------------------------- inference
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> Batch:
+        """Fills `old_logprobs` [B, R]: the rollout policy's log-probs, recomputed here."""
+        self.model.eval()
+        parts = [
+            response_forward(self.model, micro, temperature=self.temperature)[0]
+            for micro in batch.split(self.micro_batch_size)
+        ]
+        return batch.replace(old_logprobs=torch.cat(parts).cpu())
+
+    # ------------------------------------------------------------------- update
+    def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
+        """`ppo_epochs` passes over the mini-batches; one optimizer update per mini-batch.
+        Returns `actor/*` metrics averaged over the updates."""
+        history = []
+        for _ in range(spec.ppo_epochs):
+            for mini in batch.split(self.mini_batch_size):
+                num_tokens, num_seqs = loss_denominators(mini.response_mask)
+                loss_fn = partial(
+                    self._policy_loss, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
+                )
+                history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+        return _mean_prefixed(history, "actor/")
+
+    def _policy_loss(
+        self, micro: Batch, *, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
+        denominators (ALGORITHMS.md §3 'Full verl actor loss')."""
+        mask = micro.response_mask
+        logprobs, entropy = response_forward(
+            self.model, micro, temperature=self.temperature, with_entropy=True
+        )
+        agg = partial(
+            agg_loss,
+            mode=spec.agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            scale_factor=spec.loss_scale_factor,
+        )
+        pg = POLICY_LOSSES[spec.policy_loss](
+            logprobs,
+            micro.old_logprobs,
+            micro.advantages,
+            mask,
+            agg_mode=spec.agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            scale_factor=spec.loss_scale_factor,
+            **spec.policy_loss_kwargs,
+        )
+        entropy_term = agg(entropy, mask)
+        loss = pg.loss - spec.entropy_coeff * entropy_term
+        share = int(mask.bool().sum()) / max(num_tokens, 1)  # for token-level diagnostics
+        metrics = {
+            "pg_loss": pg.loss.item(),
+            "entropy": entropy_term.item(),
+            "clipfrac": pg.clipfrac.item() * share,
+            "clipfrac_lower": pg.clipfrac_lower.item() * share,
+            "ppo_kl": pg.ppo_kl.item() * share,
+        }
+        if spec.kl_loss_coef > 0:
+            kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
+            loss = loss + spec.kl_loss_coef * kl
+            metrics["kl"] = kl.item()
+        metrics["loss"] = loss.item()
+        return loss, metrics
+
+    def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
+        """One optimizer update of negative log-likelihood on the response tokens."""
+        history = []
+        for mini in batch.split(self.mini_batch_size):
+            num_tokens, num_seqs = loss_denominators(mini.response_mask)
+
+            def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
+                logprobs, _ = response_forward(self.model, micro)
+                loss = sft_loss(
+                    logprobs,
+                    micro.response_mask,
+                    agg_mode=spec.agg_mode,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                )
+                share = int(micro.response_mask.bool().sum()) / max(num_tokens, 1)
+                nll = masked_mean(-logprobs.detach(), micro.response_mask).item() * share
+                return loss, {"sft_loss": loss.item(), "nll_per_token": nll}
+
+            history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+        return _mean_prefixed(history, "actor/")
+
+    # ------------------------------------------------------------------- export
+    def save_pretrained(self, path: str | Path) -> None:
+        """The policy as an HF folder (safetensors + tokenizer), loadable by transformers."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.step.optimizer.state_dict(),
+            "scheduler": self.step.scheduler.state_dict(),
+        }
+
+
+def _mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    keys = history[0].keys()
+    return {f"{prefix}{k}": sum(h[k] for h in history) / len(history) for k in keys}

@@ -1,0 +1,22 @@
+"""RewardWorker: scores each response (one scalar per sequence) with the configured reward."""
+
+from __future__ import annotations
+
+import torch
+
+from keel.rewards.scoring import RewardScorer
+from keel.types import Batch
+
+
+class RewardWorker:
+    def __init__(self, scorer: RewardScorer):
+        self.scorer = scorer
+
+    def score(self, batch: Batch) -> Batch:
+        """Fills `scores` [B]; `meta["reward_errors"]` counts rows that fell back."""
+        assert batch.responses is not None and batch.prompts is not None
+        answers = batch.answers or [None] * len(batch)
+        scores, errors = self.scorer.score(batch.prompts, batch.responses, answers)
+        out = batch.replace(scores=torch.tensor(scores, dtype=torch.float32))
+        out.meta = {**batch.meta, "reward_errors": errors}
+        return out

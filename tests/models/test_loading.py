@@ -1,0 +1,178 @@
+"""Tests for local loading: good folders load, bad ones raise ModelLoadError naming the path."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.models import (
+    BUILTIN_MODELS,
+    ModelLoadError,
+    TinyModelSpec,
+    build_char_tokenizer,
+    check_vocab,
+    create_tiny_model,
+    keel_cache_dir,
+    load_causal_lm,
+    load_tokenizer,
+    register_builtin_model,
+    resolve_model_path,
+)
+
+
+def _copy_without(src: Path, dst: Path, *drop_globs: str) -> Path:
+    shutil.copytree(src, dst)
+    for pattern in drop_globs:
+        for f in dst.glob(pattern):
+            f.unlink()
+    return dst
+
+
+def test_load_good_folder(tiny_dir):
+    tok = load_tokenizer(tiny_dir)
+    model = load_causal_lm(tiny_dir)
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+    assert not model.training
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    check_vocab(model, tok, tiny_dir)  # no error
+    ids = torch.tensor([tok("1+1=")["input_ids"]])
+    assert model(ids).logits.shape == (1, 4, len(tok))
+
+
+def test_load_dtype(tiny_dir):
+    model = load_causal_lm(str(tiny_dir), dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with pytest.raises(ValueError, match="float33"):
+        load_causal_lm(tiny_dir, dtype="float33")
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelLoadError, match="model folder not found") as err:
+        load_causal_lm(missing)
+    assert str(missing) in str(err.value)
+    with pytest.raises(ModelLoadError) as err:
+        load_tokenizer(missing)
+    assert str(missing) in str(err.value)
+
+
+def test_folder_without_weights(tiny_dir, tmp_path):
+    folder = _copy_without(tiny_dir, tmp_path / "noweights", "*.safetensors")
+    with pytest.raises(ModelLoadError, match="no weights") as err:
+        load_causal_lm(folder)
+    assert str(folder) in str(err.value)
+    load_tokenizer(folder)  # the tokenizer alone is still fine
+
+
+def test_folder_without_config(tiny_dir, tmp_path):
+    folder = _copy_without(tiny_dir, tmp_path / "noconfig", "config.json")
+    with pytest.raises(ModelLoadError, match=r"config\.json") as err:
+        load_causal_lm(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_folder_without_tokenizer(tiny_dir, tmp_path):
+    folder = _copy_without(tiny_dir, tmp_path / "notok", "tokenizer*", "chat_template.jinja")
+    with pytest.raises(ModelLoadError, match="no tokenizer files") as err:
+        load_tokenizer(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_corrupt_weights_wrapped(tiny_dir, tmp_path):
+    folder = _copy_without(tiny_dir, tmp_path / "corrupt")
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError) as err:
+        load_causal_lm(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_tokenizer_bigger_than_model(tiny_dir):
+    model = load_causal_lm(tiny_dir)
+    tok = load_tokenizer(tiny_dir)
+    tok.add_tokens(["<extra_a>", "<extra_b>"])
+    with pytest.raises(ModelLoadError) as err:
+        check_vocab(model, tok, tiny_dir)
+    msg = str(err.value)
+    assert str(tiny_dir) in msg
+    assert str(len(tok)) in msg
+    assert str(model.get_input_embeddings().weight.shape[0]) in msg
+
+
+def test_pad_falls_back_to_eos(tmp_path):
+    tok = build_char_tokenizer()
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.pad_token == "<eos>"
+    assert loaded.pad_token_id == loaded.eos_token_id == 1
+
+
+def test_keel_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path / "c"))
+    assert keel_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("KEEL_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert keel_cache_dir() == tmp_path / ".cache" / "keel"
+
+
+def test_resolve_plain_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_model_path("~/models/x") == tmp_path / "models" / "x"
+    assert resolve_model_path("/abs/path") == Path("/abs/path")
+
+
+def test_resolve_builtin_tiny_created_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    first = resolve_model_path("builtin:tiny")
+    assert first == tmp_path / "models" / "tiny"
+    assert (first / "config.json").is_file()
+    assert sorted(p.name for p in first.parent.iterdir()) == ["tiny"]  # no staging left over
+    mtimes = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+    dir_mtime = first.stat().st_mtime_ns
+    second = resolve_model_path("builtin:tiny")
+    assert second == first
+    assert {p.name: p.stat().st_mtime_ns for p in second.iterdir()} == mtimes
+    assert second.stat().st_mtime_ns == dir_mtime
+    model, tok = load_causal_lm(second), load_tokenizer(second)
+    check_vocab(model, tok, second)
+
+
+def test_unknown_builtin(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="builtin:tiny") as err:
+        resolve_model_path("builtin:huge")
+    assert "builtin:huge" in str(err.value)
+    assert not (tmp_path / "models" / "huge").exists()
+
+
+def test_register_builtin(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    calls = []
+
+    def build_seed1(path: Path) -> None:
+        calls.append(path)
+        create_tiny_model(path, TinyModelSpec(hidden_size=16, num_layers=1, seed=1))
+
+    register_builtin_model("tiny16", build_seed1)
+    try:
+        path = resolve_model_path("builtin:tiny16")
+        assert resolve_model_path("builtin:tiny16") == path
+        assert len(calls) == 1
+        assert load_causal_lm(path).config.hidden_size == 16
+    finally:
+        BUILTIN_MODELS.pop("tiny16", None)
+
+
+def test_builtin_builder_crash_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+
+    def half_then_crash(path: Path) -> None:
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+        raise RuntimeError("killed")
+
+    monkeypatch.setitem(BUILTIN_MODELS, "broken", half_then_crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        resolve_model_path("builtin:broken")
+    assert list((tmp_path / "models").iterdir()) == []
