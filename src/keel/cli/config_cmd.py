@@ -20,6 +20,7 @@ def validate_file(path: Path, overrides: Sequence[str]) -> int:
 
 def show(path: Path, overrides: Sequence[str]) -> int:
     cfg = load_config(path, overrides)
+    plan = batch_plan(cfg)
     print(dump_config(cfg), end="")
     print("# derived")
     descriptions = {
