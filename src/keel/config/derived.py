@@ -42,7 +42,8 @@ def batch_plan(cfg: KeelConfig) -> BatchPlan:
     mini = t.mini_batch_size or seqs
     micro = t.micro_batch_size or mini
     mini_batches = max(seqs // mini, 1)
-    opt_per_step = mini_batches * t.ppo_epochs if cfg.algorithm.name != "sft" else 1
+    epochs = t.ppo_epochs if cfg.algorithm.name != "sft" else 1
+    opt_per_step = mini_batches * epochs
     return BatchPlan(
         sequences_per_step=seqs,
         mini_batch_size=mini,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from keel.config.schema import ALGORITHMS, KeelConfig
 
 ENV_PREFIX = "KEEL__"
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -78,10 +80,14 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
 
 
 def _parse_scalar(text: str) -> Any:
+    """YAML typing, plus floats YAML 1.1 misses (`1e-6` has no dot, so YAML calls it text)."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
+    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)
+    return value
 
 
 def set_path(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:

@@ -88,7 +88,7 @@ class RolloutConfig(Section):
 class TrainConfig(Section):
     """Optimisation: steps, the batch algebra, optimizer and LR schedule."""
 
-    steps: int = Field(100, ge=1, description="RL steps (SFT: optimizer steps)")
+    steps: int = Field(100, ge=1, description="training steps (RL: rollout batches; SFT: batches)")
     batch_size: int = Field(32, ge=1, description="prompts per step (SFT: examples per step)")
     mini_batch_size: int | None = Field(
         None, ge=1, description="sequences per optimizer update; default: the whole step"
@@ -96,7 +96,7 @@ class TrainConfig(Section):
     micro_batch_size: int | None = Field(
         None, ge=1, description="sequences per forward/backward; default: the mini-batch"
     )
-    ppo_epochs: int = Field(1, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch (RL only)")
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

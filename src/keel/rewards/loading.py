@@ -47,6 +47,8 @@ def _load_module(name: str):
         return importlib.import_module(name)
     except ImportError as exc:
         raise RewardLoadError(f"reward.fn: cannot import module {name!r} ({exc})") from None
+    except Exception as exc:
+        raise RewardLoadError(f"reward.fn: module {name!r} failed to import: {exc!r}") from exc
 
 
 def _load_file(target: str, base_dir: Path | None):
@@ -56,7 +58,8 @@ def _load_file(target: str, base_dir: Path | None):
     candidates.append(Path(target))
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise RewardLoadError(f"reward.fn: file not found: {target}")
+        looked = ", ".join(str(p) for p in candidates)
+        raise RewardLoadError(f"reward.fn: file not found: {target} (looked at {looked})")
     name = f"keel_user_reward_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

@@ -1,0 +1,90 @@
+"""`keel demo`: the whole pipeline on a laptop CPU.
+
+1. the built-in tiny model and character tokenizer (builtin:tiny),
+2. a short SFT warm-start on arithmetic, cached as builtin:tiny-arith (a second demo skips it),
+3. GRPO on arithmetic from that model, then a before/after table of held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from keel.config.loading import parse_override, set_path, validate
+
+DEMO_GRPO: dict[str, Any] = {
+    "seed": 0,
+    "models": {"actor": "builtin:tiny-arith"},
+    "algorithm": {
+        "name": "grpo",
+        "loss_agg_mode": "seq-mean-token-mean",
+        "kl_loss_coef": 0.001,
+        "kl_loss_type": "low_var_kl",
+    },
+    "data": {"train": "builtin:arithmetic", "eval": "builtin:arithmetic"},
+    "reward": {"fn": "builtin:numeric_match", "kwargs": {"strict": True}},
+    "rollout": {"n": 8, "temperature": 1.0, "max_new_tokens": 6},
+    "train": {
+        "steps": 300,
+        "batch_size": 32,
+        "lr": 1e-4,
+        "warmup_steps": 10,
+        "lr_schedule": "constant",
+    },
+    "eval": {"every": 50},
+    "checkpoint": {"save_steps": 0},
+}
+
+
+def demo(
+    run_dir: Path | None = None, seed: int | None = None, overrides: Sequence[str] = ()
+) -> int:
+    from keel.controller import run_training
+    from keel.models import keel_cache_dir
+
+    raw = {
+        **DEMO_GRPO,
+        "run_dir": str(run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")),
+    }
+    if seed is not None:
+        raw["seed"] = seed
+    for item in overrides:
+        key, value = parse_override(item)
+        set_path(raw, key, value, source=f"--set {item}")
+    cfg = validate(raw, source="keel demo")
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    cached = (keel_cache_dir() / "models" / "tiny-arith" / "config.json").is_file()
+    say(
+        "keel demo: tiny Llama + character tokenizer, integer addition (`37+45=` → `82`).\n"
+        + (
+            "  SFT warm-start: cached, skipped.\n"
+            if cached
+            else "  SFT warm-start: a short SFT run (kept short on purpose, so RL has room to "
+            "show); cached for the next demo.\n"
+        )
+        + f"  GRPO: {cfg.train.steps} steps × {cfg.train.batch_size} prompts × "
+        f"{cfg.rollout.n} samples, held-out accuracy every {cfg.eval.every} steps."
+    )
+    start = time.perf_counter()
+    result = run_training(cfg, title="GRPO")
+    before = result.first_eval.get("eval/accuracy", float("nan"))
+    after = result.last_eval.get("eval/accuracy", float("nan"))
+    minutes = (time.perf_counter() - start) / 60
+    print(
+        "\n"
+        f"  held-out accuracy ({len_eval(cfg)} problems, greedy)\n"
+        f"  {'after SFT warm-start (step 0)':<34}{before:>8.1%}\n"
+        f"  {'after GRPO':<34}{after:>8.1%}\n"
+        f"  {'change':<34}{(after - before) * 100:>+7.1f} points\n\n"
+        f"  run:     {result.run_dir}  (metrics.jsonl, config.yaml)\n"
+        f"  policy:  {result.model_dir}  (an HF folder: AutoModelForCausalLM.from_pretrained)\n"
+        f"  GRPO took {minutes:.1f} min"
+    )
+    return 0
+
+
+def len_eval(cfg) -> int:
+    return cfg.data.arithmetic.eval_size

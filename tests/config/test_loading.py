@@ -1,0 +1,150 @@
+"""load_config: examples validate, errors name file and dotted key, overrides, round trip."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keel.config import ConfigError, dump_config, load_config, validate
+from keel.config.loading import parse_override
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = sorted([*EXAMPLES_DIR.glob("*.yaml"), *EXAMPLES_DIR.glob("*.yml")])
+
+
+def write_config(tmp_path: Path, **sections) -> Path:
+    """A minimal valid GRPO config with `sections` replacing/adding top-level keys."""
+    raw = {"models": {"actor": "builtin:tiny"}, "algorithm": {"name": "grpo"}, **sections}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def load_error(path: Path, overrides=(), environ=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, environ={} if environ is None else environ)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------ examples
+def test_examples_folder_is_not_empty():
+    assert EXAMPLES, f"no YAML configs found in {EXAMPLES_DIR}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_config_validates(path):
+    cfg = load_config(path, environ={})
+    assert cfg.models.actor
+
+
+# -------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("sections", "key", "hint"),
+    [
+        ({"trian": {"lr": 0.1}}, "trian", "train"),
+        ({"train": {"lrr": 0.1}}, "train.lrr", "lr"),
+        (
+            {"algorithm": {"name": "grpo", "clip_ratio_lowx": 0.3}},
+            "algorithm.clip_ratio_lowx",
+            "clip_ratio_low",
+        ),
+        ({"data": {"arithmetic": {"opz": "+"}}}, "data.arithmetic.opz", "ops"),
+    ],
+)
+def test_unknown_key_names_file_dotted_key_and_suggestion(tmp_path, sections, key, hint):
+    path = write_config(tmp_path, **sections)
+    msg = load_error(path)
+    assert str(path) in msg
+    assert f"{key}: unknown key" in msg
+    assert f"did you mean {hint!r}" in msg
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    path = write_config(tmp_path, train={"lr": "abc"})
+    msg = load_error(path)
+    assert str(path) in msg
+    assert "train.lr:" in msg
+    assert "'abc'" in msg
+
+
+def test_missing_actor_is_reported(tmp_path):
+    msg = load_error(write_config(tmp_path, models={}))
+    assert "models.actor: required key is missing" in msg
+
+
+def test_unknown_algorithm_name_is_reported(tmp_path):
+    msg = load_error(write_config(tmp_path, algorithm={"name": "ppo"}))
+    assert "algorithm:" in msg
+    assert "'ppo'" in msg
+
+
+def test_invalid_yaml_reports_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("models: {actor: x}\nalgorithm: {name: grpo}\ntrain: lr: 0.1\n")
+    assert f"{path}:3:" in load_error(path)
+
+
+def test_missing_file_is_reported(tmp_path):
+    assert "not found" in load_error(tmp_path / "nope.yaml")
+
+
+# ----------------------------------------------------------------------- overrides
+def test_set_overrides_apply(tmp_path):
+    cfg = load_config(write_config(tmp_path), ["train.lr=0.5", "rollout.n=4"], environ={})
+    assert (cfg.train.lr, cfg.rollout.n) == (0.5, 4)
+
+
+def test_set_values_are_parsed_as_yaml():
+    assert parse_override("rollout.n=4") == ("rollout.n", 4)
+    assert parse_override("data.eval=null") == ("data.eval", None)
+    assert parse_override("train.betas=[0.8, 0.9]") == ("train.betas", [0.8, 0.9])
+
+
+def test_set_null_clears_an_optional_value(tmp_path):
+    cfg = load_config(write_config(tmp_path), ["data.eval=null"], environ={})
+    assert cfg.data.eval is None
+
+
+def test_environment_override_applies(tmp_path):
+    path = write_config(tmp_path, train={"lr": 0.1})
+    cfg = load_config(path, environ={"KEEL__TRAIN__LR": "0.25", "OTHER": "1"})
+    assert cfg.train.lr == 0.25
+
+
+def test_set_wins_over_environment(tmp_path):
+    path = write_config(tmp_path)
+    cfg = load_config(path, ["train.lr=0.5"], environ={"KEEL__TRAIN__LR": "0.25"})
+    assert cfg.train.lr == 0.5
+
+
+def test_override_into_a_value_is_an_error(tmp_path):
+    msg = load_error(write_config(tmp_path, seed=3), ["seed.x=1"])
+    assert "seed is a value, not a section" in msg
+    assert "--set seed.x=1" in msg
+
+
+def test_override_of_unknown_key_names_it(tmp_path):
+    assert "train.lrr: unknown key" in load_error(write_config(tmp_path), ["train.lrr=1"])
+
+
+def test_override_without_equals_is_an_error(tmp_path):
+    assert "KEY=VALUE" in load_error(write_config(tmp_path), ["train.lr"])
+
+
+# ---------------------------------------------------------------------- round trip
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_dump_config_round_trips_examples(path):
+    cfg = load_config(path, environ={})
+    assert validate(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+def test_dump_config_round_trips_non_defaults(tmp_path):
+    path = write_config(
+        tmp_path,
+        algorithm={"name": "grpo", "clip_ratio_c": float("inf"), "kl_loss_type": "k3"},
+        reward={"fn": "r.py:score", "kwargs": {"strict": True, "scale": 2}},
+        train={"betas": [0.8, 0.95], "grad_clip": None, "batch_size": 2},
+        data={"eval": None, "arithmetic": {"ops": "+-*"}},
+    )
+    cfg = load_config(path, environ={})
+    assert validate(yaml.safe_load(dump_config(cfg))) == cfg

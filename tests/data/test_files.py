@@ -1,0 +1,87 @@
+"""load_examples: JSONL and Parquet, custom field names, errors that name file and line."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from keel.data import DataError, load_examples
+
+
+def write_jsonl(path, lines):
+    """`lines`: dicts are JSON-encoded, strings written as they are."""
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    path.write_text(text)
+    return path
+
+
+def data_error(path, **kwargs) -> str:
+    with pytest.raises(DataError) as info:
+        load_examples(path, **kwargs)
+    return str(info.value)
+
+
+def test_jsonl_with_custom_field_names(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "1+1=", "a": 2, "r": "2"}, {"q": "2+2="}])
+    examples = load_examples(path, prompt_key="q", answer_key="a", response_key="r")
+    assert [ex.prompt for ex in examples] == ["1+1=", "2+2="]
+    assert examples[0].answer == "2"  # non-text answers become JSON text
+    assert examples[0].response == "2"
+    assert (examples[1].answer, examples[1].response) == (None, None)
+    assert examples[1].source == f"{path}:2"
+
+
+def test_parquet_with_custom_field_names(tmp_path):
+    path = tmp_path / "d.parquet"
+    table = pa.table({"question": ["3+4=", "5*6="], "solution": ["7", "30"], "extra": [1, 2]})
+    pq.write_table(table, path)
+    examples = load_examples(path, prompt_key="question", answer_key="solution")
+    assert [(ex.prompt, ex.answer) for ex in examples] == [("3+4=", "7"), ("5*6=", "30")]
+    assert str(path) in examples[1].source
+
+
+def test_malformed_json_names_exact_line_counting_blank_lines(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, "", {"prompt": "b"}, '{"prompt": '])
+    assert f"{path}:4:" in data_error(path)
+
+
+def test_non_object_json_line_is_rejected(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, "[1, 2]"])
+    assert f"{path}:2:" in data_error(path)
+
+
+def test_missing_required_field_names_field_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "a", "sol": "1"}, {"q": "b"}])
+    msg = data_error(path, prompt_key="q", answer_key="sol", require=("prompt", "answer"))
+    assert f"{path}:2:" in msg
+    assert "'sol'" in msg
+
+
+def test_chat_prompt_is_accepted(tmp_path):
+    chat = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1="}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "2"}])
+    assert load_examples(path)[0].prompt == chat
+
+
+@pytest.mark.parametrize("prompt", [5, {"role": "user"}, [{"role": "user"}], ["hi"]])
+def test_bad_prompt_type_is_rejected(tmp_path, prompt):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}])
+    msg = data_error(path)
+    assert f"{path}:1:" in msg
+    assert "'prompt'" in msg
+
+
+def test_unsupported_suffix_is_rejected(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("prompt\na\n")
+    assert "unsupported" in data_error(path)
+
+
+def test_missing_file_is_rejected(tmp_path):
+    assert "not found" in data_error(tmp_path / "nope.jsonl")
+
+
+def test_empty_dataset_is_rejected(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["", "  "])
+    assert "no rows" in data_error(path)

@@ -1,0 +1,103 @@
+"""load_reward_fn: builtin:NAME, path/file.py:fn, module:fn, and errors naming the spec."""
+
+import sys
+
+import pytest
+
+from keel.rewards import RewardLoadError, load_reward_fn, numeric_match
+
+REWARD_SOURCE = """
+def score(prompt, response, answer, **kwargs):
+    return 0.25
+
+def one_arg(prompt):
+    return 1.0
+
+NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "rewards" / "my_reward.py"
+    path.parent.mkdir()
+    path.write_text(REWARD_SOURCE)
+    return path
+
+
+def test_builtin_numeric_match():
+    assert load_reward_fn("builtin:numeric_match") is numeric_match
+
+
+def test_file_path_spec(reward_file):
+    assert load_reward_fn(f"{reward_file}:score")("p", "r", "a") == 0.25
+
+
+def test_relative_file_resolves_against_base_dir(reward_file, tmp_path, monkeypatch):
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    fn = load_reward_fn("rewards/my_reward.py:score", base_dir=tmp_path)
+    assert fn("p", "r", "a") == 0.25
+
+
+def test_relative_file_falls_back_to_working_directory(reward_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fn = load_reward_fn("rewards/my_reward.py:score", base_dir=tmp_path / "other")
+    assert fn("p", "r", "a") == 0.25
+
+
+def test_module_spec(tmp_path, monkeypatch):
+    (tmp_path / "keel_test_user_reward.py").write_text(REWARD_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_reward_fn("keel_test_user_reward:score")("p", "r", "a") == 0.25
+    finally:
+        sys.modules.pop("keel_test_user_reward", None)
+
+
+def load_error(spec: str) -> str:
+    with pytest.raises(RewardLoadError) as info:
+        load_reward_fn(spec)
+    return str(info.value)
+
+
+def test_unknown_builtin_names_spec():
+    assert "builtin:nope" in load_error("builtin:nope")
+
+
+def test_missing_file_names_file(tmp_path):
+    missing = tmp_path / "missing.py"
+    msg = load_error(f"{missing}:score")
+    assert str(missing) in msg
+    assert "not found" in msg
+
+
+@pytest.mark.parametrize("attr", ["nope", "NOT_A_FUNCTION"])
+def test_missing_function_names_file_and_function(reward_file, attr):
+    msg = load_error(f"{reward_file}:{attr}")
+    assert str(reward_file) in msg
+    assert repr(attr) in msg
+
+
+def test_bad_signature_names_spec(reward_file):
+    spec = f"{reward_file}:one_arg"
+    msg = load_error(spec)
+    assert spec in msg
+    assert "(prompt, response, answer" in msg
+
+
+def test_unknown_module_names_module():
+    assert "'keel_no_such_module_xyz'" in load_error("keel_no_such_module_xyz:score")
+
+
+def test_spec_without_function_is_rejected():
+    assert "'rewards.py'" in load_error("rewards.py")
+
+
+def test_file_that_fails_to_import_names_file(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("raise RuntimeError('boom')\n")
+    msg = load_error(f"{path}:score")
+    assert str(path) in msg
+    assert "boom" in msg

@@ -1,0 +1,17 @@
+"""The pure layers import without the heavy stacks (ray, transformers)."""
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+import keel.algo, keel.config
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "transformers")))
+"""
+
+
+def test_algo_and_config_import_neither_ray_nor_transformers():
+    out = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,86 @@
+"""Batch row algebra: len, select, split, chunk, concat, replace (keel.types)."""
+
+import pytest
+import torch
+
+from keel.types import Batch
+
+
+def make_batch(rows: int = 4, width: int = 3, start: int = 0) -> Batch:
+    """Row i holds the value start + i everywhere, so rows are easy to track."""
+    values = torch.arange(start, start + rows)
+    return Batch(
+        input_ids=values[:, None].repeat(1, width + 2),
+        response_mask=torch.ones(rows, width),
+        scores=values.float(),
+        prompts=[f"p{i}" for i in values.tolist()],
+        meta={"step": 1},
+    )
+
+
+def row_ids(batch: Batch) -> list[int]:
+    return batch.input_ids[:, 0].tolist()
+
+
+def test_len_counts_rows():
+    assert len(make_batch(5)) == 5
+    assert len(Batch(prompts=["a", "b"])) == 2
+    assert len(Batch()) == 0
+
+
+def test_select_picks_rows_of_tensors_and_lists_in_order():
+    picked = make_batch().select([2, 0])
+    assert row_ids(picked) == [2, 0]
+    assert picked.scores.tolist() == [2.0, 0.0]
+    assert picked.prompts == ["p2", "p0"]
+    assert picked.responses is None
+    assert picked.meta == {"step": 1}
+
+
+def test_split_gives_consecutive_chunks_last_shorter():
+    parts = make_batch(5).split(2)
+    assert [row_ids(p) for p in parts] == [[0, 1], [2, 3], [4]]
+
+
+def test_split_rejects_non_positive_size():
+    with pytest.raises(ValueError):
+        make_batch().split(0)
+
+
+def test_chunk_gives_nearly_equal_consecutive_pieces():
+    parts = make_batch(7).chunk(3)
+    assert sorted(len(p) for p in parts) == [2, 2, 3]
+    assert [i for p in parts for i in row_ids(p)] == list(range(7))
+
+
+def test_concat_right_pads_narrower_tensors_and_joins_lists():
+    out = Batch.concat([make_batch(2, width=2), make_batch(1, width=3, start=2)])
+    assert out.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
+    assert out.input_ids.tolist() == [[0, 0, 0, 0, 0], [1, 1, 1, 1, 0], [2, 2, 2, 2, 2]]
+    assert out.scores.tolist() == [0.0, 1.0, 2.0]
+    assert out.prompts == ["p0", "p1", "p2"]
+
+
+def test_concat_inverts_split():
+    batch = make_batch(5)
+    out = Batch.concat(batch.split(2))
+    assert torch.equal(out.input_ids, batch.input_ids)
+    assert out.prompts == batch.prompts
+
+
+def test_concat_of_mismatched_fields_raises():
+    with pytest.raises(ValueError, match="'scores'"):
+        Batch.concat([make_batch(2), make_batch(2).replace(scores=None)])
+
+
+def test_concat_of_nothing_raises():
+    with pytest.raises(ValueError):
+        Batch.concat([])
+
+
+def test_replace_returns_new_batch_and_leaves_original():
+    batch = make_batch(2)
+    new = batch.replace(scores=torch.tensor([9.0, 9.0]))
+    assert new.scores.tolist() == [9.0, 9.0]
+    assert batch.scores.tolist() == [0.0, 1.0]
+    assert new.input_ids is batch.input_ids
