@@ -35,7 +35,8 @@ class GradientStep:
     def apply(self, micro_batches: Sequence[Batch], loss_fn: MicroLoss) -> dict[str, float]:
         """Backward every micro-batch, clip, step. Metrics are summed over micro-batches
         (each loss term is already a share of the mini-batch total), plus grad_norm and lr.
-        A non-finite gradient norm skips the update (metrics report `skipped`: 1)."""
+        A non-finite gradient norm skips the update and the LR schedule step (metrics report
+        `skipped`: 1)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
@@ -49,9 +50,9 @@ class GradientStep:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not math.isfinite(grad_norm)
-        if skipped:
+        if skipped:  # a skipped update does not consume the LR schedule either
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
         return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}

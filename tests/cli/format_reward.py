@@ -1,0 +1,9 @@
+"""A user reward for tests: the fraction of response characters that are digits."""
+
+
+def digit_fraction(prompt, response, answer, **kwargs):
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def explode(prompt, response, answer, **kwargs):
+    raise RuntimeError("reward service unavailable")

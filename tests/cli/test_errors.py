@@ -1,0 +1,58 @@
+"""Bad input: one clear line on stderr, exit status 2, and nothing in the run dir damaged."""
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("keel: error:")
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+
+
+def test_config_typo(keel, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\ntrian: {lr: 1}\n")
+    assert_clean_error(keel("train", str(cfg)), str(cfg), "trian", "did you mean 'train'")
+
+
+def test_missing_model_path(keel, tmp_path):
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+                "--set", "models.actor=/nonexistent/model")  # fmt: skip
+    assert_clean_error(proc, "/nonexistent/model")
+    assert not (tmp_path / "r").exists()
+
+
+def test_malformed_dataset_line(keel, tiny_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+                "--set", f"models.actor={tiny_dir}", "--set", f"data.train={data}")  # fmt: skip
+    assert_clean_error(proc, f"{data}:2")
+
+
+def test_reward_that_raises_stops_and_keeps_earlier_files(keel, tiny_dir, tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("keep me")
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                "--set", f"models.actor={tiny_dir}", "--set", "data.arithmetic.eval_size=8",
+                "--set", "reward.fn=tests/cli/format_reward.py:explode")  # fmt: skip
+    assert_clean_error(proc, "reward service unavailable", "reward.on_error")
+    assert (run_dir / "notes.txt").read_text() == "keep me"
+
+
+def test_existing_run_is_not_overwritten(keel, tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir))
+    assert_clean_error(proc, "already holds a run", "--overwrite")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_debug_shows_the_traceback(keel, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("models: {actor: builtin:tiny}\nalgorithm: {name: nope}\n")
+    proc = keel("--debug", "config", "validate", str(cfg))
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr

@@ -1,0 +1,34 @@
+"""Suite-wide fixtures: offline hub, one torch thread, a private Keel cache, tiny models."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+from keel.models import create_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_keel_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Built-in models go to a temporary cache, never to the user's ~/.cache/keel."""
+    path = tmp_path_factory.mktemp("keel-cache")
+    old = os.environ.get("KEEL_CACHE")
+    os.environ["KEEL_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("KEEL_CACHE", None)
+    else:
+        os.environ["KEEL_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny model folder written once by create_tiny_model; tests must not modify it."""
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

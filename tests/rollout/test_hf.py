@@ -1,0 +1,91 @@
+"""The HF rollout engine: masks, EOS handling, groups, and log-probs that match the trainer."""
+
+import pytest
+import torch
+
+from keel.data import Example
+from keel.data.encoding import encode_sft
+from keel.engine import GradientStep, build_optimizer, build_scheduler
+from keel.models import load_causal_lm, load_tokenizer
+from keel.recipes.spec import AlgorithmSpec
+from keel.rollout import HFRolloutEngine, SamplingParams
+from keel.workers import ActorWorker
+
+SFT = AlgorithmSpec(name="sft", stage="sft", roles=frozenset({"actor"}), agg_mode="token-mean")
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_dir):
+    """A tiny model taught: prompts 'b…' → '7' EOS; prompts 'a…' → a run of 7s past any limit."""
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny_dir)
+    model = load_causal_lm(tiny_dir)
+    opt = build_optimizer(model, lr=1e-2)
+    sched = build_scheduler(opt, warmup_steps=0, total_steps=100, schedule="constant",
+                            min_lr_ratio=0.0)  # fmt: skip
+    actor = ActorWorker(model, tok, GradientStep(model, opt, sched, 1.0), temperature=1.0,
+                        mini_batch_size=16, micro_batch_size=16)  # fmt: skip
+    data = [Example(prompt=f"b{i}=", response="7") for i in range(8)]
+    data += [Example(prompt=f"a{i}=", response="7" * 24) for i in range(8)]
+    batch = encode_sft(tok, data, chat=False, max_prompt_length=8)
+    for _ in range(120):
+        actor.sft_update(batch, SFT)
+    return model.eval(), tok
+
+
+def test_generation_stops_at_eos_and_mask_includes_it(eos_model):
+    model, tok = eos_model
+    engine = HFRolloutEngine(model, tok)
+    examples = [Example(prompt="b3="), Example(prompt="a3=")]
+    batch = engine.generate(examples, SamplingParams(n=1, temperature=0, max_new_tokens=6))
+    r = batch.response_length
+    response = batch.input_ids[:, -r:]
+    # Row 0 said "7" then EOS: mask covers both, padding after it is excluded.
+    assert response[0, :2].tolist() == [tok.convert_tokens_to_ids("7"), tok.eos_token_id]
+    assert batch.response_mask[0].tolist() == [1.0, 1.0] + [0.0] * (r - 2)
+    assert (response[0, 2:] == tok.pad_token_id).all()
+    assert batch.attention_mask[0, -r:].tolist() == batch.response_mask[0].long().tolist()
+    # Row 1 never emitted EOS: all max_new_tokens are valid, nothing more was generated.
+    assert r == 6
+    assert batch.response_mask[1].sum() == 6
+    assert batch.responses == ["7", "777777"]
+
+
+def test_prompts_are_left_padded(eos_model):
+    model, tok = eos_model
+    engine = HFRolloutEngine(model, tok)
+    batch = engine.generate(
+        [Example(prompt="b1="), Example(prompt="b12345=")],
+        SamplingParams(n=1, temperature=0, max_new_tokens=3),
+    )
+    p = batch.prompt_length
+    assert p == len("b12345=")
+    assert batch.attention_mask[0, :p].tolist() == [0] * 4 + [1] * 3
+    assert tok.decode(batch.input_ids[0, 4:p]) == "b1="
+
+
+def test_n_samples_per_prompt_share_a_group(eos_model):
+    model, tok = eos_model
+    engine = HFRolloutEngine(model, tok)
+    batch = engine.generate(
+        [Example(prompt="b1=", answer="7"), Example(prompt="a2=", answer="x")],
+        SamplingParams(n=3, temperature=1.0, max_new_tokens=4),
+        group_offset=10,
+    )
+    assert batch.group_ids.tolist() == [10, 10, 10, 11, 11, 11]
+    assert batch.answers == ["7"] * 3 + ["x"] * 3
+    assert batch.prompts == ["b1="] * 3 + ["a2="] * 3
+
+
+def test_rollout_logprobs_match_the_trainers_forward(tiny_dir):
+    """Left padding, position ids and temperature agree between generate and the trainer."""
+    torch.manual_seed(1)
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    engine = HFRolloutEngine(model, tok, return_logprobs=True, batch_size=2)
+    examples = [Example(prompt=p) for p in ("1+1=", "12+34=", "7=", "99+99=")]
+    batch = engine.generate(examples, SamplingParams(n=2, temperature=0.7, max_new_tokens=5))
+    actor = ActorWorker(model, tok, None, temperature=0.7, mini_batch_size=8, micro_batch_size=3)
+    recomputed = actor.compute_logprobs(batch).old_logprobs
+    m = batch.response_mask.bool()
+    assert m.any()
+    torch.testing.assert_close(recomputed[m], batch.rollout_logprobs[m], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,90 @@
+"""ActorWorker updates: micro-batching never changes the update; the loss terms compose."""
+
+import copy
+
+import pytest
+import torch
+
+from keel.engine import GradientStep
+from keel.models import load_causal_lm, load_tokenizer
+from keel.recipes.spec import AlgorithmSpec
+from keel.types import Batch
+from keel.workers import ActorWorker
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+             "seq-mean-token-sum-norm"]  # fmt: skip
+
+
+def rl_spec(mode: str, kl: float = 0.0, entropy: float = 0.0) -> AlgorithmSpec:
+    roles = {"actor", "rollout", "reward"} | ({"reference"} if kl else set())
+    return AlgorithmSpec(
+        name="test", stage="rl", roles=frozenset(roles), agg_mode=mode, advantage="grpo",
+        policy_loss="vanilla", policy_loss_kwargs={"clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+                                                   "clip_ratio_c": 3.0},
+        kl_loss_coef=kl, entropy_coeff=entropy,
+    )  # fmt: skip
+
+
+def synthetic_batch(vocab: int, b: int = 8, p: int = 4, r: int = 5) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (b, p + r), generator=g)
+    attention = torch.ones(b, p + r, dtype=torch.long)
+    attention[0, :2] = 0  # left padding in one prompt
+    lengths = torch.tensor([5, 1, 3, 0, 5, 2, 4, 5])  # one fully masked row
+    mask = (torch.arange(r)[None, :] < lengths[:, None]).float()
+    attention[:, p:] = mask.long()
+    adv = torch.randn(b, 1, generator=g).expand(b, r).clone()
+    adv[mask == 0] = float("nan")  # garbage outside the mask must not matter
+    return Batch(
+        input_ids=ids, attention_mask=attention, response_mask=mask, advantages=adv,
+        old_logprobs=torch.full((b, r), -4.0), ref_logprobs=torch.full((b, r), -4.5),
+    )  # fmt: skip
+
+
+def sgd_actor(model, tok, micro: int) -> ActorWorker:
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    step = GradientStep(model, opt, sched, grad_clip=None)
+    return ActorWorker(model, tok, step, temperature=1.0, mini_batch_size=8, micro_batch_size=micro)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_one_micro_batch_equals_four(tiny_dir, mode):
+    """1 × 8 and 4 × 2 give the same update (global denominators, ALGORITHMS.md §1)."""
+    tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = synthetic_batch(len(tok))
+    spec = rl_spec(mode, kl=0.1, entropy=0.01)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    metrics = [
+        sgd_actor(m, tok, micro).update(batch, spec)
+        for m, micro in zip(models, (8, 2), strict=True)
+    ]
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for key in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/loss", "actor/grad_norm"):
+        assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-6), key
+    changed = any(
+        not torch.equal(a, b)
+        for a, b in zip(base.parameters(), models[0].parameters(), strict=True)
+    )
+    assert changed
+
+
+def test_update_is_finite_with_nan_outside_mask(tiny_dir):
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = synthetic_batch(len(tok))
+    metrics = sgd_actor(model, tok, 4).update(batch, rl_spec("token-mean", kl=0.1))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert metrics["actor/skipped"] == 0.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_non_finite_gradient_skips_the_update(tiny_dir):
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = synthetic_batch(len(tok))
+    batch.advantages[batch.response_mask.bool()] = float("inf")
+    before = copy.deepcopy(model.state_dict())
+    metrics = sgd_actor(model, tok, 8).update(batch, rl_spec("token-mean"))
+    assert metrics["actor/skipped"] == 1.0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
