@@ -148,3 +148,11 @@ def test_dump_config_round_trips_non_defaults(tmp_path):
     )
     cfg = load_config(path, environ={})
     assert validate(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+def test_override_numbers_without_a_dot_are_floats_but_quoted_text_stays_text():
+    from keel.config.loading import parse_override
+
+    assert parse_override("train.lr=1e-6") == ("train.lr", 1e-6)
+    assert parse_override('run_dir="2024"') == ("run_dir", "2024")
+    assert parse_override("rollout.n=4") == ("rollout.n", 4)

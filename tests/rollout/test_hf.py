@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from keel.algo.spec import AlgorithmSpec
 from keel.data import Example
 from keel.data.encoding import encode_sft
 from keel.engine import GradientStep, build_optimizer, build_scheduler
 from keel.models import load_causal_lm, load_tokenizer
-from keel.recipes.spec import AlgorithmSpec
 from keel.rollout import HFRolloutEngine, SamplingParams
 from keel.workers import ActorWorker
 

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
+from keel.algo.spec import AlgorithmSpec
 from keel.engine import GradientStep
 from keel.models import load_causal_lm, load_tokenizer
-from keel.recipes.spec import AlgorithmSpec
 from keel.types import Batch
 from keel.workers import ActorWorker
 

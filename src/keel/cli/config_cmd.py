@@ -29,7 +29,7 @@ def show(path: Path, overrides: Sequence[str]) -> int:
         "mini_batches_per_step": "optimizer updates per pass over a step's sequences",
         "micro_batch_size": "sequences per forward/backward",
         "grad_accumulation_steps": "micro-batches per optimizer update",
-        "optimizer_steps_per_step": "mini-batches × ppo_epochs",
+        "optimizer_steps_per_step": "mini-batches × ppo_epochs (SFT: mini-batches)",
         "total_optimizer_steps": "× train.steps (the LR schedule's length)",
     }
     for key, value in plan.as_dict().items():

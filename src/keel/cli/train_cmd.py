@@ -12,8 +12,9 @@ from keel.config import load_config
 def train(
     path: Path, overrides: Sequence[str], *, run_dir: str | None = None, overwrite: bool = False
 ) -> int:
-    extra = [f"run_dir={run_dir}"] if run_dir else []
-    cfg = load_config(path, [*overrides, *extra])
+    cfg = load_config(path, overrides)
+    if run_dir:
+        cfg.run_dir = run_dir
     from keel.controller import run_training
 
     result = run_training(

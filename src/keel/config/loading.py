@@ -85,7 +85,7 @@ def _parse_scalar(text: str) -> Any:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
-    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+    if isinstance(value, str) and value == text.strip() and _FLOAT.fullmatch(value):
         return float(value)
     return value
 
@@ -119,7 +119,7 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> KeelConfig:
 
 def _describe(err: Mapping[str, Any], raw: dict[str, Any]) -> str:
     loc = _clean_loc(err["loc"], raw)
-    key = ".".join(str(p) for p in loc) or "(top level)"
+    key = ".".join(str(p) for p in loc)
     kind = err["type"]
     if kind == "extra_forbidden":
         hint = _suggest(loc, raw)
@@ -129,7 +129,7 @@ def _describe(err: Mapping[str, Any], raw: dict[str, Any]) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if kind != "value_error" and "input" in err and not isinstance(err["input"], dict):
         msg += f" (got {err['input']!r})"
-    return f"{key}: {msg}"
+    return f"{key}: {msg}" if key else msg
 
 
 def _clean_loc(loc: tuple[Any, ...], raw: dict[str, Any]) -> tuple[Any, ...]:

@@ -52,7 +52,11 @@ class DataConfig(Section):
     """Training and evaluation data: `builtin:arithmetic` or JSONL/Parquet files."""
 
     train: str = Field("builtin:arithmetic", description="builtin:arithmetic or a .jsonl/.parquet")
-    eval: str | None = Field("builtin:arithmetic", description="held-out data; null: no eval")
+    eval: str | None = Field(
+        None,
+        description="held-out data; default: the arithmetic held-out split when training "
+        "on builtin:arithmetic, otherwise no evaluation",
+    )
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     response_key: str = "response"

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig
-from keel.data import Example, arithmetic_splits, load_examples
+from keel.data import DataError, Example, arithmetic_splits, load_examples
 from keel.engine import GradientStep, build_optimizer, build_scheduler
 from keel.models import check_vocab, load_causal_lm, load_tokenizer, resolve_model_path
-from keel.recipes.spec import AlgorithmSpec
 from keel.rewards import RewardScorer, load_reward_fn
 from keel.rollout import HFRolloutEngine
 from keel.workers import (
@@ -61,7 +61,7 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
             assert builtin is not None
             return builtin[split]
         if source.startswith("builtin:"):
-            raise ValueError(f"data: unknown built-in dataset {source!r} (known: {BUILTIN_TASK})")
+            raise DataError(f"data: unknown built-in dataset {source!r} (known: {BUILTIN_TASK})")
         path = Path(source)
         if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
             path = base_dir / path
@@ -74,7 +74,11 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
         )
 
     train = load(d.train, 0)
-    evaluation = load(d.eval, 1) if d.eval else []
+    eval_source = d.eval or (BUILTIN_TASK if d.train == BUILTIN_TASK else None)
+    if eval_source == BUILTIN_TASK and builtin is None:
+        a = d.arithmetic
+        builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
+    evaluation = load(eval_source, 1) if eval_source else []
     return Datasets(train=train, eval=evaluation)
 
 

@@ -9,11 +9,11 @@ import torch
 
 from keel.algo import ADVANTAGE_ESTIMATORS, masked_mean
 from keel.algo.advantages import group_statistics
+from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.data import BatchStream
 from keel.monitor import StageTimer
-from keel.recipes.spec import AlgorithmSpec
 from keel.rollout import SamplingParams
 from keel.types import Batch
 

@@ -18,7 +18,7 @@ from keel.controller.evaluation import evaluate
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.monitor import ConsoleSink, JsonlSink, Monitor
-from keel.recipes.spec import build_spec
+from keel.recipes import build_spec
 
 CONTROLLERS = {"rl": RLController, "sft": SFTController}
 
@@ -91,17 +91,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+RUN_FILES = ("metrics.jsonl", "config.yaml", "model", "checkpoints")
+
+
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:
-    if (run_dir / "metrics.jsonl").exists() and not overwrite:
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if found and not overwrite:
         raise RunDirError(
-            f"{run_dir} already holds a run (metrics.jsonl); choose another run_dir "
+            f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir "
             "(--run-dir DIR) or pass --overwrite to replace it"
         )
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
     if overwrite:
-        for name in ("metrics.jsonl", "config.yaml", "model", "checkpoints"):
+        for name in RUN_FILES:
             p = run_dir / name
             if p.is_dir():
                 shutil.rmtree(p)

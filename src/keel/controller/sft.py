@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
+from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.data import BatchStream
 from keel.data.encoding import encode_sft
 from keel.monitor import StageTimer
-from keel.recipes.spec import AlgorithmSpec
 
 
 class SFTController:

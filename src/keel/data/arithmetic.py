@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from keel.data.examples import Example
+from keel.data.files import DataError
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -29,7 +30,7 @@ def arithmetic_splits(
         for b in range(max_operand + 1)
     ]
     if eval_size >= len(problems):
-        raise ValueError(
+        raise DataError(
             f"data.arithmetic.eval_size ({eval_size}) must be smaller than the "
             f"{len(problems)} problems that max_operand={max_operand}, ops={ops!r} give"
         )

@@ -83,6 +83,6 @@ def encode_sft(
         ids = tokenizer(ex.response, add_special_tokens=False)["input_ids"]
         responses.append([*ids, tokenizer.eos_token_id])
     batch = assemble(prompts, responses, [len(x) for x in responses], tokenizer.pad_token_id)
-    batch.prompts = [str(ex.prompt) for ex in examples]
+    batch.prompts = [ex.prompt for ex in examples]
     batch.answers = [ex.answer for ex in examples]
     return batch

@@ -1,5 +1,6 @@
 """Recipes: the algorithm section of a config turned into an AlgorithmSpec the controller reads."""
 
-from keel.recipes.spec import AlgorithmSpec, build_spec
+from keel.algo.spec import AlgorithmSpec
+from keel.recipes.builders import RECIPES, build_spec
 
-__all__ = ["AlgorithmSpec", "build_spec"]
+__all__ = ["RECIPES", "AlgorithmSpec", "build_spec"]

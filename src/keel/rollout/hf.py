@@ -70,7 +70,7 @@ class HFRolloutEngine:
                 [x[:width] + [0.0] * (width - len(x[:width])) for x in logps]
             )
         batch.group_ids = torch.arange(len(examples)).repeat_interleave(sampling.n) + group_offset
-        batch.prompts = [str(ex.prompt) for ex in examples for _ in range(sampling.n)]
+        batch.prompts = [ex.prompt for ex in examples for _ in range(sampling.n)]
         batch.answers = [ex.answer for ex in examples for _ in range(sampling.n)]
         batch.responses = [
             self.tokenizer.decode(r[: lengths[i]], skip_special_tokens=True)

@@ -16,9 +16,9 @@ from keel.algo import (
     masked_mean,
     sft_loss,
 )
+from keel.algo.spec import AlgorithmSpec
 from keel.engine.forward import response_forward
 from keel.engine.update import GradientStep
-from keel.recipes.spec import AlgorithmSpec
 from keel.types import Batch
 
 

@@ -1,0 +1,66 @@
+"""`make bench`: seconds per GRPO step on the tiny model, at the work of FIELD.md's CPU anchor
+(8 completions × 8 tokens per step), and a larger step. Prints one JSON line per case."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch
+
+from keel.config import validate
+from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.rl import RLController
+from keel.models import create_tiny_model
+from keel.recipes import build_spec
+
+CASES = {
+    "grpo_8x8": {"batch_size": 1, "n": 8, "max_new_tokens": 8, "kl": 0.0},
+    "grpo_8x8_ref": {"batch_size": 1, "n": 8, "max_new_tokens": 8, "kl": 0.001},
+    "grpo_32x8x6_ref": {"batch_size": 32, "n": 8, "max_new_tokens": 6, "kl": 0.001},
+}
+
+
+def step_seconds(model_dir: Path, case: dict, steps: int = 30, warmup: int = 5) -> float:
+    cfg = validate(
+        {
+            "run_dir": "unused",
+            "models": {"actor": str(model_dir)},
+            "algorithm": {"name": "grpo", "kl_loss_coef": case["kl"]},
+            "rollout": {"n": case["n"], "max_new_tokens": case["max_new_tokens"]},
+            "train": {"steps": steps + warmup, "batch_size": case["batch_size"], "lr": 1e-4},
+            "reward": {"fn": "builtin:numeric_match"},
+        }
+    )
+    spec = build_spec(cfg)
+    data = load_datasets(cfg, spec, Path("."))
+    roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
+    ctl = RLController(cfg, spec, roles, data)
+    times = []
+    for step in range(1, steps + warmup + 1):
+        start = time.perf_counter()
+        ctl.step(step)
+        if step > warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = create_tiny_model(Path(tmp) / "tiny")
+        for name, case in CASES.items():
+            s = step_seconds(model_dir, case)
+            row = {"case": name, "median_step_s": round(s, 4), "threads": torch.get_num_threads()}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""AlgorithmSpec: the plain description of an algorithm that the controller and workers read.
+
+Recipes (`keel.recipes`) build it from the config; nothing below the recipes layer needs to know
+an algorithm's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """Everything the controller and the actor need to know about the algorithm.
+
+    stage: "rl" (sample → reward → advantage → optimise) or "sft" (supervised batches).
+    roles: which role worker groups exist.
+    advantage / advantage_kwargs: a key of keel.algo.ADVANTAGE_ESTIMATORS and its options.
+    policy_loss / policy_loss_kwargs: a key of keel.algo.POLICY_LOSSES and its options.
+    agg_mode, loss_scale_factor: loss aggregation (ALGORITHMS.md §1) for every loss term.
+    kl_loss_coef, kl_loss_type: KL as a loss against the reference (0: no reference model).
+    entropy_coeff: the entropy bonus c_H.
+    """
+
+    name: str
+    stage: Literal["rl", "sft"]
+    roles: frozenset[str]
+    agg_mode: str
+    advantage: str | None = None
+    advantage_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy_loss: str | None = None
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss_scale_factor: float | None = None
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    ppo_epochs: int = 1
+
+    @property
+    def needs_reference(self) -> bool:
+        return "reference" in self.roles
