@@ -1,0 +1,28 @@
+"""Recipes turn the algorithm section into an AlgorithmSpec."""
+
+from keel.config import validate
+from keel.recipes import build_spec
+
+
+def cfg(**algorithm):
+    return validate({"models": {"actor": "builtin:tiny"}, "algorithm": algorithm})
+
+
+def test_grpo_spec_carries_the_config():
+    spec = build_spec(cfg(name="grpo", clip_ratio_high=0.28, kl_loss_type="k2", kl_loss_coef=0.05,
+                          norm_adv_by_std=False, loss_agg_mode="token-mean"))  # fmt: skip
+    assert spec.stage == "rl" and spec.advantage == "grpo" and spec.policy_loss == "vanilla"
+    assert spec.policy_loss_kwargs["clip_ratio_high"] == 0.28
+    assert spec.advantage_kwargs == {"norm_by_std": False, "epsilon": 1e-6}
+    assert spec.kl_loss_type == "k2" and spec.kl_loss_coef == 0.05
+    assert spec.agg_mode == "token-mean"
+    assert spec.needs_reference
+
+
+def test_kl_coefficient_zero_needs_no_reference():
+    assert not build_spec(cfg(name="grpo", kl_loss_coef=0.0)).needs_reference
+
+
+def test_sft_spec_is_supervised_with_only_an_actor():
+    spec = build_spec(cfg(name="sft"))
+    assert spec.stage == "sft" and spec.roles == frozenset({"actor"})
