@@ -21,16 +21,21 @@ DEMO_GRPO: dict[str, Any] = {
     "algorithm": {
         "name": "grpo",
         "loss_agg_mode": "seq-mean-token-mean",
-        "kl_loss_coef": 0.001,
+        "kl_loss_coef": 0.01,
         "kl_loss_type": "low_var_kl",
     },
-    "data": {"train": "builtin:arithmetic", "eval": "builtin:arithmetic"},
+    "data": {
+        "train": "builtin:arithmetic",
+        "eval": "builtin:arithmetic",
+        "arithmetic": {"max_operand": 49},  # must match WARMSTART_SFT's task (same held-out split)
+    },
     "reward": {"fn": "builtin:numeric_match", "kwargs": {"strict": True}},
     "rollout": {"n": 8, "temperature": 1.0, "max_new_tokens": 6},
     "train": {
         "steps": 300,
         "batch_size": 32,
-        "lr": 1e-4,
+        "mini_batch_size": 64,  # 256 sequences per step → 4 optimizer updates per step
+        "lr": 5e-4,
         "warmup_steps": 10,
         "lr_schedule": "constant",
     },

@@ -10,20 +10,24 @@ from typing import Any
 from keel.config.loading import validate
 from keel.models import register_builtin_model
 
-# Kept short on purpose: the SFT teaches the format and some sums, and leaves room for RL.
+# Kept short on purpose: the SFT teaches the format and some sums (~25% held-out accuracy on
+# operands 0-49), and leaves room for RL. The task must match DEMO_GRPO's (same held-out split).
 WARMSTART_SFT: dict[str, Any] = {
     "seed": 0,
     "models": {"actor": "builtin:tiny"},
     "algorithm": {"name": "sft"},
-    "data": {"train": "builtin:arithmetic", "eval": "builtin:arithmetic"},
+    "data": {
+        "train": "builtin:arithmetic",
+        "eval": "builtin:arithmetic",
+        "arithmetic": {"max_operand": 49},
+    },
     "rollout": {"max_new_tokens": 6},
     "train": {
-        "steps": 300,
+        "steps": 250,
         "batch_size": 64,
         "lr": 3e-3,
         "warmup_steps": 20,
-        "lr_schedule": "cosine",
-        "min_lr_ratio": 0.1,
+        "lr_schedule": "constant",
         "weight_decay": 0.0,
     },
     "eval": {"every": 0},

@@ -46,7 +46,7 @@ class ConsoleSink:
         if self.progress is not None:
             self.progress.update(self.task, completed=step, description=text)
         elif self.enabled and (step % self.every == 0 or step == self.total):
-            self.console.print(f"step {step}/{self.total}  {text}", highlight=False)
+            self.console.print(f"step {step}/{self.total}  {text}", highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self.progress is not None:
