@@ -56,3 +56,11 @@ def test_debug_shows_the_traceback(keel, tmp_path):
     proc = keel("--debug", "config", "validate", str(cfg))
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr
+
+
+def test_overlong_prompt_fails_before_the_run_directory_exists(keel, tiny_dir, tmp_path):
+    run_dir = str(tmp_path / "r")
+    overrides = ["--set", f"models.actor={tiny_dir}", "--set", "data.max_prompt_length=4"]
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", run_dir, *overrides)
+    assert_clean_error(proc, "data.max_prompt_length (4)")
+    assert not (tmp_path / "r").exists()

@@ -31,7 +31,8 @@ def test_grpo_example_trains_and_exports(keel, tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert set(rows[0]) == {"step", "eval/accuracy", "eval/reward_mean", "eval/length_mean"}
+    assert set(rows[0]) == {"step", "eval/accuracy", "eval/reward_mean", "eval/length_mean",
+                            "eval/reward_errors"}  # fmt: skip
     for row in rows[1:]:
         missing = [k for k in REQUIRED if k not in row]
         assert not missing, missing

@@ -26,3 +26,14 @@ def test_kl_coefficient_zero_needs_no_reference():
 def test_sft_spec_is_supervised_with_only_an_actor():
     spec = build_spec(cfg(name="sft"))
     assert spec.stage == "sft" and spec.roles == frozenset({"actor"})
+
+
+def test_a_model_for_a_role_the_algorithm_lacks_is_an_error():
+    import pytest
+
+    from keel.config import ConfigError
+
+    c = validate({"models": {"actor": "builtin:tiny", "critic": "/m/critic"},
+                  "algorithm": {"name": "grpo"}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"models\.critic is set"):
+        build_spec(c)

@@ -6,10 +6,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keel.config import batch_plan, dump_config, load_config
+from keel.recipes import build_spec
 
 
 def validate_file(path: Path, overrides: Sequence[str]) -> int:
     cfg = load_config(path, overrides)
+    build_spec(cfg)  # cross-section checks of the algorithm's roles
     plan = batch_plan(cfg)
     print(
         f"{path}: ok ({cfg.algorithm.name}, {plan.sequences_per_step} sequences per step, "

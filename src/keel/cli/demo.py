@@ -7,13 +7,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from keel.config.loading import parse_override, set_path, validate
+from keel.config.loading import ENV_PREFIX, env_overrides, parse_override, set_path, validate
 
 DEMO_GRPO: dict[str, Any] = {
     "seed": 0,
@@ -56,6 +57,8 @@ def demo(
     }
     if seed is not None:
         raw["seed"] = seed
+    for key, value in env_overrides(os.environ):
+        set_path(raw, key, value, source=f"environment variable {ENV_PREFIX}…")
     for item in overrides:
         key, value = parse_override(item)
         set_path(raw, key, value, source=f"--set {item}")

@@ -12,8 +12,9 @@ from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan
-from keel.config.schema import KeelConfig
+from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, Example, arithmetic_splits, load_examples
+from keel.data.encoding import encode_prompts
 from keel.engine import GradientStep, build_optimizer, build_scheduler
 from keel.models import check_vocab, load_causal_lm, load_tokenizer, resolve_model_path
 from keel.rewards import RewardScorer, load_reward_fn
@@ -80,6 +81,18 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
         builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
     evaluation = load(eval_source, 1) if eval_source else []
     return Datasets(train=train, eval=evaluation)
+
+
+def check_prompt_lengths(tokenizer: Any, examples: list[Example], data: DataConfig) -> None:
+    """Every prompt fits data.max_prompt_length, checked before training starts (DataError
+    naming the first example that does not)."""
+    for start in range(0, len(examples), 1024):
+        encode_prompts(
+            tokenizer,
+            examples[start : start + 1024],
+            chat=data.apply_chat_template,
+            max_prompt_length=data.max_prompt_length,
+        )
 
 
 def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:

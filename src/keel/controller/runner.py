@@ -13,7 +13,12 @@ import torch
 from keel.checkpoint import prune_step_folders, publish_folder, step_folder_name
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
-from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.assembly import (
+    build_reward,
+    build_roles,
+    check_prompt_lengths,
+    load_datasets,
+)
 from keel.controller.evaluation import evaluate
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
@@ -47,6 +52,7 @@ def run_training(
     data = load_datasets(cfg, spec, config_dir)
     scorer = build_reward(cfg, config_dir)
     roles = build_roles(cfg, spec, scorer)
+    check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
+from keel.config.loading import ConfigError
 from keel.config.schema import GRPOAlgorithm, KeelConfig, SFTAlgorithm
 
 
@@ -51,4 +52,13 @@ RECIPES: dict[type, Callable[[KeelConfig, Any], AlgorithmSpec]] = {
 
 
 def build_spec(cfg: KeelConfig) -> AlgorithmSpec:
-    return RECIPES[type(cfg.algorithm)](cfg, cfg.algorithm)
+    """The spec of `cfg.algorithm`; a model given for a role the algorithm lacks is an error."""
+    spec = RECIPES[type(cfg.algorithm)](cfg, cfg.algorithm)
+    for role in ("critic", "reward"):
+        path = getattr(cfg.models, role)
+        if path is not None and role not in spec.roles:
+            raise ConfigError(
+                f"models.{role} is set ({path}) but algorithm {spec.name!r} has no {role} model; "
+                f"remove models.{role}"
+            )
+    return spec
