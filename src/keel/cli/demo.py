@@ -83,7 +83,7 @@ def demo(
     minutes = (time.perf_counter() - start) / 60
     print(
         "\n"
-        f"  held-out accuracy ({len_eval(cfg)} problems, greedy)\n"
+        f"  held-out accuracy ({cfg.data.arithmetic.eval_size} problems, greedy)\n"
         f"  {'after SFT warm-start (step 0)':<34}{before:>8.1%}\n"
         f"  {'after GRPO':<34}{after:>8.1%}\n"
         f"  {'change':<34}{(after - before) * 100:>+7.1f} points\n\n"
@@ -92,7 +92,3 @@ def demo(
         f"  GRPO took {minutes:.1f} min"
     )
     return 0
-
-
-def len_eval(cfg) -> int:
-    return cfg.data.arithmetic.eval_size

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -34,10 +33,6 @@ def _to_float(value: Any) -> float:
     if hasattr(value, "item"):
         value = value.item()
     return float(value)
-
-
-def all_finite(metrics: Mapping[str, float]) -> bool:
-    return all(math.isfinite(v) for v in metrics.values())
 
 
 class StageTimer:
