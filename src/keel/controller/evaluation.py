@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from keel.config.schema import EvalConfig, RolloutConfig
+from keel.config.schema import EvalConfig, KeelConfig, RolloutConfig
 from keel.data.examples import Example
 from keel.rollout import SamplingParams
 from keel.workers.group import WorkerGroup
@@ -43,3 +43,10 @@ def evaluate(
         "eval/length_mean": n.float().mean().item(),
         "eval/reward_errors": float(errors),
     }
+
+
+def evaluate_policy(roles, examples: Sequence[Example], cfg: KeelConfig) -> dict[str, float]:
+    """`evaluate` with the run's rollout and reward roles; {} when there are no examples."""
+    if not examples:
+        return {}
+    return evaluate(roles.rollout, roles.reward, examples, cfg.eval, cfg.rollout)

@@ -12,6 +12,7 @@ from keel.algo.advantages import group_statistics
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
+from keel.controller.evaluation import evaluate_policy
 from keel.data import BatchStream
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
@@ -20,8 +21,10 @@ from keel.types import Batch
 
 class RLController:
     def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
+        self.cfg = cfg
         self.spec = spec
         self.roles = roles
+        self.eval_examples = data.eval
         self.prompts = BatchStream(
             data.train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed
         )
@@ -31,6 +34,10 @@ class RLController:
         )
         self.timer = StageTimer()
         self.groups_seen = 0
+
+    def evaluate(self) -> dict[str, float]:
+        """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
+        return evaluate_policy(self.roles, self.eval_examples, self.cfg)
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step; returns its metrics."""

@@ -19,7 +19,6 @@ from keel.controller.assembly import (
     check_prompt_lengths,
     load_datasets,
 )
-from keel.controller.evaluation import evaluate
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.monitor import ConsoleSink, JsonlSink, Monitor
@@ -62,12 +61,7 @@ def run_training(
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
     monitor = Monitor(sinks)
 
-    def run_eval() -> dict[str, float]:
-        if not data.eval:
-            return {}
-        return evaluate(roles.rollout, roles.reward, data.eval, cfg.eval, cfg.rollout)
-
-    first_eval = last_eval = run_eval()
+    first_eval = last_eval = controller.evaluate()
     try:
         if first_eval:
             monitor.log(0, first_eval)
@@ -75,7 +69,7 @@ def run_training(
             metrics = controller.step(step)
             every = cfg.eval.every
             if step == cfg.train.steps or (every and step % every == 0):
-                last_eval = run_eval()
+                last_eval = controller.evaluate()
                 metrics.update(last_eval)
             monitor.log(step, metrics)
             if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0:

@@ -7,6 +7,7 @@ import time
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
+from keel.controller.evaluation import evaluate_policy
 from keel.data import BatchStream
 from keel.data.encoding import encode_sft
 from keel.monitor import StageTimer
@@ -17,10 +18,15 @@ class SFTController:
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
+        self.eval_examples = data.eval
         self.examples = BatchStream(
             data.train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed
         )
         self.timer = StageTimer()
+
+    def evaluate(self) -> dict[str, float]:
+        """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
+        return evaluate_policy(self.roles, self.eval_examples, self.cfg)
 
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
