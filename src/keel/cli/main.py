@@ -86,9 +86,12 @@ def _is_user_error(exc: BaseException) -> bool:
     from keel.controller.runner import RunDirError
     from keel.data import DataError
     from keel.models import ModelLoadError
+    from keel.monitor.optional import MissingPackageError
+    from keel.monitor.prometheus import ExporterError
     from keel.rewards import RewardError, RewardLoadError
 
     user = (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, RunDirError)
+    user += (ExporterError, MissingPackageError)
     return isinstance(exc, user)
 
 

@@ -128,11 +128,31 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1, description="saved step folders to keep")
 
 
+class PrometheusConfig(Section):
+    """The Prometheus exporter: /metrics and /healthz over HTTP while the run lives."""
+
+    host: str = Field("127.0.0.1", description="address to listen on; 0.0.0.0 for all")
+    port: int = Field(9400, ge=0, le=65535, description="TCP port; 0 picks a free one")
+
+
+class SamplesConfig(Section):
+    """A few (prompt, response, reward) rows of the step's batch, to read what the policy says."""
+
+    every: int = Field(10, ge=0, description="log samples every N steps; 0: never")
+    count: int = Field(4, ge=1, description="rows logged each time")
+    console: bool = Field(True, description="also print them on the console")
+
+
 class MonitorConfig(Section):
-    """Where metrics go."""
+    """Where metrics go: console, metrics.jsonl, Prometheus, TensorBoard, W&B, MLflow."""
 
     progress: bool = True
     jsonl: bool = True
+    prometheus: PrometheusConfig | None = Field(None, description="null: no exporter")
+    tensorboard: bool = Field(False, description="write RUN_DIR/tensorboard event files")
+    wandb: bool = Field(False, description="log to W&B in offline mode (needs `wandb`)")
+    mlflow: bool = Field(False, description="log to MLflow under RUN_DIR/mlruns (needs `mlflow`)")
+    samples: SamplesConfig = SamplesConfig()
 
 
 class SFTAlgorithm(Section):

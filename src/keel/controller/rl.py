@@ -34,6 +34,7 @@ class RLController:
         )
         self.timer = StageTimer()
         self.groups_seen = 0
+        self.last_batch: Batch | None = None
 
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
@@ -61,6 +62,7 @@ class RLController:
         with t("update"):
             update_metrics = roles.actor.call("update", batch, spec=self.spec)
         elapsed = time.perf_counter() - start
+        self.last_batch = batch  # read by the samples log (keel.monitor.samples)
         return {
             **batch_metrics(batch),
             **update_metrics,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from keel.controller.assembly import (
 )
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
-from keel.monitor import ConsoleSink, JsonlSink, Monitor
+from keel.monitor.build import build_monitor, check_monitor_config
 from keel.recipes import build_spec
 
 CONTROLLERS = {"rl": RLController, "sft": SFTController}
@@ -52,14 +53,13 @@ def run_training(
     scorer = build_reward(cfg, config_dir)
     roles = build_roles(cfg, spec, scorer)
     check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
+    check_monitor_config(cfg)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    sinks: list = [ConsoleSink(cfg.train.steps, title=title, enabled=cfg.monitor.progress)]
-    if cfg.monitor.jsonl:
-        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-    monitor = Monitor(sinks)
+    monitor, samples = build_monitor(cfg, run_dir, title)
+    saved = 0
 
     first_eval = last_eval = controller.evaluate()
     try:
@@ -71,12 +71,19 @@ def run_training(
             if step == cfg.train.steps or (every and step % every == 0):
                 last_eval = controller.evaluate()
                 metrics.update(last_eval)
-            monitor.log(step, metrics)
             if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0:
+                start = time.time()
                 save_policy(roles, run_dir / "checkpoints" / step_folder_name(step) / "actor")
                 prune_step_folders(run_dir / "checkpoints", cfg.checkpoint.keep)
+                saved += 1
+                metrics.update({"checkpoint/saved_at": time.time(), "checkpoint/count": saved,
+                                "checkpoint/save_s": time.time() - start})  # fmt: skip
+            monitor.log(step, metrics)
+            if samples.due(step):
+                samples.log(step, getattr(controller, "last_batch", None))
     finally:
         monitor.close()
+        samples.close()
     model_dir = save_policy(roles, run_dir / "model")
     return RunResult(run_dir, model_dir, first_eval, last_eval, cfg.train.steps)
 
@@ -91,7 +98,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-RUN_FILES = ("metrics.jsonl", "config.yaml", "model", "checkpoints")
+RUN_FILES = (
+    "metrics.jsonl", "config.yaml", "model", "checkpoints", "samples.jsonl", "tensorboard", "wandb",
+    "mlruns",
+)  # fmt: skip
 
 
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:
