@@ -1,4 +1,4 @@
-"""`keel` command line: train, config validate/show, demo, model create-tiny.
+"""`keel` command line: train, config validate/show, demo, report, model create-tiny.
 
 Bad input (config, data, model folder, reward function, run directory) prints one line
 `keel: error: …` and exits with status 2; `--debug` shows the traceback instead.
@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=None, help="seed of the GRPO run")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override the demo's GRPO config")  # fmt: skip
+
+    rep = sub.add_parser("report", help="plots and an HTML page of runs (overlaid)")
+    rep.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--out", type=Path, help="output folder; default RUN_DIR/report for one "
+                     "run, ./keel-report for several")  # fmt: skip
 
     model = sub.add_parser("model", help="model utilities")
     msub = model.add_subparsers(dest="model_command", required=True)
@@ -91,7 +96,9 @@ def _is_user_error(exc: BaseException) -> bool:
     from keel.rewards import RewardError, RewardLoadError
 
     user = (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, RunDirError)
-    user += (ExporterError, MissingPackageError)
+    from keel.report import ReportError
+
+    user += (ExporterError, MissingPackageError, ReportError)
     return isinstance(exc, user)
 
 
@@ -110,6 +117,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from keel.cli.demo import demo
 
         return demo(run_dir=args.run_dir, seed=args.seed, overrides=args.set)
+    if args.command == "report":
+        from keel.cli.report_cmd import report
+
+        return report(args.run_dirs, args.out)
     if args.command == "model":
         from keel.models import TinyModelSpec, create_tiny_model
 

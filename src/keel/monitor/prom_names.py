@@ -83,6 +83,11 @@ GPU_NAMES = (
     "keel_gpu_utilization_ratio",
 )
 FIXED_NAMES = (STEP, LAST_STEP_TIME, RUN_INFO, *PROCESS_NAMES, *GPU_NAMES)
+# Per-stage timings take the generic name (`timing/rollout_s` → `keel_timing_rollout_seconds`).
+STAGE_KEYS = tuple(
+    f"timing/{stage}_s"
+    for stage in ("rollout", "reward", "old_logprobs", "ref_logprobs", "advantage", "update")
+)
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 _UNITS = (("_s", "_seconds", 1.0), ("_ms", "_seconds", 1e-3))
@@ -107,5 +112,6 @@ def prom_metric(key: str) -> PromMetric:
 
 
 def exported_names() -> set[str]:
-    """Every metric name the exporter writes for the well-known keys and by itself."""
-    return {m.name for m in WELL_KNOWN.values()} | set(FIXED_NAMES)
+    """Every name the exporter writes for the well-known keys, the stage timings and itself."""
+    known = {prom_metric(key).name for key in (*WELL_KNOWN, *STAGE_KEYS)}
+    return known | set(FIXED_NAMES)

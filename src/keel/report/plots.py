@@ -1,0 +1,87 @@
+"""The report's plots: one PNG per metric family, every run overlaid, events marked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from keel.report.runs import RunData
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str
+    title: str
+    keys: tuple[str, ...]
+    ylabel: str
+
+
+PLOTS = (
+    Plot("reward", "Reward (batch mean)", ("reward/mean",), "reward"),
+    Plot("eval_accuracy", "Held-out accuracy", ("eval/accuracy",), "accuracy"),
+    Plot("kl", "KL to the reference", ("actor/kl",), "nats"),
+    Plot("entropy", "Policy entropy", ("actor/entropy",), "nats"),
+    Plot(
+        "losses",
+        "Losses",
+        ("actor/pg_loss", "actor/sft_loss", "critic/value_loss", "actor/loss"),
+        "loss",
+    ),  # fmt: skip
+    Plot("response_length", "Response length (mean)", ("response/length_mean",), "tokens"),
+    Plot("throughput", "Throughput", ("perf/tokens_per_second",), "tokens / s"),
+)
+# events.jsonl entries drawn as vertical lines (contract C2); checkpoints are not marked.
+EVENT_STYLE = {
+    "guard_trip": ("tab:red", "--"),
+    "rollback": ("tab:purple", "-"),
+    "stop": ("black", "-"),
+    "resume": ("tab:green", ":"),
+    "restart": ("tab:green", "-."),
+    "signal": ("tab:orange", ":"),
+}
+
+
+def draw(plot: Plot, runs: list[RunData], out_dir: Path) -> Path | None:
+    """Writes OUT_DIR/<plot.name>.png; None when no run has any of the plot's keys."""
+    curves = [(run, key, *run.curve(key)) for run in runs for key in plot.keys if run.curve(key)[0]]
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    several_keys = len({key for _, key, _, _ in curves}) > 1
+    for run, key, steps, values in curves:
+        color = colors[runs.index(run) % len(colors)]
+        style = "-" if key == plot.keys[0] else (":" if several_keys else "-")
+        label = run.name + (f" {key}" if several_keys else "")
+        ax.plot(
+            steps, values, style, color=color, label=label, marker="." if len(steps) < 30 else None
+        )
+    _mark_events(ax, runs)
+    ax.set_title(plot.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(plot.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"{plot.name}.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _mark_events(ax, runs: list[RunData]) -> None:
+    labelled: set[str] = set()
+    for run in runs:
+        for event in run.events:
+            kind = event.get("event")
+            if kind not in EVENT_STYLE:
+                continue
+            color, style = EVENT_STYLE[kind]
+            label = None if kind in labelled else kind
+            labelled.add(kind)
+            ax.axvline(int(event["step"]), color=color, linestyle=style, alpha=0.7, label=label)
