@@ -31,7 +31,7 @@ PLOTS = (
         "Losses",
         ("actor/pg_loss", "actor/sft_loss", "critic/value_loss", "actor/loss"),
         "loss",
-    ),  # fmt: skip
+    ),
     Plot("response_length", "Response length (mean)", ("response/length_mean",), "tokens"),
     Plot("throughput", "Throughput", ("perf/tokens_per_second",), "tokens / s"),
 )
