@@ -32,3 +32,17 @@ def _private_keel_cache(tmp_path_factory: pytest.TempPathFactory):
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny model folder written once by create_tiny_model; tests must not modify it."""
     return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def scraped_run(tiny_dir, tmp_path_factory):
+    """One real tiny GRPO run (6 steps) with every sink on, its exporter scraped while it ran."""
+    from tests.monitor.live import free_port, run_and_scrape, tiny_grpo
+
+    run_dir = tmp_path_factory.mktemp("scraped") / "grpo-tiny"
+    monitor = {
+        "prometheus": {"host": "127.0.0.1", "port": free_port()},
+        "tensorboard": True,
+        "samples": {"every": 2, "count": 2, "console": False},
+    }
+    return run_and_scrape(tiny_grpo(tiny_dir, run_dir, **monitor))
