@@ -57,7 +57,9 @@ class PrometheusSink:
         self.last_step: tuple[int, float] | None = None
         self.server = _serve(self, host, port)
         self.host, self.port = self.server.server_address[:2]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
+        )
         self.thread.start()
 
     @property

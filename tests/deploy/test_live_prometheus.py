@@ -1,0 +1,133 @@
+"""A real Prometheus server scrapes a running tiny training run; Keel's metrics come back
+through Prometheus' HTTP API, and the checked-in alert rules load in the server."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.parse
+
+import pytest
+import yaml
+
+from keel.monitor import read_metrics
+from tests.cli.conftest import KEEL, REPO
+from tests.deploy.tools import REPO_DEPLOY, binary
+from tests.monitor.live import free_port, get, tiny_grpo
+
+
+def wait_for(what: str, probe, timeout: float = 90.0, every: float = 0.1):
+    """Polls `probe()` until it returns something truthy; fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if result := probe():
+                return result
+        except OSError:
+            pass
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def query(base: str, promql: str) -> list[dict]:
+    url = f"{base}/api/v1/query?query={urllib.parse.quote(promql)}"
+    body = json.loads(get(url))
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def prometheus_config(tmp_path, target: str) -> str:
+    """deploy/prometheus/prometheus.yml, pointed at `target`, scraping every 200 ms."""
+    cfg = yaml.safe_load((REPO_DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"] = {"scrape_interval": "200ms", "evaluation_interval": "200ms"}
+    cfg["rule_files"] = [str(REPO_DEPLOY / "prometheus" / r) for r in cfg["rule_files"]]
+    cfg["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.fixture
+def training(tiny_dir, tmp_path, _private_keel_cache):
+    """`keel train` in a subprocess (long enough to be watched), interrupted at the end."""
+    port = free_port()
+    raw = tiny_grpo(tiny_dir, tmp_path / "live-run", prometheus={"port": port})
+    raw["train"]["steps"], raw["eval"]["every"] = 5000, 0
+    raw["checkpoint"] = {"save_steps": 5, "keep": 1}
+    config = tmp_path / "live.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KEEL_CACHE": str(_private_keel_cache)}
+    proc = subprocess.Popen(
+        [str(KEEL), "train", str(config)], cwd=REPO, env={**os.environ, **env},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:  # Prometheus starts while the run loads; it scrapes once the exporter listens
+        yield proc, port, tmp_path / "live-run"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def prometheus(training, tmp_path):
+    _, port, _ = training
+    web = free_port()
+    config = prometheus_config(tmp_path, f"127.0.0.1:{port}")
+    proc = subprocess.Popen(
+        [
+            binary("prometheus"), f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{web}"
+    try:
+        wait_for("Prometheus to be ready", lambda: proc.poll() is None and get(f"{base}/-/ready"))
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_prometheus_scrapes_a_running_training(training, prometheus):
+    proc, port, run_dir = training
+    health = wait_for("the exporter's /healthz", lambda: get(f"http://127.0.0.1:{port}/healthz"))
+    assert json.loads(health)["status"] == "ok"
+    run = 'run="live-run", job="keel"'
+    step = wait_for(
+        "keel_step >= 2 in Prometheus",
+        lambda: [r for r in query(prometheus, f"keel_step{{{run}}} >= 2")],
+    )
+    assert step[0]["metric"]["algorithm"] == "grpo"
+    assert query(prometheus, 'up{job="keel"}')[0]["value"][1] == "1"
+    reward = query(prometheus, f"keel_reward_mean{{{run}}}")
+    logged = {r["reward/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"]}
+    assert float(reward[0]["value"][1]) in logged
+    kl = query(prometheus, f'keel_kl{{{run}, role="actor"}}')
+    assert float(kl[0]["value"][1]) >= 0
+    wait_for("a checkpoint count", lambda: query(prometheus, "keel_checkpoints_saved_total >= 1"))
+    age = query(prometheus, "time() - keel_checkpoint_last_saved_timestamp_seconds")
+    assert 0 <= float(age[0]["value"][1]) < 120
+    rules = json.loads(get(f"{prometheus}/api/v1/rules"))["data"]["groups"][0]["rules"]
+    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
+    assert proc.poll() is None, proc.stderr.read()
+
+    # How long after a step is logged its value is visible through Prometheus.
+    lags = []
+    last = None
+    deadline = time.monotonic() + 10
+    while len(lags) < 5 and time.monotonic() < deadline:
+        found = query(prometheus, "keel_last_step_timestamp_seconds")
+        stamp = float(found[0]["value"][1]) if found else None
+        if last is not None and stamp != last:
+            lags.append(time.time() - stamp)
+        last = stamp
+        time.sleep(0.02)
+    assert lags, "the last-step timestamp never moved"
+    print(f"\nstep → visible in Prometheus: {[round(x, 3) for x in lags]} s (scrape every 200 ms)")
