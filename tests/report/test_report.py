@@ -1,0 +1,88 @@
+"""`keel report`: PNGs and one self-contained HTML page from real run directories."""
+
+import json
+import re
+import shutil
+
+import pytest
+from PIL import Image
+
+from keel.cli.main import main
+from keel.report import ReportError, load_run, write_report
+from keel.report.plots import PLOTS, draw
+
+GUARD_EVENTS = [  # contract C2, as the guard writes them
+    {"time": 1.7e9, "step": 2, "event": "guard_trip", "message": "kl 3.1 > 1.0",
+     "rule": "kl_max", "action": "rollback"},
+    {"time": 1.7e9 + 1, "step": 2, "event": "rollback", "message": "rolled back to step 1"},
+    {"time": 1.7e9 + 2, "step": 4, "event": "checkpoint", "message": "saved step 4"},
+]  # fmt: skip
+
+
+def copy_run(scraped_run, tmp_path, name):
+    run_dir = tmp_path / name
+    shutil.copytree(scraped_run.run_dir, run_dir, ignore=shutil.ignore_patterns("model", "chec*"))
+    return run_dir
+
+
+def test_report_of_a_real_run_via_the_cli(scraped_run, tmp_path, capsys):
+    run_dir = copy_run(scraped_run, tmp_path, "grpo-tiny")
+    with (run_dir / "events.jsonl").open("w") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in GUARD_EVENTS)
+    assert main(["report", str(run_dir)]) == 0
+    assert f"report: {run_dir / 'report' / 'report.html'}" in capsys.readouterr().err
+    out = run_dir / "report"
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == sorted(f"{p.name}.png" for p in PLOTS)  # a GRPO run has data for all
+    for name in pngs:
+        with Image.open(out / name) as img:
+            assert img.size[0] > 300 and img.getextrema() != ((255, 255),) * 4
+    page = (out / "report.html").read_text()
+    for plot in PLOTS:
+        assert f"{plot.name}.png" in page and plot.title in page
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == len(PLOTS)
+    assert "<img" in page and 'src="http' not in page  # self-contained
+    assert "kl 3.1 &gt; 1.0" in page and "rolled back to step 1" in page
+    assert "sample" in page.lower()
+
+
+def red_pixels(path):
+    with Image.open(path) as img:
+        rgb = img.convert("RGB")
+        return sum(1 for r, g, b in rgb.get_flattened_data() if r > 180 and g < 150 and b < 150)
+
+
+def test_guard_events_are_marked_on_the_curves(scraped_run, tmp_path):
+    run_dir = copy_run(scraped_run, tmp_path, "grpo-tiny")
+    plain = draw(PLOTS[0], [load_run(run_dir)], tmp_path)
+    plain_red = red_pixels(plain)
+    (run_dir / "events.jsonl").write_text(json.dumps(GUARD_EVENTS[0]) + "\n")
+    (tmp_path / "marked").mkdir()
+    marked = draw(PLOTS[0], [load_run(run_dir)], tmp_path / "marked")
+    assert red_pixels(marked) > plain_red + 50  # the dashed red guard_trip line
+
+
+def test_several_runs_overlay_and_a_run_still_being_written(scraped_run, tmp_path):
+    a = copy_run(scraped_run, tmp_path / "a", "run")
+    b = copy_run(scraped_run, tmp_path / "b", "run")
+    with (b / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 7, "reward/me')  # the writer is mid-line
+    runs = [load_run(a, name="a"), load_run(b, name="b")]
+    assert runs[1].metrics[-1]["step"] == 6
+    page = write_report(runs, tmp_path / "both").read_text()
+    assert "<td>a</td>" in page and "<td>b</td>" in page
+    assert (tmp_path / "both" / "reward.png").stat().st_size > 1000
+
+
+def test_bad_input_names_the_file_and_line(tmp_path):
+    with pytest.raises(ReportError, match=r"no metrics\.jsonl"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ReportError, match=r"metrics.jsonl:2"):
+        load_run(tmp_path)
+
+
+def test_cli_error_for_a_missing_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error:") and "no metrics.jsonl" in err
