@@ -48,12 +48,12 @@ def run_training(
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, overwrite)
+    check_monitor_config(cfg)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
     scorer = build_reward(cfg, config_dir)
     roles = build_roles(cfg, spec, scorer)
     check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
-    check_monitor_config(cfg)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite)
