@@ -7,6 +7,7 @@ Both stay off the network: W&B runs in offline mode under RUN_DIR/wandb (sync it
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ class MlflowSink:
 
     def __init__(self, run_dir: Path, name: str, params: dict[str, Any]):
         require("mlflow", "monitor.mlflow")
+        # recent MLflow versions refuse the file store unless asked; it needs no database
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
 
         self.client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
