@@ -42,6 +42,7 @@ DEMO_GRPO: dict[str, Any] = {
     },
     "eval": {"every": 50},
     "checkpoint": {"save_steps": 0},
+    "monitor": {"samples": {"every": 50, "count": 2}},  # what the policy says, at each eval
 }
 
 
