@@ -1,26 +1,10 @@
 """deploy/grafana: the dashboard parses, has its variables, and queries only exported metrics."""
 
-import json
-import re
-
 import yaml
 
 from keel.monitor import read_metrics
 from keel.monitor.prom_names import WELL_KNOWN, exported_names, prom_metric
-from tests.deploy.tools import REPO_DEPLOY
-
-GRAFANA = REPO_DEPLOY / "grafana"
-METRIC = re.compile(r"\b(keel_[a-zA-Z0-9_]+|up)\b")
-
-
-def dashboard() -> dict:
-    return json.loads((GRAFANA / "dashboards" / "keel.json").read_text())
-
-
-def queries(dash: dict) -> list[str]:
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
-    return exprs
+from tests.deploy.tools import GRAFANA, METRIC, dashboard, queries
 
 
 def test_variables_and_provisioning():

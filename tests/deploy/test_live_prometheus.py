@@ -3,6 +3,7 @@ through Prometheus' HTTP API, and the checked-in alert rules load in the server.
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -16,8 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from keel.monitor import read_metrics
 from keel.report import load_run, write_report
 from tests.cli.conftest import KEEL, REPO
-from tests.deploy.tools import REPO_DEPLOY, binary
-from tests.monitor.live import free_port, get, tiny_grpo
+from tests.deploy.tools import METRIC, REPO_DEPLOY, binary, dashboard, queries
+from tests.monitor.live import free_port, get, samples, tiny_grpo
 
 
 def wait_for(what: str, probe, timeout: float = 90.0, every: float = 0.1):
@@ -121,6 +122,8 @@ def test_prometheus_scrapes_a_running_training(training, prometheus, tmp_path):
     assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
     assert proc.poll() is None, proc.stderr.read()
 
+    check_dashboard_queries(prometheus, get(f"http://127.0.0.1:{port}/metrics"))
+
     # keel report works on the run while it is still being written
     page = write_report([load_run(run_dir)], tmp_path / "report").read_text()
     assert "reward.png" in page and (tmp_path / "report" / "reward.png").stat().st_size > 1000
@@ -139,6 +142,20 @@ def test_prometheus_scrapes_a_running_training(training, prometheus, tmp_path):
         f"\nstep → visible in Prometheus (scrape every 200 ms): {len(lags)} steps, median "
         f"{statistics.median(lags):.3f} s, max {max(lags):.3f} s"
     )
+
+
+def check_dashboard_queries(base: str, page: str) -> None:
+    """Every dashboard query runs in the real Prometheus; those whose metrics the run exports
+    now return data."""
+    exported = {name for name, _ in samples(page)}
+    for expr in queries(dashboard()):
+        promql = expr.replace("$run", "live-run").replace("$__rate_interval", "1m")
+        if label_values := re.fullmatch(r"label_values\((\w+), \w+\)", promql):  # Grafana's
+            promql = label_values.group(1)
+        result = query(base, promql)  # a PromQL syntax error fails here
+        names = set(METRIC.findall(expr))
+        if names <= exported and "[1m]" not in promql:  # rates need two scrapes a minute apart
+            assert result, f"no data for {promql}"
 
 
 def visibility_lags(tensorboard_dir, reads: list[tuple[float, int]]) -> list[float]:
