@@ -93,10 +93,8 @@ class PrometheusSink:
     def _family(self, key: str, spec: PromMetric) -> Gauge | Counter | None:
         family = self.families.get(spec.name)
         if family is not None:
-            if (self.specs[spec.name].labels, self.specs[spec.name].kind) == (
-                spec.labels,
-                spec.kind,
-            ):
+            known = self.specs[spec.name]
+            if (known.labels, known.kind) == (spec.labels, spec.kind):
                 return family
             if key not in self.skipped:
                 self.skipped.add(key)
