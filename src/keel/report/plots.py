@@ -82,6 +82,7 @@ def _mark_events(ax, runs: list[RunData]) -> None:
             if kind not in EVENT_STYLE:
                 continue
             color, style = EVENT_STYLE[kind]
-            label = None if kind in labelled else kind
-            labelled.add(kind)
+            name = kind if len(runs) == 1 else f"{run.name}: {kind}"
+            label = None if name in labelled else name
+            labelled.add(name)
             ax.axvline(int(event["step"]), color=color, linestyle=style, alpha=0.7, label=label)
