@@ -5,8 +5,9 @@ import math
 
 import pytest
 
+from keel.cli.main import main
 from keel.monitor.prometheus import ExporterError, PrometheusSink
-from tests.monitor.live import get, samples
+from tests.monitor.live import REPO, get, samples
 
 BASE = {"run": "r1", "algorithm": "ppo"}
 
@@ -86,3 +87,15 @@ def test_unknown_path_is_404(sink):
 
     with pytest.raises(urllib.error.HTTPError, match="404"):
         get(sink.url + "/nope")
+
+
+def test_train_with_a_taken_port_fails_before_writing_the_run_dir(sink, tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    config = str(REPO / "examples" / "grpo_arith_tiny.yaml")
+    sets = ["--set", "models.actor=builtin:tiny", "--set", f"monitor.prometheus.port={sink.port}"]
+    assert main(["train", config, "--run-dir", str(run_dir), *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"keel: error: monitor.prometheus: cannot listen on 127.0.0.1:{sink.port}"
+    )
+    assert not run_dir.exists()

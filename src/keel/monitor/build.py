@@ -14,7 +14,12 @@ from keel.monitor.samples import SamplesLog
 
 
 def check_monitor_config(cfg: KeelConfig) -> None:
-    """Fails before the run starts when an optional sink's package is missing."""
+    """Fails before the run starts when an optional sink's package is missing or the exporter's
+    port is taken."""
+    if cfg.monitor.prometheus is not None:
+        from keel.monitor.prometheus import check_listen
+
+        check_listen(cfg.monitor.prometheus.host, cfg.monitor.prometheus.port)
     if cfg.monitor.wandb:
         require("wandb", "monitor.wandb")
     if cfg.monitor.mlflow:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import resource
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -123,6 +124,22 @@ class PrometheusSink:
         self.thread.join(timeout=5)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raises ExporterError now if the exporter could not listen on host:port."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise _listen_error(host, port, exc) from exc
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> ExporterError:
+    return ExporterError(
+        f"monitor.prometheus: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+        "choose another monitor.prometheus.port (0 picks a free one)"
+    )
+
+
 def _serve(sink: PrometheusSink, host: str, port: int) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -147,10 +164,7 @@ def _serve(sink: PrometheusSink, host: str, port: int) -> ThreadingHTTPServer:
     try:
         server = ThreadingHTTPServer((host, port), Handler)
     except OSError as exc:
-        raise ExporterError(
-            f"monitor.prometheus: cannot listen on {host}:{port} ({exc.strerror}); "
-            "choose another monitor.prometheus.port (0 picks a free one)"
-        ) from exc
+        raise _listen_error(host, port, exc) from exc
     server.daemon_threads = True
     return server
 
