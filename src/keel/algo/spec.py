@@ -25,6 +25,8 @@ class AlgorithmSpec:
     preference_loss / preference_loss_kwargs: a key of keel.algo.preference.DPO_LOSSES and its
       options {beta, label_smoothing} (stage "dpo").
     precompute_ref_logps: reference log-probs of every pair computed once and cached ("dpo").
+    generate_eval: evaluation also generates answers to the held-out prompts and scores them
+      with the reward role (pair stages, which otherwise evaluate pairwise only).
     """
 
     name: str
@@ -43,6 +45,7 @@ class AlgorithmSpec:
     preference_loss: str | None = None
     preference_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     precompute_ref_logps: bool = False
+    generate_eval: bool = False
 
     @property
     def needs_reference(self) -> bool:

@@ -200,6 +200,11 @@ class DPOAlgorithm(Section):
     precompute_ref_logps: bool = Field(
         True, description="reference log-probs computed once for the whole dataset and cached"
     )
+    eval_generate: bool = Field(
+        False,
+        description="evaluation also answers the held-out prompts (greedy) and scores the "
+        "answers with reward.fn (eval/accuracy, eval/reward_mean)",
+    )
 
     @model_validator(mode="after")
     def _smoothing_applies(self) -> DPOAlgorithm:

@@ -17,7 +17,8 @@ from keel.algo.preference import bradley_terry_loss, dpo_loss, sequence_logps
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
-from keel.data import BatchStream
+from keel.controller.evaluation import evaluate_policy
+from keel.data import BatchStream, Example
 from keel.data.preference import PreferencePair, encode_pairs
 from keel.monitor import StageTimer
 from keel.types import Batch
@@ -156,4 +157,8 @@ class DPOController(PairController):
             p[0::2], p[1::2], r[0::2], r[1::2],
             loss_type=self.spec.preference_loss, **self.spec.preference_loss_kwargs,
         )  # fmt: skip
-        return {f"eval/{k}": v for k, v in out.metrics.items()}
+        metrics = {f"eval/{k}": v for k, v in out.metrics.items()}
+        if self.spec.generate_eval:
+            prompts = [Example(p.prompt, answer=p.answer, source=p.source) for p in self.eval_pairs]
+            metrics.update(evaluate_policy(self.roles, prompts, self.cfg))
+        return metrics

@@ -1,5 +1,6 @@
-"""The built-in model `builtin:tiny-arith`: the tiny model warm-started by a short SFT on the
-arithmetic task. Built on first use into the Keel cache, so later runs (and demos) skip it."""
+"""Built-in trained models, built on first use into the Keel cache so later runs skip them:
+`builtin:tiny-arith` (the tiny model warm-started by a short SFT on the arithmetic task) and
+`builtin:tiny-pref-rm` (a reward model of the built-in preference task)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,29 @@ def build_tiny_arith(path: Path) -> None:
 
 
 register_builtin_model("tiny-arith", build_tiny_arith)
+
+
+# The reward model of the built-in preference task (even answers preferred), as
+# examples/rm_pref_tiny.yaml trains it; used by examples/grpo_rm_tiny.yaml as `models.reward`.
+PREFERENCE_RM: dict[str, Any] = {
+    "seed": 0,
+    "models": {"actor": "builtin:tiny"},
+    "algorithm": {"name": "rm"},
+    "data": {"train": "builtin:preference", "arithmetic": {"max_operand": 49}},
+    "train": {"steps": 150, "batch_size": 32, "lr": 1e-3, "lr_schedule": "constant"},
+    "eval": {"every": 0},
+    "monitor": {"progress": True},
+}
+
+
+def build_tiny_pref_rm(path: Path) -> None:
+    """Train the built-in preference task's reward model and write it as an HF folder."""
+    from keel.controller.runner import run_training
+
+    with tempfile.TemporaryDirectory(prefix="keel-pref-rm-") as tmp:
+        cfg = validate({**PREFERENCE_RM, "run_dir": tmp}, source="builtin:tiny-pref-rm")
+        result = run_training(cfg, title="reward model")
+        result.model_dir.rename(path)
+
+
+register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)

@@ -65,6 +65,7 @@ def _dpo(cfg: KeelConfig, algo: DPOAlgorithm) -> AlgorithmSpec:
         preference_loss=algo.loss,
         preference_loss_kwargs={"beta": algo.beta, "label_smoothing": algo.label_smoothing},
         precompute_ref_logps=algo.precompute_ref_logps,
+        generate_eval=algo.eval_generate,
     )
 
 
