@@ -46,7 +46,8 @@ def test_one_micro_batch_equals_four(tiny_dir, loss):
     # policy = reference at the start: every implicit reward is 0 (up to float noise)
     assert metrics[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
     assert metrics[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
-    assert any(not torch.equal(a, b) for a, b in zip(base.parameters(), models[0].parameters()))
+    params = zip(base.parameters(), models[0].parameters(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in params)
 
 
 def test_padding_never_changes_sequence_logps(tiny_dir):
