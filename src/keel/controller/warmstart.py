@@ -56,7 +56,7 @@ PREFERENCE_RM: dict[str, Any] = {
     "models": {"actor": "builtin:tiny"},
     "algorithm": {"name": "rm"},
     "data": {"train": "builtin:preference", "arithmetic": {"max_operand": 49}},
-    "train": {"steps": 150, "batch_size": 32, "lr": 1e-3, "lr_schedule": "constant"},
+    "train": {"steps": 60, "batch_size": 32, "lr": 1e-3, "lr_schedule": "constant"},
     "eval": {"every": 0},
     "monitor": {"progress": True},
 }
