@@ -74,7 +74,7 @@ def test_dpo_evaluation_starts_at_ties_and_state_round_trips(tiny_dir, tmp_path)
 def test_pair_stages_need_preference_data(tiny_dir, tmp_path):
     cfg = config(tiny_dir, tmp_path, name="dpo")
     cfg.data.train = "builtin:arithmetic"
-    with pytest.raises(DataError, match="not a preference dataset"):
+    with pytest.raises(DataError, match=r"unknown built-in dataset .*builtin:preference"):
         load_datasets(cfg, build_spec(cfg), tmp_path)
     rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -6,6 +6,7 @@ here, before the run directory is touched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,70 +64,62 @@ class Datasets:
 def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datasets:
     """Train and eval examples. SFT rows need a response; RL rows need a prompt (and usually an
     answer for the verifier); rm and dpo rows are preference pairs."""
-    d = cfg.data
+    d, a = cfg.data, cfg.data.arithmetic
     if spec.stage in PAIR_STAGES:
-        return load_pair_datasets(cfg, base_dir)
+        return _load_sources(
+            d,
+            base_dir,
+            PREFERENCE_TASK,
+            lambda: preference_splits(a.max_operand, a.ops, a.eval_size, a.seed),
+            lambda path: load_preference_pairs(
+                path,
+                prompt_key=d.prompt_key,
+                chosen_key=d.chosen_key,
+                rejected_key=d.rejected_key,
+                answer_key=d.answer_key,
+            ),
+        )
     need = ("prompt", "response") if spec.stage == "sft" else ("prompt",)
-    builtin = None
-    if BUILTIN_TASK in (d.train, d.eval):
-        a = d.arithmetic
-        builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
-
-    def load(source: str, split: int) -> list[Example]:
-        if source == BUILTIN_TASK:
-            assert builtin is not None
-            return builtin[split]
-        if source.startswith("builtin:"):
-            raise DataError(f"data: unknown built-in dataset {source!r} (known: {BUILTIN_TASK})")
-        return load_examples(
-            _data_path(source, base_dir),
+    return _load_sources(
+        d,
+        base_dir,
+        BUILTIN_TASK,
+        lambda: arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed),
+        lambda path: load_examples(
+            path,
             prompt_key=d.prompt_key,
             answer_key=d.answer_key,
             response_key=d.response_key,
             require=need,
-        )
-
-    train = load(d.train, 0)
-    eval_source = d.eval or (BUILTIN_TASK if d.train == BUILTIN_TASK else None)
-    if eval_source == BUILTIN_TASK and builtin is None:
-        a = d.arithmetic
-        builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
-    evaluation = load(eval_source, 1) if eval_source else []
-    return Datasets(train=train, eval=evaluation)
+        ),
+    )
 
 
-def _data_path(source: str, base_dir: Path) -> Path:
-    path = Path(source)
-    if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
-        path = base_dir / path
-    return path
-
-
-def load_pair_datasets(cfg: KeelConfig, base_dir: Path) -> Datasets:
-    """Preference pairs: builtin:preference (its held-out split is the default eval) or files."""
-    d = cfg.data
-    builtin = None
-    if PREFERENCE_TASK in (d.train, d.eval):
-        a = d.arithmetic
-        builtin = preference_splits(a.max_operand, a.ops, a.eval_size, a.seed)
+def _load_sources(
+    d: DataConfig,
+    base_dir: Path,
+    task: str,
+    splits: Callable[[], tuple[list[Any], list[Any]]],
+    load_file: Callable[[Path], list[Any]],
+) -> Datasets:
+    """data.train / data.eval: the built-in `task` (train / held-out split) or files. An unset
+    data.eval is the task's held-out split when training on the task, else no evaluation."""
+    builtin = splits() if task in (d.train, d.eval) else None
 
     def load(source: str, split: int) -> list[Any]:
-        if source == PREFERENCE_TASK:
+        if source == task:
             assert builtin is not None
             return builtin[split]
         if source.startswith("builtin:"):
             raise DataError(
-                f"data: {source!r} is not a preference dataset (known: {PREFERENCE_TASK})"
+                f"data: unknown built-in dataset {source!r} for this algorithm (known: {task})"
             )
-        return load_preference_pairs(
-            _data_path(source, base_dir),
-            prompt_key=d.prompt_key,
-            chosen_key=d.chosen_key,
-            rejected_key=d.rejected_key,
-            answer_key=d.answer_key,
-        )
+        path = Path(source)
+        if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
+            path = base_dir / path
+        return load_file(path)
 
-    eval_source = d.eval or (PREFERENCE_TASK if d.train == PREFERENCE_TASK else None)
+    eval_source = d.eval or (task if d.train == task else None)
     return Datasets(train=load(d.train, 0), eval=load(eval_source, 1) if eval_source else [])
 
 

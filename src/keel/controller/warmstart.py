@@ -38,11 +38,16 @@ WARMSTART_SFT: dict[str, Any] = {
 
 def build_tiny_arith(path: Path) -> None:
     """Run the warm-start SFT and write its final policy as an HF folder at `path`."""
+    _train_into(path, WARMSTART_SFT, name="tiny-arith", title="SFT warm-start")
+
+
+def _train_into(path: Path, config: dict[str, Any], *, name: str, title: str) -> None:
+    """Run `config` in a temporary run directory and move its final model to `path`."""
     from keel.controller.runner import run_training
 
-    with tempfile.TemporaryDirectory(prefix="keel-warmstart-") as tmp:
-        cfg = validate({**WARMSTART_SFT, "run_dir": tmp}, source="builtin:tiny-arith")
-        result = run_training(cfg, title="SFT warm-start")
+    with tempfile.TemporaryDirectory(prefix=f"keel-{name}-") as tmp:
+        cfg = validate({**config, "run_dir": tmp}, source=f"builtin:{name}")
+        result = run_training(cfg, title=title)
         result.model_dir.rename(path)
 
 
@@ -64,12 +69,7 @@ PREFERENCE_RM: dict[str, Any] = {
 
 def build_tiny_pref_rm(path: Path) -> None:
     """Train the built-in preference task's reward model and write it as an HF folder."""
-    from keel.controller.runner import run_training
-
-    with tempfile.TemporaryDirectory(prefix="keel-pref-rm-") as tmp:
-        cfg = validate({**PREFERENCE_RM, "run_dir": tmp}, source="builtin:tiny-pref-rm")
-        result = run_training(cfg, title="reward model")
-        result.model_dir.rename(path)
+    _train_into(path, PREFERENCE_RM, name="tiny-pref-rm", title="reward model")
 
 
 register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)

@@ -17,7 +17,7 @@ import numpy as np
 from keel.data.arithmetic import arithmetic_splits
 from keel.data.encoding import assemble, encode_prompts, render_prompt
 from keel.data.examples import Example
-from keel.data.files import DataError, _jsonl_rows, _parquet_rows, _prompt
+from keel.data.files import DataError, _prompt, read_rows
 from keel.types import Batch
 
 
@@ -77,22 +77,8 @@ def load_preference_pairs(
     - `{"chosen": messages, "rejected": messages}`: whole conversations that share every message
       but the last, which must be an assistant message; the shared part is the prompt.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset not found: {path}")
-    if path.suffix == ".parquet":
-        rows = _parquet_rows(path)
-    elif path.suffix in (".jsonl", ".json", ".ndjson"):
-        rows = _jsonl_rows(path)
-    else:
-        raise DataError(
-            f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)"
-        )
     keys = (prompt_key, chosen_key, rejected_key, answer_key)
-    pairs = [_pair(row, where, *keys) for where, row in rows]
-    if not pairs:
-        raise DataError(f"{path}: the dataset has no rows")
-    return pairs
+    return [_pair(row, where, *keys) for where, row in read_rows(path)]
 
 
 def _pair(
