@@ -50,6 +50,7 @@ def test_cached_reference_logps_equal_fresh_ones(tiny_dir, tmp_path):
     cached = controller(config(tiny_dir, tmp_path, name="dpo", precompute_ref_logps=True), tmp_path)
     fresh = controller(config(tiny_dir, tmp_path, name="dpo", precompute_ref_logps=False), tmp_path)
     assert len(cached.ref_cache) == len(cached.train_pairs) and not fresh.ref_cache
+    assert cached.roles.reference is None and fresh.roles.reference is not None
     ids = cached.indices.next_batch()
     batch = cached.encode([cached.train_pairs[i] for i in ids])
     a = cached._with_reference(batch, ids, cached.ref_cache)

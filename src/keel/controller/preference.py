@@ -100,7 +100,8 @@ class DPOController(PairController):
     """Stage "dpo": DPO-family updates of the policy against the frozen reference.
 
     Reference log-probs of the held-out pairs are computed once; those of the training pairs too
-    when spec.precompute_ref_logps (then cached per pair), otherwise at every step."""
+    when spec.precompute_ref_logps (then cached per pair and the reference model is released),
+    otherwise at every step."""
 
     def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
         super().__init__(cfg, spec, roles, data)
@@ -108,6 +109,8 @@ class DPOController(PairController):
         if spec.precompute_ref_logps:
             self.ref_cache = self._reference_rows(self.train_pairs)
         self.eval_ref = self._reference_rows(self.eval_pairs)
+        if self.ref_cache:  # every reference log-prob is cached: release the reference model
+            roles.reference = None
 
     def _reference_rows(self, pairs: list[PreferencePair]) -> dict[int, torch.Tensor]:
         """Per pair i, the reference's token log-probs of its two rows (padding trimmed)."""
