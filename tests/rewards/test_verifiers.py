@@ -59,3 +59,14 @@ def test_exact_match(response, answer, score):
 def test_exact_match_without_answer_raises():
     with pytest.raises(ValueError, match="reference answer"):
         exact_match("p", "x", None)
+
+
+@pytest.mark.parametrize(
+    ("response", "score"),
+    [("82", 1.0), (" 40\n", 1.0), ("0", 1.0), ("-14", 1.0), ("81", 0.0), ("8a", 0.0), ("", 0.0),
+     ("4.2", 0.0)],
+)  # fmt: skip
+def test_even_answer(response, score):
+    from keel.rewards.verifiers import even_answer
+
+    assert even_answer("1+1=", response, None) == score

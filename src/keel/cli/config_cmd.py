@@ -26,12 +26,12 @@ def show(path: Path, overrides: Sequence[str]) -> int:
     print(dump_config(cfg), end="")
     print("# derived")
     descriptions = {
-        "sequences_per_step": "train.batch_size × rollout.n (SFT: × 1)",
+        "sequences_per_step": "train.batch_size × rollout.n (SFT: × 1; RM, DPO: pairs)",
         "mini_batch_size": "sequences per optimizer update",
         "mini_batches_per_step": "optimizer updates per pass over a step's sequences",
         "micro_batch_size": "sequences per forward/backward",
         "grad_accumulation_steps": "micro-batches per optimizer update",
-        "optimizer_steps_per_step": "mini-batches × ppo_epochs (SFT: mini-batches)",
+        "optimizer_steps_per_step": "mini-batches × ppo_epochs (SFT, RM, DPO: mini-batches)",
         "total_optimizer_steps": "× train.steps (the LR schedule's length)",
     }
     for key, value in plan.as_dict().items():

@@ -20,7 +20,9 @@ def train(
     result = run_training(
         cfg, config_dir=path.parent, overwrite=overwrite, title=cfg.algorithm.name
     )
-    last = result.last_eval.get("eval/accuracy")
-    summary = f" eval/accuracy {last:.3f}" if last is not None else ""
+    shown = ("eval/accuracy", "eval/rm/accuracy", "eval/rewards/accuracies")
+    summary = "".join(
+        f" {key} {result.last_eval[key]:.3f}" for key in shown if key in result.last_eval
+    )
     print(f"run: {result.run_dir}  model: {result.model_dir}{summary}", file=sys.stderr)
     return 0

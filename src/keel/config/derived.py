@@ -30,9 +30,13 @@ class BatchPlan:
         return asdict(self)
 
 
+# Algorithms trained on fixed data (no rollout): a step's rows are examples (SFT) or pairs.
+OFFLINE = ("sft", "rm", "dpo")
+
+
 def responses_per_prompt(cfg: KeelConfig) -> int:
-    """n for sampling algorithms, 1 for supervised ones (they have no rollout)."""
-    return 1 if cfg.algorithm.name == "sft" else cfg.rollout.n
+    """n for sampling algorithms, 1 for offline ones (they have no rollout)."""
+    return 1 if cfg.algorithm.name in OFFLINE else cfg.rollout.n
 
 
 def batch_plan(cfg: KeelConfig) -> BatchPlan:
@@ -42,7 +46,7 @@ def batch_plan(cfg: KeelConfig) -> BatchPlan:
     mini = t.mini_batch_size or seqs
     micro = t.micro_batch_size or mini
     mini_batches = max(seqs // mini, 1)
-    epochs = t.ppo_epochs if cfg.algorithm.name != "sft" else 1
+    epochs = t.ppo_epochs if cfg.algorithm.name not in OFFLINE else 1
     opt_per_step = mini_batches * epochs
     return BatchPlan(
         sequences_per_step=seqs,
@@ -61,8 +65,8 @@ def check_batch_algebra(cfg: KeelConfig) -> None:
     n = responses_per_prompt(cfg)
     seqs = t.batch_size * n
     what = f"train.batch_size ({t.batch_size}) × rollout.n ({n}) = {seqs} sequences per step"
-    if cfg.algorithm.name == "sft":
-        what = f"train.batch_size ({t.batch_size}) examples per step"
+    if cfg.algorithm.name in OFFLINE:
+        what = f"train.batch_size ({t.batch_size}) examples (or pairs) per step"
     mini = t.mini_batch_size or seqs
     if mini > seqs or seqs % mini:
         raise ValueError(

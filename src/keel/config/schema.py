@@ -35,7 +35,7 @@ class ModelsConfig(Section):
     actor: str = Field(description="HF causal-LM folder of the policy, or builtin:tiny")
     reference: str | None = Field(None, description="reference policy; default: same as actor")
     critic: str | None = None
-    reward: str | None = None
+    reward: str | None = Field(None, description="reward-model folder (RL: scores rollouts)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -51,7 +51,10 @@ class ArithmeticConfig(Section):
 class DataConfig(Section):
     """Training and evaluation data: `builtin:arithmetic` or JSONL/Parquet files."""
 
-    train: str = Field("builtin:arithmetic", description="builtin:arithmetic or a .jsonl/.parquet")
+    train: str = Field(
+        "builtin:arithmetic",
+        description="builtin:arithmetic, builtin:preference (pairs) or a .jsonl/.parquet",
+    )
     eval: str | None = Field(
         None,
         description="held-out data; default: the arithmetic held-out split when training "
@@ -60,10 +63,26 @@ class DataConfig(Section):
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     response_key: str = "response"
+    chosen_key: str = Field("chosen", description="preference pairs: the preferred response")
+    rejected_key: str = Field("rejected", description="preference pairs: the other response")
     apply_chat_template: bool = False
     max_prompt_length: int = Field(64, ge=1)
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
+
+
+class RewardModelConfig(Section):
+    """Scoring with a reward model (`models.reward`): weights, running normalisation, clipping.
+
+    score = weight · clip(normalise(RM score)) + fn_weight · reward.fn (rule reward)."""
+
+    weight: float = Field(1.0, description="weight of the reward model's score")
+    fn_weight: float = Field(
+        0.0, description="weight of the rule reward reward.fn; 0 does not call reward.fn"
+    )
+    normalize: bool = Field(False, description="running z-score of the RM score (all steps)")
+    clip: float | None = Field(None, gt=0, description="clip the (normalised) RM score to ±clip")
+    batch_size: int = Field(64, ge=1, description="sequences per reward-model forward")
 
 
 class RewardConfig(Section):
@@ -73,6 +92,7 @@ class RewardConfig(Section):
     kwargs: dict[str, object] = Field(default_factory=dict)
     on_error: Literal["raise", "fallback"] = "raise"
     fallback_score: float = 0.0
+    model: RewardModelConfig = RewardModelConfig()
 
 
 class RolloutConfig(Section):
@@ -178,8 +198,52 @@ class GRPOAlgorithm(Section):
     entropy_coeff: float = 0.0
 
 
-Algorithm = Annotated[SFTAlgorithm | GRPOAlgorithm, Field(discriminator="name")]
-ALGORITHMS: dict[str, type[Section]] = {"sft": SFTAlgorithm, "grpo": GRPOAlgorithm}
+class RMAlgorithm(Section):
+    """Reward-model training: Bradley–Terry loss on preference pairs, scalar head on the
+    backbone `models.actor`; exported as an HF sequence-classification folder."""
+
+    name: Literal["rm"]
+
+
+DPOLossType = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
+
+
+class DPOAlgorithm(Section):
+    """The DPO family (offline) on preference pairs, against a frozen reference model."""
+
+    name: Literal["dpo"]
+    loss: DPOLossType = "sigmoid"
+    beta: float = Field(0.1, gt=0, description="β (IPO: τ)")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="ε of cDPO / robust DPO (sigmoid, cdpo, robust only)"
+    )
+    precompute_ref_logps: bool = Field(
+        True, description="reference log-probs computed once for the whole dataset and cached"
+    )
+    eval_generate: bool = Field(
+        False,
+        description="evaluation also answers the held-out prompts (greedy) and scores the "
+        "answers with reward.fn (eval/accuracy, eval/reward_mean)",
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_applies(self) -> DPOAlgorithm:
+        if self.label_smoothing > 0 and self.loss in ("ipo", "hinge"):
+            raise ValueError(
+                f"algorithm.label_smoothing applies to sigmoid, cdpo and robust, not {self.loss}"
+            )
+        return self
+
+
+Algorithm = Annotated[
+    SFTAlgorithm | GRPOAlgorithm | RMAlgorithm | DPOAlgorithm, Field(discriminator="name")
+]
+ALGORITHMS: dict[str, type[Section]] = {
+    "sft": SFTAlgorithm,
+    "grpo": GRPOAlgorithm,
+    "rm": RMAlgorithm,
+    "dpo": DPOAlgorithm,
+}
 
 
 class KeelConfig(Section):

@@ -6,6 +6,7 @@ here, before the run directory is touched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,15 @@ from keel.config.derived import batch_plan
 from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, Example, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts
+from keel.data.preference import load_preference_pairs, preference_splits
 from keel.engine import GradientStep, build_optimizer, build_scheduler
-from keel.models import check_vocab, load_causal_lm, load_tokenizer, resolve_model_path
+from keel.models import (
+    check_vocab,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from keel.rewards import RewardScorer, load_reward_fn
 from keel.rollout import HFRolloutEngine
 from keel.workers import (
@@ -26,8 +34,12 @@ from keel.workers import (
     RewardWorker,
     RolloutWorker,
 )
+from keel.workers.dpo import DPOWorker
+from keel.workers.reward_model import ModelRewardWorker, RewardModelTrainer
 
 BUILTIN_TASK = "builtin:arithmetic"
+PREFERENCE_TASK = "builtin:preference"
+PAIR_STAGES = ("rm", "dpo")  # stages that train on preference pairs
 
 
 @dataclass
@@ -35,52 +47,80 @@ class Roles:
     """The worker groups of a run (None where the algorithm has no such role)."""
 
     actor: LocalWorkerGroup
-    rollout: LocalWorkerGroup
-    reward: LocalWorkerGroup
+    rollout: LocalWorkerGroup | None  # None where nothing generates (rm)
+    reward: LocalWorkerGroup | None
     reference: LocalWorkerGroup | None
     tokenizer: Any
 
 
 @dataclass
 class Datasets:
-    train: list[Example]
-    eval: list[Example]
+    """Examples, or PreferencePairs for the stages in PAIR_STAGES."""
+
+    train: list[Any]
+    eval: list[Any]
 
 
 def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datasets:
     """Train and eval examples. SFT rows need a response; RL rows need a prompt (and usually an
-    answer for the verifier)."""
-    d = cfg.data
+    answer for the verifier); rm and dpo rows are preference pairs."""
+    d, a = cfg.data, cfg.data.arithmetic
+    if spec.stage in PAIR_STAGES:
+        return _load_sources(
+            d,
+            base_dir,
+            PREFERENCE_TASK,
+            lambda: preference_splits(a.max_operand, a.ops, a.eval_size, a.seed),
+            lambda path: load_preference_pairs(
+                path,
+                prompt_key=d.prompt_key,
+                chosen_key=d.chosen_key,
+                rejected_key=d.rejected_key,
+                answer_key=d.answer_key,
+            ),
+        )
     need = ("prompt", "response") if spec.stage == "sft" else ("prompt",)
-    builtin = None
-    if BUILTIN_TASK in (d.train, d.eval):
-        a = d.arithmetic
-        builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
-
-    def load(source: str, split: int) -> list[Example]:
-        if source == BUILTIN_TASK:
-            assert builtin is not None
-            return builtin[split]
-        if source.startswith("builtin:"):
-            raise DataError(f"data: unknown built-in dataset {source!r} (known: {BUILTIN_TASK})")
-        path = Path(source)
-        if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
-            path = base_dir / path
-        return load_examples(
+    return _load_sources(
+        d,
+        base_dir,
+        BUILTIN_TASK,
+        lambda: arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed),
+        lambda path: load_examples(
             path,
             prompt_key=d.prompt_key,
             answer_key=d.answer_key,
             response_key=d.response_key,
             require=need,
-        )
+        ),
+    )
 
-    train = load(d.train, 0)
-    eval_source = d.eval or (BUILTIN_TASK if d.train == BUILTIN_TASK else None)
-    if eval_source == BUILTIN_TASK and builtin is None:
-        a = d.arithmetic
-        builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
-    evaluation = load(eval_source, 1) if eval_source else []
-    return Datasets(train=train, eval=evaluation)
+
+def _load_sources(
+    d: DataConfig,
+    base_dir: Path,
+    task: str,
+    splits: Callable[[], tuple[list[Any], list[Any]]],
+    load_file: Callable[[Path], list[Any]],
+) -> Datasets:
+    """data.train / data.eval: the built-in `task` (train / held-out split) or files. An unset
+    data.eval is the task's held-out split when training on the task, else no evaluation."""
+    builtin = splits() if task in (d.train, d.eval) else None
+
+    def load(source: str, split: int) -> list[Any]:
+        if source == task:
+            assert builtin is not None
+            return builtin[split]
+        if source.startswith("builtin:"):
+            raise DataError(
+                f"data: unknown built-in dataset {source!r} for this algorithm (known: {task})"
+            )
+        path = Path(source)
+        if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
+            path = base_dir / path
+        return load_file(path)
+
+    eval_source = d.eval or (task if d.train == task else None)
+    return Datasets(train=load(d.train, 0), eval=load(eval_source, 1) if eval_source else [])
 
 
 def check_prompt_lengths(tokenizer: Any, examples: list[Example], data: DataConfig) -> None:
@@ -109,29 +149,18 @@ def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
 def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> Roles:
     """Load the models and wire the role workers (local, in-process)."""
     plan = batch_plan(cfg)
+    if spec.stage == "rm":
+        return reward_model_roles(cfg)
     actor_path = resolve_model_path(cfg.models.actor)
     tokenizer = load_tokenizer(actor_path)
     model = load_causal_lm(actor_path, dtype=cfg.models.dtype)
     check_vocab(model, tokenizer, actor_path)
-    optimizer = build_optimizer(
-        model,
-        lr=cfg.train.lr,
-        betas=cfg.train.betas,
-        eps=cfg.train.eps,
-        weight_decay=cfg.train.weight_decay,
-    )
-    scheduler = build_scheduler(
-        optimizer,
-        warmup_steps=cfg.train.warmup_steps,
-        total_steps=plan.total_optimizer_steps,
-        schedule=cfg.train.lr_schedule,
-        min_lr_ratio=cfg.train.min_lr_ratio,
-    )
     temperature = cfg.rollout.temperature if spec.stage == "rl" else 1.0
-    actor = ActorWorker(
+    actor_cls = DPOWorker if spec.stage == "dpo" else ActorWorker
+    actor = actor_cls(
         model,
         tokenizer,
-        GradientStep(model, optimizer, scheduler, cfg.train.grad_clip),
+        _gradient_step(model, cfg),
         temperature=temperature,
         mini_batch_size=plan.mini_batch_size,
         micro_batch_size=plan.micro_batch_size,
@@ -160,7 +189,68 @@ def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> R
     return Roles(
         actor=LocalWorkerGroup("actor", [actor]),
         rollout=LocalWorkerGroup("rollout", [RolloutWorker(engine)]),
-        reward=LocalWorkerGroup("reward", [RewardWorker(scorer)]),
+        reward=LocalWorkerGroup("reward", [reward_worker(cfg, scorer)]),
         reference=reference,
+        tokenizer=tokenizer,
+    )
+
+
+def reward_worker(cfg: KeelConfig, scorer: RewardScorer) -> Any:
+    """The rule-reward worker, or with models.reward the reward-model worker (reward.model)."""
+    if cfg.models.reward is None:
+        return RewardWorker(scorer)
+    path = resolve_model_path(cfg.models.reward)
+    tokenizer = load_tokenizer(path)
+    model = load_reward_model(path, pad_token_id=tokenizer.pad_token_id, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    m = cfg.reward.model
+    return ModelRewardWorker(
+        model,
+        tokenizer,
+        rule=scorer,
+        weight=m.weight,
+        fn_weight=m.fn_weight,
+        normalize=m.normalize,
+        clip=m.clip,
+        batch_size=m.batch_size,
+        chat=cfg.data.apply_chat_template,
+    )
+
+
+def _gradient_step(model: Any, cfg: KeelConfig) -> GradientStep:
+    plan = batch_plan(cfg)
+    t = cfg.train
+    optimizer = build_optimizer(
+        model, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=t.warmup_steps,
+        total_steps=plan.total_optimizer_steps,
+        schedule=t.lr_schedule,
+        min_lr_ratio=t.min_lr_ratio,
+    )
+    return GradientStep(model, optimizer, scheduler, t.grad_clip)
+
+
+def reward_model_roles(cfg: KeelConfig) -> Roles:
+    """rm stage: the trained model (role actor) is a scalar-head classifier on models.actor."""
+    plan = batch_plan(cfg)
+    path = resolve_model_path(cfg.models.actor)
+    tokenizer = load_tokenizer(path)
+    model = load_reward_model(path, pad_token_id=tokenizer.pad_token_id, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    trainer = RewardModelTrainer(
+        model,
+        tokenizer,
+        _gradient_step(model, cfg),
+        mini_batch_size=plan.mini_batch_size,
+        micro_batch_size=plan.micro_batch_size,
+    )
+    return Roles(
+        actor=LocalWorkerGroup("actor", [trainer]),
+        rollout=None,
+        reward=None,
+        reference=None,
         tokenizer=tokenizer,
     )

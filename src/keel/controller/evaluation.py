@@ -32,7 +32,7 @@ def evaluate(
     for start in range(0, len(examples), eval_cfg.batch_size):
         chunk = list(examples[start : start + eval_cfg.batch_size])
         batch = rollout.call("generate", chunk, sampling=sampling)
-        batch = reward.call("score", batch)
+        batch = reward.call("score", batch, update_stats=False)  # eval never moves the stats
         scores.append(batch.scores)
         errors += int(batch.meta.get("reward_errors", 0))
         lengths.append(batch.response_mask.sum(dim=1))

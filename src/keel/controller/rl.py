@@ -96,6 +96,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "reward/min": scores.min().item(),
         "reward/errors": float(batch.meta.get("reward_errors", 0)),
         "reward/all_equal_frac": all_equal.mean().item(),
+        **batch.meta.get("reward_metrics", {}),  # e.g. reward/model_* from a reward model
         "response/length_mean": lengths.float().mean().item(),
         "response/length_max": lengths.max().item(),
         "response/clip_ratio": truncated.mean().item(),

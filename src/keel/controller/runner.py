@@ -20,12 +20,18 @@ from keel.controller.assembly import (
     check_prompt_lengths,
     load_datasets,
 )
+from keel.controller.preference import DPOController, RewardModelController
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.recipes import build_spec
 
-CONTROLLERS = {"rl": RLController, "sft": SFTController}
+CONTROLLERS = {
+    "rl": RLController,
+    "sft": SFTController,
+    "rm": RewardModelController,
+    "dpo": DPOController,
+}
 
 
 class RunDirError(ValueError):

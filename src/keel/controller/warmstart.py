@@ -1,5 +1,6 @@
-"""The built-in model `builtin:tiny-arith`: the tiny model warm-started by a short SFT on the
-arithmetic task. Built on first use into the Keel cache, so later runs (and demos) skip it."""
+"""Built-in trained models, built on first use into the Keel cache so later runs skip them:
+`builtin:tiny-arith` (the tiny model warm-started by a short SFT on the arithmetic task) and
+`builtin:tiny-pref-rm` (a reward model of the built-in preference task)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,38 @@ WARMSTART_SFT: dict[str, Any] = {
 
 def build_tiny_arith(path: Path) -> None:
     """Run the warm-start SFT and write its final policy as an HF folder at `path`."""
+    _train_into(path, WARMSTART_SFT, name="tiny-arith", title="SFT warm-start")
+
+
+def _train_into(path: Path, config: dict[str, Any], *, name: str, title: str) -> None:
+    """Run `config` in a temporary run directory and move its final model to `path`."""
     from keel.controller.runner import run_training
 
-    with tempfile.TemporaryDirectory(prefix="keel-warmstart-") as tmp:
-        cfg = validate({**WARMSTART_SFT, "run_dir": tmp}, source="builtin:tiny-arith")
-        result = run_training(cfg, title="SFT warm-start")
+    with tempfile.TemporaryDirectory(prefix=f"keel-{name}-") as tmp:
+        cfg = validate({**config, "run_dir": tmp}, source=f"builtin:{name}")
+        result = run_training(cfg, title=title)
         result.model_dir.rename(path)
 
 
 register_builtin_model("tiny-arith", build_tiny_arith)
+
+
+# The reward model of the built-in preference task (even answers preferred), as
+# examples/rm_pref_tiny.yaml trains it; used by examples/grpo_rm_tiny.yaml as `models.reward`.
+PREFERENCE_RM: dict[str, Any] = {
+    "seed": 0,
+    "models": {"actor": "builtin:tiny"},
+    "algorithm": {"name": "rm"},
+    "data": {"train": "builtin:preference", "arithmetic": {"max_operand": 49}},
+    "train": {"steps": 60, "batch_size": 32, "lr": 1e-3, "lr_schedule": "constant"},
+    "eval": {"every": 0},
+    "monitor": {"progress": True},
+}
+
+
+def build_tiny_pref_rm(path: Path) -> None:
+    """Train the built-in preference task's reward model and write it as an HF folder."""
+    _train_into(path, PREFERENCE_RM, name="tiny-pref-rm", title="reward model")
+
+
+register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)

@@ -26,10 +26,16 @@ def load_examples(
     `require` names which of "prompt", "answer", "response" every row must have; the key in the
     file for each is given by the *_key arguments.
     """
+    keys = {"prompt": prompt_key, "answer": answer_key, "response": response_key}
+    return [_example(row, where, keys, require) for where, row in read_rows(path)]
+
+
+def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) for every row of a .jsonl/.json/.ndjson or .parquet file; `where` is
+    "file:line" or "file: row i". A missing, unsupported or empty file is a DataError."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset not found: {path}")
-    keys = {"prompt": prompt_key, "answer": answer_key, "response": response_key}
     if path.suffix == ".parquet":
         rows = _parquet_rows(path)
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
@@ -38,10 +44,9 @@ def load_examples(
         raise DataError(
             f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)"
         )
-    examples = [_example(row, where, keys, require) for where, row in rows]
-    if not examples:
+    if not rows:
         raise DataError(f"{path}: the dataset has no rows")
-    return examples
+    return rows
 
 
 def _jsonl_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:

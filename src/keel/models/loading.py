@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -150,6 +151,17 @@ def load_causal_lm(
     """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode)."""
     folder = Path(path).expanduser()
     torch_dtype = _torch_dtype(dtype)
+    _check_model_folder(folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"could not load model from {folder}: {e}") from e
+    return model
+
+
+def _check_model_folder(folder: Path) -> None:
     _require_folder(folder, "model")
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"no config.json in model folder: {folder}")
@@ -158,13 +170,32 @@ def load_causal_lm(
             f"no weights in model folder: {folder} (expected *.safetensors or *.bin, "
             "or a sharded *.index.json)"
         )
+
+
+def load_reward_model(
+    path: str | os.PathLike[str], *, pad_token_id: int, dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """AutoModelForSequenceClassification with one label (a scalar head) from a local folder.
+
+    The folder may hold a reward model or a causal-LM backbone (its head is then newly
+    initialised). `pad_token_id` is written into the config so that transformers scores the last
+    non-pad token of each row. Returned in eval mode."""
+    folder = Path(path).expanduser()
+    torch_dtype = _torch_dtype(dtype)
+    _check_model_folder(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, local_files_only=True
+        model = AutoModelForSequenceClassification.from_pretrained(
+            folder, num_labels=1, dtype=torch_dtype, local_files_only=True
         )
     except Exception as e:
-        raise ModelLoadError(f"could not load model from {folder}: {e}") from e
-    return model
+        raise ModelLoadError(f"could not load a reward model from {folder}: {e}") from e
+    if model.config.num_labels != 1:
+        raise ModelLoadError(
+            f"{folder} is a classifier with {model.config.num_labels} labels; a reward model "
+            "needs exactly one (a scalar head)"
+        )
+    model.config.pad_token_id = pad_token_id
+    return model.eval()
 
 
 def check_vocab(

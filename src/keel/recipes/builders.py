@@ -11,7 +11,13 @@ from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.loading import ConfigError
-from keel.config.schema import GRPOAlgorithm, KeelConfig, SFTAlgorithm
+from keel.config.schema import (
+    DPOAlgorithm,
+    GRPOAlgorithm,
+    KeelConfig,
+    RMAlgorithm,
+    SFTAlgorithm,
+)
 
 
 def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
@@ -45,9 +51,29 @@ def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm) -> AlgorithmSpec:
     )
 
 
+def _rm(cfg: KeelConfig, algo: RMAlgorithm) -> AlgorithmSpec:
+    """Bradley–Terry reward model: the trained model (role actor) has a scalar head."""
+    return AlgorithmSpec(name="rm", stage="rm", roles=frozenset({"actor"}), agg_mode="token-mean")
+
+
+def _dpo(cfg: KeelConfig, algo: DPOAlgorithm) -> AlgorithmSpec:
+    return AlgorithmSpec(
+        name="dpo",
+        stage="dpo",
+        roles=frozenset({"actor", "reference"}),
+        agg_mode="token-sum",  # sequence log-probs are sums over completion tokens
+        preference_loss=algo.loss,
+        preference_loss_kwargs={"beta": algo.beta, "label_smoothing": algo.label_smoothing},
+        precompute_ref_logps=algo.precompute_ref_logps,
+        generate_eval=algo.eval_generate,
+    )
+
+
 RECIPES: dict[type, Callable[[KeelConfig, Any], AlgorithmSpec]] = {
     SFTAlgorithm: _sft,
     GRPOAlgorithm: _grpo,
+    RMAlgorithm: _rm,
+    DPOAlgorithm: _dpo,
 }
 
 

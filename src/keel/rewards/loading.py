@@ -9,10 +9,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from keel.rewards.verifiers import exact_match, numeric_match
+from keel.rewards.verifiers import even_answer, exact_match, numeric_match
 
 RewardFn = Callable[..., float]
-BUILTIN_REWARDS: dict[str, RewardFn] = {"numeric_match": numeric_match, "exact_match": exact_match}
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "numeric_match": numeric_match,
+    "exact_match": exact_match,
+    "even_answer": even_answer,
+}
 
 
 class RewardLoadError(ValueError):

@@ -42,3 +42,10 @@ def exact_match(prompt: str, response: str, answer: str | None, **_: object) -> 
     if answer is None:
         raise ValueError("exact_match needs a reference answer (data.answer_key)")
     return float(response.strip() == str(answer).strip())
+
+
+def even_answer(prompt: str, response: str, answer: str | None, **_: object) -> float:
+    """1.0 if the response is an integer whose last digit is even (the built-in preference task's
+    property, `data.train: builtin:preference`), else 0.0. Needs no reference answer."""
+    text = response.strip()
+    return float(text.lstrip("-").isdigit() and int(text[-1]) % 2 == 0)

@@ -12,8 +12,9 @@ class RewardWorker:
     def __init__(self, scorer: RewardScorer):
         self.scorer = scorer
 
-    def score(self, batch: Batch) -> Batch:
-        """Fills `scores` [B]; `meta["reward_errors"]` counts rows that fell back."""
+    def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
+        """Fills `scores` [B]; `meta["reward_errors"]` counts rows that fell back.
+        `update_stats` is accepted for symmetry with ModelRewardWorker (a rule has no state)."""
         assert batch.responses is not None and batch.prompts is not None
         answers = batch.answers or [None] * len(batch)
         scores, errors = self.scorer.score(batch.prompts, batch.responses, answers)

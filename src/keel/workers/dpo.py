@@ -1,0 +1,51 @@
+"""DPOWorker: the policy trained offline on preference pairs (ALGORITHMS.md §9)."""
+
+from __future__ import annotations
+
+import torch
+
+from keel.algo.preference import dpo_loss, sequence_logps
+from keel.algo.spec import AlgorithmSpec
+from keel.engine.forward import response_forward
+from keel.types import Batch
+from keel.workers.actor import ActorWorker
+
+
+class DPOWorker(ActorWorker):
+    """An ActorWorker that also runs the DPO-family update.
+
+    Batches hold interleaved pairs (row 2i chosen, row 2i+1 rejected; `encode_pairs`) with
+    `ref_logprobs` [2N, R] filled; mini_batch_size / micro_batch_size count pairs. Sequence
+    log-probs are Σ over completion tokens (response + EOS) at temperature 1."""
+
+    def update_pairs(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
+        """One optimizer update per mini-batch of pairs; metrics averaged over updates."""
+        history = []
+        for mini in batch.split(2 * self.mini_batch_size):
+            num_pairs = len(mini) // 2
+
+            def loss_fn(micro: Batch, num_pairs: int = num_pairs):
+                logps = sequence_logps(response_forward(self.model, micro)[0], micro.response_mask)
+                ref = sequence_logps(micro.ref_logprobs, micro.response_mask)
+                out = dpo_loss(
+                    logps[0::2], logps[1::2], ref[0::2], ref[1::2],
+                    loss_type=spec.preference_loss, num_pairs=num_pairs,
+                    **spec.preference_loss_kwargs,
+                )  # fmt: skip
+                return out.loss, out.metrics
+
+            stats = self.step.apply(mini.split(2 * self.micro_batch_size), loss_fn)
+            history.append(stats)
+        keys = history[0].keys()
+        means = {k: sum(h[k] for h in history) / len(history) for k in keys}
+        return {(k if "/" in k else f"actor/{k}"): v for k, v in means.items()}
+
+    @torch.no_grad()
+    def sequence_logps(self, batch: Batch) -> torch.Tensor:
+        """Policy sequence log-probs [B] of every row (eval mode, no grad)."""
+        self.model.eval()
+        parts = [
+            sequence_logps(response_forward(self.model, micro)[0], micro.response_mask).cpu()
+            for micro in batch.split(2 * self.micro_batch_size)
+        ]
+        return torch.cat(parts)

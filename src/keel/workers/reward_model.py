@@ -1,0 +1,180 @@
+"""Reward models: training one (Bradley–Terry) and scoring rollouts with one.
+
+A reward model is an HF sequence-classification model with one label (`num_labels=1`) whose
+config sets `pad_token_id`, so transformers scores the last non-pad token of each row; saved with
+`save_pretrained` it loads back with `AutoModelForSequenceClassification` alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.algo.normalization import RunningMoments
+from keel.algo.preference import bradley_terry_loss
+from keel.data.preference import encode_scored
+from keel.engine.forward import position_ids_from_mask
+from keel.engine.update import GradientStep
+from keel.rewards.scoring import RewardScorer
+from keel.types import Batch
+
+
+def sequence_scores(model: Any, batch: Batch) -> torch.Tensor:
+    """The scalar head's output for each row [B] (the last non-pad token's logit)."""
+    assert batch.input_ids is not None and batch.attention_mask is not None
+    device = next(model.parameters()).device
+    attention = batch.attention_mask.to(device)
+    out = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=attention,
+        position_ids=position_ids_from_mask(attention),
+        use_cache=False,
+    )
+    return out.logits[:, 0].float()
+
+
+class RewardModelTrainer:
+    """Role `actor` of the rm stage: owns the reward model, its tokenizer and GradientStep.
+
+    Batches hold interleaved pairs (row 2i chosen, row 2i+1 rejected; `encode_pairs`);
+    mini_batch_size / micro_batch_size count pairs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        step: GradientStep,
+        *,
+        mini_batch_size: int,
+        micro_batch_size: int,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.step = step
+        self.mini_batch_size = mini_batch_size
+        self.micro_batch_size = micro_batch_size
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One optimizer update per mini-batch of pairs; rm/* metrics averaged over updates."""
+        history = []
+        for mini in batch.split(2 * self.mini_batch_size):
+            num_pairs = len(mini) // 2
+
+            def loss_fn(micro: Batch, num_pairs: int = num_pairs):
+                scores = sequence_scores(self.model, micro)
+                out = bradley_terry_loss(scores[0::2], scores[1::2], num_pairs=num_pairs)
+                return out.loss, out.metrics
+
+            stats = self.step.apply(mini.split(2 * self.micro_batch_size), loss_fn)
+            history.append(stats)
+        keys = history[0].keys()
+        means = {k: sum(h[k] for h in history) / len(history) for k in keys}
+        return {(k if k.startswith("rm/") else f"rm/{k}"): v for k, v in means.items()}
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> torch.Tensor:
+        """Scores [B] of every row, in micro-batches, eval mode."""
+        self.model.eval()
+        parts = [
+            sequence_scores(self.model, micro).cpu()
+            for micro in batch.split(2 * self.micro_batch_size)
+        ]
+        return torch.cat(parts)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.step.optimizer.state_dict(),
+            "scheduler": self.step.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.step.optimizer.load_state_dict(state["optimizer"])
+        self.step.scheduler.load_state_dict(state["scheduler"])
+
+
+class ModelRewardWorker:
+    """Role `reward` with `models.reward`: score = weight · clip(normalise(RM score))
+    + fn_weight · rule reward (the rule scorer is called only when fn_weight ≠ 0).
+
+    The RM tokenizes `prompt + response + EOS` itself, so it may use another tokenizer than the
+    policy. `normalize`: running z-score over every training batch scored so far (evaluation
+    batches are normalised with the current statistics but do not update them)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        rule: RewardScorer | None,
+        weight: float = 1.0,
+        fn_weight: float = 0.0,
+        normalize: bool = False,
+        clip: float | None = None,
+        batch_size: int = 64,
+        chat: bool = False,
+    ):
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.rule = rule
+        self.weight = weight
+        self.fn_weight = fn_weight
+        self.normalizer = RunningMoments() if normalize else None
+        self.clip = clip
+        self.batch_size = batch_size
+        self.chat = chat
+
+    @torch.no_grad()
+    def model_scores(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
+        """Raw reward-model scores [B], `batch_size` rows per forward."""
+        parts = []
+        for s in range(0, len(responses), self.batch_size):
+            rows = encode_scored(
+                self.tokenizer,
+                prompts[s : s + self.batch_size],
+                responses[s : s + self.batch_size],
+                chat=self.chat,
+            )
+            parts.append(sequence_scores(self.model, rows).cpu())
+        return torch.cat(parts)
+
+    def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
+        """Fills `scores` [B]; meta["reward_metrics"] holds reward/model_* diagnostics."""
+        assert batch.responses is not None and batch.prompts is not None
+        raw = self.model_scores(list(batch.prompts), list(batch.responses))
+        shaped = raw
+        if self.normalizer is not None:
+            shaped = self.normalizer.normalize(raw, update=update_stats)
+        if self.clip is not None:
+            shaped = shaped.clamp(-self.clip, self.clip)
+        total = self.weight * shaped
+        metrics = {
+            "reward/model_mean": raw.mean().item(),
+            "reward/model_std": raw.std(unbiased=False).item(),
+            "reward/model_shaped_mean": shaped.mean().item(),
+        }
+        errors = 0
+        if self.rule is not None and self.fn_weight != 0:
+            answers = batch.answers or [None] * len(batch)
+            rule, errors = self.rule.score(batch.prompts, batch.responses, answers)
+            rule_t = torch.tensor(rule, dtype=torch.float32)
+            total = total + self.fn_weight * rule_t
+            metrics["reward/fn_mean"] = rule_t.mean().item()
+        out = batch.replace(scores=total.float())
+        out.meta = {**batch.meta, "reward_errors": errors, "reward_metrics": metrics}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"normalizer": self.normalizer.state_dict() if self.normalizer else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.normalizer is not None and state.get("normalizer") is not None:
+            self.normalizer.load_state_dict(state["normalizer"])
