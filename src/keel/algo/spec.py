@@ -21,6 +21,17 @@ class AlgorithmSpec:
     agg_mode, loss_scale_factor: loss aggregation (ALGORITHMS.md §1) for every loss term.
     kl_loss_coef, kl_loss_type: KL as a loss against the reference (0: no reference model).
     entropy_coeff: the entropy bonus c_H.
+    ppo_epochs: passes over each rollout batch.
+    kl_reward_type / kl_ctrl: KL in the reward (ALGORITHMS.md §3): the estimator on (ℓ_old, ℓ_ref)
+      and the controller options for keel.algo.build_kl_controller (kind, kl_coef, target_kl,
+      horizon); None: no KL in the reward.
+    value_clip, critic_warmup_steps: the critic's value clipping ε_v (None: off) and the number
+      of first steps in which only the critic is updated, and its learning rate (roles with
+      "critic").
+    dynamic_sampling, max_gen_batches: drop groups whose scores are all equal and generate more
+      until the batch is full, at most max_gen_batches generation rounds per step (0: no cap).
+    mask_truncated: responses cut at the length budget (no EOS) get response mask 0.
+    overlong_buffer_len, overlong_penalty_factor: soft overlong punishment (0: off).
     """
 
     name: str
@@ -36,7 +47,21 @@ class AlgorithmSpec:
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
+    kl_reward_type: str | None = None
+    kl_ctrl: dict[str, Any] = field(default_factory=dict)
+    value_clip: float | None = None
+    critic_warmup_steps: int = 0
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 0
+    mask_truncated: bool = False
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    critic_lr: float | None = None
 
     @property
     def needs_reference(self) -> bool:
         return "reference" in self.roles
+
+    @property
+    def needs_critic(self) -> bool:
+        return "critic" in self.roles

@@ -16,11 +16,18 @@ from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, Example, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts
 from keel.engine import GradientStep, build_optimizer, build_scheduler
-from keel.models import check_vocab, load_causal_lm, load_tokenizer, resolve_model_path
+from keel.models import (
+    check_vocab,
+    load_causal_lm,
+    load_tokenizer,
+    load_value_model,
+    resolve_model_path,
+)
 from keel.rewards import RewardScorer, load_reward_fn
 from keel.rollout import HFRolloutEngine
 from keel.workers import (
     ActorWorker,
+    CriticWorker,
     LocalWorkerGroup,
     ReferenceWorker,
     RewardWorker,
@@ -39,6 +46,7 @@ class Roles:
     reward: LocalWorkerGroup
     reference: LocalWorkerGroup | None
     tokenizer: Any
+    critic: LocalWorkerGroup | None = None
 
 
 @dataclass
@@ -157,10 +165,39 @@ def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> R
                 )
             ],
         )
+    critic = build_critic(cfg, spec, tokenizer) if spec.needs_critic else None
     return Roles(
         actor=LocalWorkerGroup("actor", [actor]),
         rollout=LocalWorkerGroup("rollout", [RolloutWorker(engine)]),
         reward=LocalWorkerGroup("reward", [RewardWorker(scorer)]),
         reference=reference,
         tokenizer=tokenizer,
+        critic=critic,
     )
+
+
+def build_critic(cfg: KeelConfig, spec: AlgorithmSpec, tokenizer: Any) -> LocalWorkerGroup:
+    """The critic from `models.critic` (default: the actor's folder, with a new value head),
+    trained by its own AdamW at `spec.critic_lr` with the train section's LR schedule."""
+    plan = batch_plan(cfg)
+    path = resolve_model_path(cfg.models.critic or cfg.models.actor)
+    model = load_value_model(path, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    t = cfg.train
+    lr = spec.critic_lr or t.lr
+    optimizer = build_optimizer(model, lr=lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=t.warmup_steps,
+        total_steps=plan.total_optimizer_steps,
+        schedule=t.lr_schedule,
+        min_lr_ratio=t.min_lr_ratio,
+    )
+    worker = CriticWorker(
+        model,
+        tokenizer,
+        GradientStep(model, optimizer, scheduler, t.grad_clip),
+        mini_batch_size=plan.mini_batch_size,
+        micro_batch_size=plan.micro_batch_size,
+    )
+    return LocalWorkerGroup("critic", [worker])

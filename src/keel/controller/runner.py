@@ -78,6 +78,10 @@ def run_training(
     finally:
         monitor.close()
     model_dir = save_policy(roles, run_dir / "model")
+    if roles.critic is not None:
+        publish_folder(
+            run_dir / "critic", lambda tmp: roles.critic.call_all("save_pretrained", path=tmp)
+        )
     return RunResult(run_dir, model_dir, first_eval, last_eval, cfg.train.steps)
 
 
@@ -91,7 +95,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-RUN_FILES = ("metrics.jsonl", "config.yaml", "model", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "model", "checkpoints", "critic")
 
 
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:

@@ -13,6 +13,7 @@ from keel.models.loading import (
     keel_cache_dir,
     load_causal_lm,
     load_tokenizer,
+    load_value_model,
     register_builtin_model,
     resolve_model_path,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "keel_cache_dir",
     "load_causal_lm",
     "load_tokenizer",
+    "load_value_model",
     "register_builtin_model",
     "resolve_model_path",
 ]

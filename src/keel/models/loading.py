@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -144,12 +146,7 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def load_causal_lm(
-    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
-) -> PreTrainedModel:
-    """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode)."""
-    folder = Path(path).expanduser()
-    torch_dtype = _torch_dtype(dtype)
+def _check_model_folder(folder: Path) -> None:
     _require_folder(folder, "model")
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"no config.json in model folder: {folder}")
@@ -158,12 +155,40 @@ def load_causal_lm(
             f"no weights in model folder: {folder} (expected *.safetensors or *.bin, "
             "or a sharded *.index.json)"
         )
+
+
+def load_causal_lm(
+    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode)."""
+    folder = Path(path).expanduser()
+    torch_dtype = _torch_dtype(dtype)
+    _check_model_folder(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch_dtype, local_files_only=True
         )
     except Exception as e:
         raise ModelLoadError(f"could not load model from {folder}: {e}") from e
+    return model
+
+
+def load_value_model(
+    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """A critic: AutoModelForTokenClassification with one label (a scalar per position) on an HF
+    backbone, classifier dropout 0. From a causal-LM (or sequence-classification) folder the
+    backbone is loaded and the value head is new; a saved critic folder loads back whole."""
+    folder = Path(path).expanduser()
+    _check_model_folder(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(
+            folder, config=config, dtype=_torch_dtype(dtype), local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"could not load a value model (critic) from {folder}: {e}") from e
     return model
 
 
