@@ -33,8 +33,8 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-PPO = {"name": "ppo", "critic_warmup_steps": 1, "critic_lr": 1e-3,
-       "kl_ctrl": {"type": "adaptive", "kl_coef": 0.1, "target_kl": 0.01, "horizon": 10}}  # fmt: skip
+ADAPTIVE = {"type": "adaptive", "kl_coef": 0.1, "target_kl": 0.01, "horizon": 10}
+PPO = {"name": "ppo", "critic_warmup_steps": 1, "critic_lr": 1e-3, "kl_ctrl": ADAPTIVE}
 
 
 def test_ppo_trains_only_the_critic_during_warm_up_then_both(tiny_dir):

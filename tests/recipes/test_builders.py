@@ -40,8 +40,9 @@ def test_a_model_for_a_role_the_algorithm_lacks_is_an_error():
 
 
 def test_ppo_spec_has_a_critic_gae_and_kl_in_the_reward():
+    ctrl = {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6}
     spec = build_spec(cfg(name="ppo", gamma=0.99, lam=0.9, critic_lr=1e-3, critic_warmup_steps=3,
-                          kl_ctrl={"type": "adaptive", "kl_coef": 0.2, "target_kl": 6}))  # fmt: skip
+                          kl_ctrl=ctrl))  # fmt: skip
     assert spec.needs_critic and spec.needs_reference
     assert spec.advantage == "gae"
     assert spec.advantage_kwargs == {"gamma": 0.99, "lam": 0.9, "whiten": True}
