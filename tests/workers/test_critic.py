@@ -101,3 +101,17 @@ def test_state_dict_round_trip_gives_the_same_next_update(tiny_dir):
         w.update(batch, spec("token-mean"))
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_reward_model_folder_gives_the_critic_its_backbone_and_head_weights(tiny_dir, tmp_path):
+    """PPO's critic may start from a sequence-classification reward model: the backbone and the
+    score weights load, only the (bias) term the RM lacks is new."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_dir, num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    load_tokenizer(tiny_dir).save_pretrained(tmp_path / "rm")
+    value = load_value_model(tmp_path / "rm")
+    assert torch.equal(value.score.weight, rm.score.weight)
+    rm_layer = rm.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(value.model.layers[0].mlp.up_proj.weight, rm_layer)

@@ -101,7 +101,6 @@ def gspo_loss(
     num_seqs: int | None = None,
     scale_factor: float | None = None,
     token_level: bool = False,
-    **_unused: float,
 ) -> PolicyLossOutput:
     """GSPO (arXiv:2507.18071, ALGORITHMS.md §6). ℓ, ℓ_old, A, m: [B, R].
 
@@ -110,7 +109,7 @@ def gspo_loss(
     the row. GSPO-token: s_{i,t} = exp(sg[log s_i] + ℓ_t − sg[ℓ_t]) (value s_i, gradient of
     token t only), L_{i,t} = max(−A_{i,t}·s_{i,t}, −A_{i,t}·clip(s_{i,t})). log s clamped at
     max 10 (verl); no dual-clip. The loss is agg(L, m, agg_mode); both variants are equal when
-    A_{i,t} = Â_i. Extra keyword options of other losses (clip_ratio_c) are ignored.
+    A_{i,t} = Â_i.
     """
     m = response_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype)

@@ -86,10 +86,14 @@ def _gspo(cfg: KeelConfig, algo: GSPOAlgorithm) -> AlgorithmSpec:
 
 
 def _reward_kl_spec(
-    cfg: KeelConfig, algo: RewardKLAlgorithm, advantage: str, **changes: Any
+    cfg: KeelConfig,
+    algo: RewardKLAlgorithm,
+    advantage: str,
+    extra_roles: frozenset[str] = frozenset(),
+    **changes: Any,
 ) -> AlgorithmSpec:
     """PPO, RLOO, REINFORCE++: PPO-clip loss; KL in the reward (and/or as a loss)."""
-    roles = {"actor", "rollout", "reward"}
+    roles = {"actor", "rollout", "reward", *extra_roles}
     ctrl = algo.kl_ctrl
     kl_in_reward = algo.use_kl_in_reward and (ctrl.kl_coef > 0 or ctrl.type == "adaptive")
     if kl_in_reward or algo.kl_loss_coef > 0:
@@ -119,12 +123,11 @@ def _reward_kl_spec(
 
 
 def _ppo(cfg: KeelConfig, algo: PPOAlgorithm) -> AlgorithmSpec:
-    base = _reward_kl_spec(cfg, algo, "gae")
     return _reward_kl_spec(
         cfg,
         algo,
         "gae",
-        roles=base.roles | {"critic"},
+        extra_roles=frozenset({"critic"}),
         advantage_kwargs={"gamma": algo.gamma, "lam": algo.lam, "whiten": algo.norm_adv},
         value_clip=algo.cliprange_value,
         critic_warmup_steps=algo.critic_warmup_steps,
