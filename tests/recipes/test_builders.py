@@ -92,3 +92,14 @@ def test_unknown_keys_of_the_new_sections_are_rejected():
         cfg(name="ppo", kl_ctrl={"typo": 1})
     with pytest.raises(ConfigError, match="critic_lr"):
         cfg(name="rloo", critic_lr=1e-3)
+
+
+def test_an_overlong_buffer_longer_than_the_generation_budget_is_a_config_error():
+    import pytest
+
+    from keel.config import ConfigError
+
+    c = validate({"models": {"actor": "x"}, "algorithm": {"name": "dapo", "overlong_buffer_len": 9},
+                  "rollout": {"max_new_tokens": 8}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer_len \(9\)"):
+        build_spec(c)

@@ -68,6 +68,13 @@ def _drgrpo(cfg: KeelConfig, algo: DrGRPOAlgorithm) -> AlgorithmSpec:
 
 
 def _dapo(cfg: KeelConfig, algo: DAPOAlgorithm) -> AlgorithmSpec:
+    budget = cfg.rollout.max_new_tokens
+    if algo.overlong_buffer_len > budget:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len ({algo.overlong_buffer_len}) must not exceed "
+            f"rollout.max_new_tokens ({budget}): the punishment starts at max_new_tokens − "
+            "overlong_buffer_len"
+        )
     return _grpo(
         cfg,
         algo,
