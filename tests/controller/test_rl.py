@@ -87,3 +87,19 @@ def test_truncated_rows_lose_their_loss_mask_only():
     out, frac = mask_truncated(batch)
     assert out.response_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
     assert frac == pytest.approx(1 / 3)
+
+
+def test_a_ppo_run_writes_the_critic_as_an_hf_folder_next_to_the_policy(tiny_dir, tmp_path):
+    from keel.controller import run_training
+    from keel.models import load_value_model
+
+    cfg = validate({
+        "run_dir": str(tmp_path / "run"), "models": {"actor": str(tiny_dir)},
+        "algorithm": {"name": "ppo", "critic_lr": 1e-3}, "data": {"arithmetic": {"eval_size": 4}},
+        "rollout": {"n": 2, "max_new_tokens": 4}, "train": {"batch_size": 2, "steps": 1},
+        "monitor": {"progress": False},
+    })  # fmt: skip
+    result = run_training(cfg)
+    critic = load_value_model(result.run_dir / "critic")
+    assert critic.config.num_labels == 1
+    assert (result.run_dir / "critic" / "tokenizer.json").is_file()
