@@ -1,5 +1,6 @@
-"""The RL step: sample → reward → old/ref log-probs → advantages → update. Algorithm-blind:
-everything algorithm-specific comes from the AlgorithmSpec."""
+"""The RL step: sample → reward (→ dynamic sampling, shaping) → old/ref log-probs → values →
+per-token rewards and advantages → critic and actor updates. Algorithm-blind: everything
+algorithm-specific comes from the AlgorithmSpec."""
 
 from __future__ import annotations
 
