@@ -73,9 +73,9 @@ def test_missing_actor_is_reported(tmp_path):
 
 
 def test_unknown_algorithm_name_is_reported(tmp_path):
-    msg = load_error(write_config(tmp_path, algorithm={"name": "ppo"}))
+    msg = load_error(write_config(tmp_path, algorithm={"name": "a2c"}))
     assert "algorithm:" in msg
-    assert "'ppo'" in msg
+    assert "'a2c'" in msg
 
 
 def test_invalid_yaml_reports_file_and_line(tmp_path):

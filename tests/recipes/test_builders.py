@@ -62,6 +62,72 @@ def test_label_smoothing_only_where_it_means_something():
         cfg(name="dpo", label_smoothing=0.5)
 
 
+def test_ppo_spec_has_a_critic_gae_and_kl_in_the_reward():
+    ctrl = {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6}
+    spec = build_spec(cfg(name="ppo", gamma=0.99, lam=0.9, critic_lr=1e-3, critic_warmup_steps=3,
+                          kl_ctrl=ctrl))  # fmt: skip
+    assert spec.needs_critic and spec.needs_reference
+    assert spec.advantage == "gae"
+    assert spec.advantage_kwargs == {"gamma": 0.99, "lam": 0.9, "whiten": True}
+    assert spec.kl_reward_type == "kl" and spec.kl_loss_coef == 0.0
+    assert spec.kl_ctrl == {"kind": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000}
+    assert spec.value_clip == 0.5 and spec.critic_lr == 1e-3 and spec.critic_warmup_steps == 3
+
+
+def test_without_kl_anywhere_no_reference_is_loaded():
+    spec = build_spec(cfg(name="rloo", use_kl_in_reward=False))
+    assert not spec.needs_reference and spec.kl_reward_type is None and spec.advantage == "rloo"
+    fixed_zero = build_spec(cfg(name="reinforce_pp", kl_ctrl={"kl_coef": 0.0}))
+    assert not fixed_zero.needs_reference
+
+
+def test_reinforce_pp_and_its_baseline_variant():
+    assert build_spec(cfg(name="reinforce_pp", gamma=0.9)).advantage_kwargs == {"gamma": 0.9}
+    assert build_spec(cfg(name="reinforce_pp_baseline")).advantage == "reinforce_pp_baseline"
+
+
+def test_drgrpo_divides_by_the_generation_budget_and_drops_the_std():
+    c = validate({"models": {"actor": "x"}, "algorithm": {"name": "drgrpo"},
+                  "rollout": {"max_new_tokens": 24}})  # fmt: skip
+    spec = build_spec(c)
+    assert spec.agg_mode == "seq-mean-token-sum-norm" and spec.loss_scale_factor == 24
+    assert spec.advantage_kwargs["norm_by_std"] is False and not spec.needs_reference
+
+
+def test_dapo_and_gspo_specs():
+    dapo = build_spec(cfg(name="dapo", overlong_buffer_len=4, overlong_filter=True))
+    assert dapo.policy_loss_kwargs == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                                       "clip_ratio_c": 10.0}  # fmt: skip
+    assert dapo.agg_mode == "token-mean" and dapo.dynamic_sampling and dapo.max_gen_batches == 4
+    assert dapo.mask_truncated and dapo.overlong_buffer_len == 4
+    gspo = build_spec(cfg(name="gspo"))
+    assert gspo.policy_loss == "gspo" and gspo.agg_mode == "seq-mean-token-mean"
+    assert gspo.policy_loss_kwargs == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+    assert build_spec(cfg(name="gspo", importance_level="token")).policy_loss == "gspo_token"
+
+
+def test_unknown_keys_of_the_new_sections_are_rejected():
+    import pytest
+
+    from keel.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_ctrl"):
+        cfg(name="ppo", kl_ctrl={"typo": 1})
+    with pytest.raises(ConfigError, match="critic_lr"):
+        cfg(name="rloo", critic_lr=1e-3)
+
+
+def test_an_overlong_buffer_longer_than_the_generation_budget_is_a_config_error():
+    import pytest
+
+    from keel.config import ConfigError
+
+    c = validate({"models": {"actor": "x"}, "algorithm": {"name": "dapo", "overlong_buffer_len": 9},
+                  "rollout": {"max_new_tokens": 8}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer_len \(9\)"):
+        build_spec(c)
+
+
 def test_a_reward_model_for_dpo_is_an_error():
     import pytest
 

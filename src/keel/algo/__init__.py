@@ -4,29 +4,50 @@ Nothing here imports transformers, ray or vllm, and nothing reads a config objec
 is testable in milliseconds. The formulas follow ../shared/docs/ALGORITHMS.md (verl semantics).
 """
 
-from keel.algo.advantages import ADVANTAGE_ESTIMATORS, grpo_outcome_advantage
+from keel.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    discounted_returns,
+    gae_advantage_return,
+    grpo_outcome_advantage,
+    rloo_outcome_advantage,
+    token_level_rewards,
+)
 from keel.algo.aggregation import AGG_MODES, agg_loss, loss_denominators
 from keel.algo.kl import KL_ESTIMATORS, kl_penalty
+from keel.algo.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
 from keel.algo.masked import masked_mean, masked_sum, masked_whiten
-from keel.algo.policy_loss import POLICY_LOSSES, PolicyLossOutput, ppo_clip_loss
+from keel.algo.policy_loss import POLICY_LOSSES, PolicyLossOutput, gspo_loss, ppo_clip_loss
+from keel.algo.shaping import overlong_penalty, varied_groups
 from keel.algo.supervised import sft_loss
+from keel.algo.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
     "PolicyLossOutput",
     "agg_loss",
+    "build_kl_controller",
+    "clipped_value_loss",
+    "discounted_returns",
     "entropy_from_logits",
+    "gae_advantage_return",
     "grpo_outcome_advantage",
+    "gspo_loss",
     "kl_penalty",
     "logprobs_from_logits",
     "loss_denominators",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "overlong_penalty",
     "ppo_clip_loss",
+    "rloo_outcome_advantage",
     "sft_loss",
+    "token_level_rewards",
+    "varied_groups",
 ]

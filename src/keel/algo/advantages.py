@@ -1,7 +1,7 @@
-"""Advantage estimators (ALGORITHMS.md §4 onwards), registered by name.
+"""Advantage estimators (ALGORITHMS.md §3, §4, §7, §8), registered by name.
 
-Every estimator maps (scores [B], response_mask [B, R], group_ids [B], options) to advantages
-[B, R] that are 0 outside the mask.
+The pure formulas take scores [B] or token rewards [B, R]; ADVANTAGE_ESTIMATORS wraps each in
+one calling convention (see the registry below). Advantages are 0 outside the response mask.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from keel.algo.masked import masked_sum, masked_whiten
 
 
 def group_statistics(
@@ -58,5 +60,159 @@ def grpo_outcome_advantage(
     return torch.where(m, adv.unsqueeze(1).expand_as(response_mask), torch.zeros(()))
 
 
-AdvantageFn = Callable[..., torch.Tensor]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {"grpo": grpo_outcome_advantage}
+def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position with m = 1 in each row, [B] long (−1 for a fully masked row)."""
+    r = response_mask.shape[1]
+    positions = torch.arange(r).expand_as(response_mask)
+    return torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).amax(dim=1)
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """r[i,t] = −β·k[i,t]·m[i,t] + R_i·1[t = last valid token of row i] (ALGORITHMS.md §3).
+
+    scores [B], response_mask [B, R], kl [B, R] (per-token estimate, None: no KL) → [B, R],
+    exactly 0 outside the mask. A fully masked row gets no score.
+    """
+    m = response_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32)
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    if kl is not None and kl_coef != 0.0:
+        rewards = torch.where(m, -kl_coef * kl.float(), zero)
+    last = last_valid_index(response_mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    rewards[rows, last[rows]] += scores.float()[rows]
+    return rewards
+
+
+def sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """R_i = Σ_t m·r[i,t] ([B, R] → [B]): the outcome score of outcome-based estimators."""
+    return masked_sum(token_rewards, response_mask, dim=1)
+
+
+def _broadcast(per_row: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    m = response_mask.bool()
+    return torch.where(m, per_row.unsqueeze(1).expand(m.shape), torch.zeros(()))
+
+
+def gae_advantage_return(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman arXiv:1506.02438) backwards over response tokens (ALGORITHMS.md §3).
+
+    r, V, m: [B, R] → (A, Ret) [B, R], both 0 outside the mask, A un-whitened.
+    δ_t = r_t + γ·V_next − V_t;  g_t = δ_t + γλ·g_next;  A_t = g_t;  Ret_t = A_t + V_t.
+    V_next and g_next start at 0 (terminal) and carry over unchanged across m = 0 tokens.
+    """
+    m = response_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32)
+    r = torch.where(m, token_rewards.float(), zero)
+    v = torch.where(m, values.float(), zero)
+    b, length = r.shape
+    next_value = torch.zeros(b)
+    next_gae = torch.zeros(b)
+    advantages = torch.zeros(b, length)
+    for t in reversed(range(length)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        gae = delta + gamma * lam * next_gae
+        valid = m[:, t]
+        next_gae = torch.where(valid, gae, next_gae)
+        next_value = torch.where(valid, v[:, t], next_value)
+        advantages[:, t] = torch.where(valid, gae, zero)
+    returns = torch.where(m, advantages + v, zero)
+    return advantages, returns
+
+
+def discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0
+) -> torch.Tensor:
+    """G_t = Σ_{s≥t} γ^{s−t} r_s over valid tokens (m = 0 tokens skipped, the running return
+    carried over them). r, m: [B, R] → G [B, R], 0 outside the mask (ALGORITHMS.md §8)."""
+    m = response_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32)
+    r = torch.where(m, token_rewards.float(), zero)
+    running = torch.zeros(r.shape[0])
+    returns = torch.zeros_like(r)
+    for t in reversed(range(r.shape[1])):
+        running = torch.where(m[:, t], r[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(m[:, t], running, zero)
+    return returns
+
+
+def rloo_outcome_advantage(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor
+) -> torch.Tensor:
+    """RLOO (arXiv:2402.14740): Â_i = R_i − mean_{j≠i} R_j = k/(k−1)·(R_i − mean_g R).
+
+    scores [B], response_mask [B, R], group_ids [B] → [B, R]. A singleton group gives Â = R_i
+    (verl's loop implementation; avoid k = 1).
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    s = scores.to(torch.float64)
+    sums = torch.zeros(counts.numel(), dtype=s.dtype).index_add_(0, inverse, s)
+    k = counts[inverse].to(s.dtype)
+    loo_mean = (sums[inverse] - s) / (k - 1).clamp(min=1)
+    adv = torch.where(k > 1, s - loo_mean, s).to(torch.float32)
+    return _broadcast(adv, response_mask)
+
+
+def group_mean_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """R̃_i = R_i − mean_g R (singleton groups: mean 0), [B] (REINFORCE++-baseline)."""
+    mean, _, _ = group_statistics(scores, group_ids)
+    return (scores.to(torch.float64) - mean.to(torch.float64)).to(torch.float32)
+
+
+# ------------------------------------------------------------------ the registry
+# Every registered estimator takes the same keyword arguments and returns (advantages, returns):
+#   token_rewards [B, R] (score on the last valid token, −β·k where KL is in the reward),
+#   response_mask [B, R], group_ids [B], values [B, R] or None (critic), plus its options.
+# returns is None for estimators without a critic.
+
+
+def _grpo(token_rewards, response_mask, group_ids, values=None, **options):
+    scores = sequence_scores(token_rewards, response_mask)
+    return grpo_outcome_advantage(scores, response_mask, group_ids, **options), None
+
+
+def _gae(token_rewards, response_mask, group_ids, values=None, *, whiten=True, **options):
+    if values is None:
+        raise ValueError("the gae advantage estimator needs critic values")
+    advantages, returns = gae_advantage_return(token_rewards, values, response_mask, **options)
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+def _rloo(token_rewards, response_mask, group_ids, values=None):
+    scores = sequence_scores(token_rewards, response_mask)
+    return rloo_outcome_advantage(scores, response_mask, group_ids), None
+
+
+def _reinforce_pp(token_rewards, response_mask, group_ids, values=None, *, gamma=1.0):
+    returns = discounted_returns(token_rewards, response_mask, gamma=gamma)
+    return masked_whiten(returns, response_mask), returns
+
+
+def _reinforce_pp_baseline(token_rewards, response_mask, group_ids, values=None):
+    scores = sequence_scores(token_rewards, response_mask)
+    centred = _broadcast(group_mean_baseline(scores, group_ids), response_mask)
+    return masked_whiten(centred, response_mask), None
+
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+    "grpo": _grpo,
+    "gae": _gae,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
+}

@@ -49,3 +49,13 @@ def kl_penalty(
         return value
     k2 = _k2(logprobs, ref_logprobs)
     return k2 - k2.detach() + value.detach()
+
+
+def batch_mean_kl(kl: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """The batch's current KL (§2): mean over rows with ≥ 1 valid token of Σ_t m·k / n_i.
+    kl, response_mask: [B, R]."""
+    m = response_mask.bool()
+    n = m.sum(dim=1)
+    per_row = torch.where(m, kl, torch.zeros((), dtype=kl.dtype)).sum(dim=1) / n.clamp(min=1)
+    valid = n > 0
+    return float(per_row[valid].mean()) if bool(valid.any()) else 0.0

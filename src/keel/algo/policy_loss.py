@@ -69,5 +69,81 @@ def ppo_clip_loss(
     return PolicyLossOutput(loss, clipfrac, clipfrac_lower, ppo_kl)
 
 
+def _sequence_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, m: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token log-ratios [B, R] with 0 outside m, log s_i [B] = Σ_t m·(ℓ − ℓ_old)/|y_i|)."""
+    zero = torch.zeros((), dtype=logprobs.dtype)
+    log_ratio = torch.where(m, logprobs - torch.where(m, old_logprobs, zero), zero)
+    lengths = m.sum(dim=1).clamp(min=1).to(logprobs.dtype)
+    return log_ratio, log_ratio.sum(dim=1) / lengths
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max(−A·s, −A·clip(s, 1−low, 1+high)), [−A·clip(s) > −A·s]) elementwise."""
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return torch.maximum(loss1, loss2), loss2 > loss1
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    agg_mode: str = "seq-mean-token-mean",
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+    scale_factor: float | None = None,
+    token_level: bool = False,
+) -> PolicyLossOutput:
+    """GSPO (arXiv:2507.18071, ALGORITHMS.md §6). ℓ, ℓ_old, A, m: [B, R].
+
+    s_i = exp((1/|y_i|) Σ_t m·(ℓ − ℓ_old)). Sequence level (token_level=False): Â_i = masked
+    mean of A over row i, L_i = max(−Â_i·s_i, −Â_i·clip(s_i, 1−ε_l, 1+ε_r)) on every token of
+    the row. GSPO-token: s_{i,t} = exp(sg[log s_i] + ℓ_t − sg[ℓ_t]) (value s_i, gradient of
+    token t only), L_{i,t} = max(−A_{i,t}·s_{i,t}, −A_{i,t}·clip(s_{i,t})). log s clamped at
+    max 10 (verl); no dual-clip. The loss is agg(L, m, agg_mode); both variants are equal when
+    A_{i,t} = Â_i.
+    """
+    m = response_mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype)
+    adv = torch.where(m, advantages, zero)
+    log_ratio, log_seq = _sequence_log_ratio(logprobs, old_logprobs, m)
+    if token_level:
+        safe_lp = torch.where(m, logprobs, zero)
+        log_s = log_seq.detach().unsqueeze(1) + safe_lp - safe_lp.detach()
+        ratio = torch.exp(torch.clamp(log_s, max=10.0))
+        per_token, clipped = _clipped_objective(ratio, adv, clip_ratio_low, clip_ratio_high)
+    else:
+        lengths = m.sum(dim=1).clamp(min=1).to(adv.dtype)
+        seq_adv = adv.sum(dim=1) / lengths
+        ratio = torch.exp(torch.clamp(log_seq, max=10.0))
+        per_seq, clipped_seq = _clipped_objective(ratio, seq_adv, clip_ratio_low, clip_ratio_high)
+        per_token = per_seq.unsqueeze(1).expand(m.shape)
+        clipped = clipped_seq.unsqueeze(1).expand(m.shape)
+    loss = agg_loss(
+        per_token, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor
+    )
+    with torch.no_grad():
+        clipfrac = masked_mean(clipped.float(), m)
+        ppo_kl = masked_mean(-log_ratio, m)
+    return PolicyLossOutput(loss, clipfrac, torch.zeros(()), ppo_kl)
+
+
+def gspo_token_loss(*args, **kwargs) -> PolicyLossOutput:
+    """GSPO-token: gspo_loss with token_level=True."""
+    return gspo_loss(*args, **{**kwargs, "token_level": True})
+
+
 PolicyLossFn = Callable[..., PolicyLossOutput]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss}
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "vanilla": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+}

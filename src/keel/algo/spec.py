@@ -27,6 +27,17 @@ class AlgorithmSpec:
     precompute_ref_logps: reference log-probs of every pair computed once and cached ("dpo").
     generate_eval: evaluation also generates answers to the held-out prompts and scores them
       with the reward role (pair stages, which otherwise evaluate pairwise only).
+    ppo_epochs: passes over each rollout batch.
+    kl_reward_type / kl_ctrl: KL in the reward (ALGORITHMS.md §3): the estimator on (ℓ_old, ℓ_ref)
+      and the controller options for keel.algo.build_kl_controller (kind, kl_coef, target_kl,
+      horizon); None: no KL in the reward.
+    value_clip, critic_warmup_steps: the critic's value clipping ε_v (None: off) and the number
+      of first steps in which only the critic is updated, and its learning rate (roles with
+      "critic").
+    dynamic_sampling, max_gen_batches: drop groups whose scores are all equal and generate more
+      until the batch is full, at most max_gen_batches generation rounds per step (0: no cap).
+    mask_truncated: responses cut at the length budget (no EOS) get response mask 0.
+    overlong_buffer_len, overlong_penalty_factor: soft overlong punishment (0: off).
     """
 
     name: str
@@ -46,7 +57,21 @@ class AlgorithmSpec:
     preference_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     precompute_ref_logps: bool = False
     generate_eval: bool = False
+    kl_reward_type: str | None = None
+    kl_ctrl: dict[str, Any] = field(default_factory=dict)
+    value_clip: float | None = None
+    critic_warmup_steps: int = 0
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 0
+    mask_truncated: bool = False
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    critic_lr: float | None = None
 
     @property
     def needs_reference(self) -> bool:
         return "reference" in self.roles
+
+    @property
+    def needs_critic(self) -> bool:
+        return "critic" in self.roles

@@ -235,14 +235,125 @@ class DPOAlgorithm(Section):
         return self
 
 
+class DrGRPOAlgorithm(GRPOAlgorithm):
+    """Dr.GRPO (arXiv:2503.20783): GRPO without the std division and without the per-response
+    length normalisation (token sums divided by a constant K)."""
+
+    name: Literal["drgrpo"]  # type: ignore[assignment]
+    norm_adv_by_std: bool = False
+    loss_agg_mode: AggMode = "seq-mean-token-sum-norm"
+    loss_scale_factor: float | None = Field(
+        None, gt=0, description="the constant K; default: rollout.max_new_tokens"
+    )
+    kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
+
+
+class DAPOAlgorithm(GRPOAlgorithm):
+    """DAPO (arXiv:2503.14476): clip-higher, token-mean, dynamic sampling, overlong shaping."""
+
+    name: Literal["dapo"]  # type: ignore[assignment]
+    clip_ratio_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float = Field(10.0, gt=1, description="dual-clip constant; .inf disables")
+    loss_agg_mode: AggMode = "token-mean"
+    kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
+    dynamic_sampling: bool = Field(True, description="drop groups whose scores are all equal")
+    max_num_gen_batches: int = Field(
+        4, ge=0, description="generation rounds per step with dynamic sampling; 0: no cap"
+    )
+    overlong_filter: bool = Field(False, description="mask out responses cut at the budget")
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="soft overlong punishment over the last N tokens; 0: off"
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+
+
+class GSPOAlgorithm(GRPOAlgorithm):
+    """GSPO (arXiv:2507.18071): sequence-level importance ratio and clipping."""
+
+    name: Literal["gspo"]  # type: ignore[assignment]
+    importance_level: Literal["sequence", "token"] = Field(
+        "sequence", description="sequence: GSPO; token: GSPO-token"
+    )
+    clip_ratio_low: float = Field(3e-4, ge=0)
+    clip_ratio_high: float = Field(4e-4, ge=0)
+    kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
+
+
+class KLControlConfig(Section):
+    """The coefficient β of KL in the reward: fixed, or Ziegler's adaptive controller."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0, description="β (the initial β when adaptive)")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token to aim for")
+    horizon: int = Field(10000, gt=0, description="adaptive: sequences over which β adapts")
+
+
+class RewardKLAlgorithm(Section):
+    """Fields shared by algorithms that may put KL in the reward (PPO, RLOO, REINFORCE++)."""
+
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant; .inf disables")
+    loss_agg_mode: AggMode = "token-mean"
+    loss_scale_factor: float | None = Field(None, gt=0)
+    use_kl_in_reward: bool = True
+    kl_penalty: KLType = Field("kl", description="KL estimator in the reward (k1)")
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL as a loss as well; usually 0")
+    kl_loss_type: KLType = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+
+class PPOAlgorithm(RewardKLAlgorithm):
+    """PPO, RLHF style: a critic, GAE, whitened advantages, clipped value loss."""
+
+    name: Literal["ppo"]
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    norm_adv: bool = Field(True, description="whiten advantages over the batch's tokens")
+    cliprange_value: float | None = Field(0.5, gt=0, description="value clip ε_v; null: off")
+    critic_lr: float = Field(1e-5, gt=0)
+    critic_warmup_steps: int = Field(0, ge=0, description="first steps that train only the critic")
+
+
+class RLOOAlgorithm(RewardKLAlgorithm):
+    """RLOO: leave-one-out baseline over the group, PPO-clip loss."""
+
+    name: Literal["rloo"]
+
+
+class ReinforcePPAlgorithm(RewardKLAlgorithm):
+    """REINFORCE++ (discounted returns, batch whitening) and REINFORCE++-baseline (group mean)."""
+
+    name: Literal["reinforce_pp", "reinforce_pp_baseline"]
+    gamma: float = Field(1.0, ge=0, le=1)
+
+
 Algorithm = Annotated[
-    SFTAlgorithm | GRPOAlgorithm | RMAlgorithm | DPOAlgorithm, Field(discriminator="name")
+    SFTAlgorithm
+    | GRPOAlgorithm
+    | DrGRPOAlgorithm
+    | DAPOAlgorithm
+    | GSPOAlgorithm
+    | PPOAlgorithm
+    | RLOOAlgorithm
+    | ReinforcePPAlgorithm
+    | RMAlgorithm
+    | DPOAlgorithm,
+    Field(discriminator="name"),
 ]
 ALGORITHMS: dict[str, type[Section]] = {
     "sft": SFTAlgorithm,
     "grpo": GRPOAlgorithm,
     "rm": RMAlgorithm,
     "dpo": DPOAlgorithm,
+    "drgrpo": DrGRPOAlgorithm,
+    "dapo": DAPOAlgorithm,
+    "gspo": GSPOAlgorithm,
+    "ppo": PPOAlgorithm,
+    "rloo": RLOOAlgorithm,
+    "reinforce_pp": ReinforcePPAlgorithm,
+    "reinforce_pp_baseline": ReinforcePPAlgorithm,
 }
 
 

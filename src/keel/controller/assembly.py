@@ -23,12 +23,14 @@ from keel.models import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    load_value_model,
     resolve_model_path,
 )
 from keel.rewards import RewardScorer, load_reward_fn
 from keel.rollout import HFRolloutEngine
 from keel.workers import (
     ActorWorker,
+    CriticWorker,
     LocalWorkerGroup,
     ReferenceWorker,
     RewardWorker,
@@ -51,6 +53,7 @@ class Roles:
     reward: LocalWorkerGroup | None
     reference: LocalWorkerGroup | None
     tokenizer: Any
+    critic: LocalWorkerGroup | None = None
 
 
 @dataclass
@@ -186,12 +189,14 @@ def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> R
                 )
             ],
         )
+    critic = build_critic(cfg, spec, tokenizer) if spec.needs_critic else None
     return Roles(
         actor=LocalWorkerGroup("actor", [actor]),
         rollout=LocalWorkerGroup("rollout", [RolloutWorker(engine)]),
         reward=LocalWorkerGroup("reward", [reward_worker(cfg, scorer)]),
         reference=reference,
         tokenizer=tokenizer,
+        critic=critic,
     )
 
 
@@ -217,11 +222,12 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer) -> Any:
     )
 
 
-def _gradient_step(model: Any, cfg: KeelConfig) -> GradientStep:
+def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> GradientStep:
+    """AdamW (at `lr`, default train.lr) with the train section's LR schedule and clipping."""
     plan = batch_plan(cfg)
     t = cfg.train
     optimizer = build_optimizer(
-        model, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+        model, lr=lr or t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
     )
     scheduler = build_scheduler(
         optimizer,
@@ -254,3 +260,20 @@ def reward_model_roles(cfg: KeelConfig) -> Roles:
         reference=None,
         tokenizer=tokenizer,
     )
+
+
+def build_critic(cfg: KeelConfig, spec: AlgorithmSpec, tokenizer: Any) -> LocalWorkerGroup:
+    """The critic from `models.critic` (default: the actor's folder, with a new value head),
+    trained by its own AdamW at `spec.critic_lr` with the train section's LR schedule."""
+    plan = batch_plan(cfg)
+    path = resolve_model_path(cfg.models.critic or cfg.models.actor)
+    model = load_value_model(path, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    worker = CriticWorker(
+        model,
+        tokenizer,
+        _gradient_step(model, cfg, lr=spec.critic_lr),
+        mini_batch_size=plan.mini_batch_size,
+        micro_batch_size=plan.micro_batch_size,
+    )
+    return LocalWorkerGroup("critic", [worker])

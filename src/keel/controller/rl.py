@@ -1,18 +1,29 @@
-"""The RL step: sample → reward → old/ref log-probs → advantages → update. Algorithm-blind:
-everything algorithm-specific comes from the AlgorithmSpec."""
+"""The RL step: sample → reward (→ dynamic sampling, shaping) → old/ref log-probs → values →
+per-token rewards and advantages → critic and actor updates. Algorithm-blind: everything
+algorithm-specific comes from the AlgorithmSpec."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from keel.algo import ADVANTAGE_ESTIMATORS, masked_mean
+from keel.algo import (
+    ADVANTAGE_ESTIMATORS,
+    build_kl_controller,
+    kl_penalty,
+    masked_mean,
+    overlong_penalty,
+    token_level_rewards,
+)
 from keel.algo.advantages import group_statistics
+from keel.algo.kl import batch_mean_kl
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
+from keel.controller.sampling import DynamicSampler
 from keel.data import BatchStream
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
@@ -34,6 +45,12 @@ class RLController:
         )
         self.timer = StageTimer()
         self.groups_seen = 0
+        self.kl_ctrl = build_kl_controller(**spec.kl_ctrl) if spec.kl_reward_type else None
+        self.sampler = (
+            DynamicSampler(cfg.train.batch_size, spec.max_gen_batches)
+            if spec.dynamic_sampling
+            else None
+        )
         self.last_batch: Batch | None = None
 
     def evaluate(self) -> dict[str, float]:
@@ -43,50 +60,130 @@ class RLController:
     def step(self, step: int) -> dict[str, float]:
         """One RL step; returns its metrics."""
         start = time.perf_counter()
-        roles, t = self.roles, self.timer
-        examples = self.prompts.next_batch()
-        with t("rollout"):
-            batch = roles.rollout.call(
-                "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
-            )
-        self.groups_seen += len(examples)
-        with t("reward"):
-            batch = roles.reward.call("score", batch)
+        roles, t, spec = self.roles, self.timer, self.spec
+        if self.sampler is None:
+            batch, extra = self.generate(), {}
+        else:
+            batch, extra = self.sampler.sample(self.generate)
+        batch, shaping = self.shape_rewards(batch)
         with t("old_logprobs"):
             batch = roles.actor.call("compute_logprobs", batch)
         if roles.reference is not None:
             with t("ref_logprobs"):
                 batch = roles.reference.call("compute_ref_logprobs", batch)
+        if roles.critic is not None:
+            with t("values"):
+                batch = roles.critic.call("compute_values", batch)
         with t("advantage"):
-            batch = self.compute_advantages(batch)
-        with t("update"):
-            update_metrics = roles.actor.call("update", batch, spec=self.spec)
+            batch, kl_metrics = self.compute_advantages(batch)
+        metrics = {**batch_metrics(batch), **extra, **shaping, **kl_metrics}
+        if spec.mask_truncated:  # overlong filtering: after the advantages, loss mask only
+            batch, metrics["response/truncated_masked"] = mask_truncated(batch)
+        if roles.critic is not None:
+            with t("critic_update"):
+                metrics.update(roles.critic.call("update", batch, spec=spec))
+        if step > spec.critic_warmup_steps:
+            with t("update"):
+                metrics.update(roles.actor.call("update", batch, spec=spec))
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
         return {
-            **batch_metrics(batch),
-            **update_metrics,
+            **metrics,
             **self.timer.pop(),
             "timing/step_s": elapsed,
             "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
         }
 
-    def compute_advantages(self, batch: Batch) -> Batch:
-        estimator = ADVANTAGE_ESTIMATORS[self.spec.advantage]
-        advantages = estimator(
-            batch.scores, batch.response_mask, batch.group_ids, **self.spec.advantage_kwargs
+    def generate(self) -> Batch:
+        """The next train.batch_size prompts, rollout.n responses each, scored."""
+        examples = self.prompts.next_batch()
+        with self.timer("rollout"):
+            batch = self.roles.rollout.call(
+                "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
+            )
+        self.groups_seen += len(examples)
+        with self.timer("reward"):
+            return self.roles.reward.call("score", batch)
+
+    def shape_rewards(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Soft overlong punishment added to the scores (when spec.overlong_buffer_len > 0)."""
+        if not self.spec.overlong_buffer_len:
+            return batch, {}
+        penalty = overlong_penalty(
+            batch.response_mask.sum(dim=1),
+            max_length=self.sampling.max_new_tokens,
+            buffer_length=self.spec.overlong_buffer_len,
+            penalty_factor=self.spec.overlong_penalty_factor,
         )
-        return batch.replace(advantages=advantages)
+        shaped = batch.replace(scores=batch.scores + penalty)
+        return shaped, {"reward/overlong_penalty_mean": penalty.mean().item()}
+
+    def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Token rewards (score on the last valid token, −β·k with KL in the reward), then the
+        spec's advantage estimator. β is read before the KL controller's update."""
+        mask, metrics = batch.response_mask, {}
+        kl, beta = None, 0.0
+        if self.kl_ctrl is not None:
+            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_reward_type)
+            beta, current = self.kl_ctrl.value, batch_mean_kl(kl, mask)
+            self.kl_ctrl.update(current, n_steps=len(batch))
+            metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}
+        rewards = token_level_rewards(batch.scores, mask, kl, beta)
+        estimator = ADVANTAGE_ESTIMATORS[self.spec.advantage]
+        advantages, returns = estimator(
+            token_rewards=rewards,
+            response_mask=mask,
+            group_ids=batch.group_ids,
+            values=batch.values,
+            **self.spec.advantage_kwargs,
+        )
+        if returns is not None:
+            metrics["advantage/returns_mean"] = masked_mean(returns, mask).item()
+        return batch.replace(advantages=advantages, returns=returns), metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's own state (C1): data position, group counter, KL controller,
+        dynamic-sampling counters. Role weights live in the workers' state_dicts."""
+        return {
+            "prompts": self.prompts.state_dict(),
+            "groups_seen": self.groups_seen,
+            "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.groups_seen = int(state["groups_seen"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.sampler is not None and state.get("sampler") is not None:
+            self.sampler.load_state_dict(state["sampler"])
+
+
+def truncated_rows(batch: Batch) -> torch.Tensor:
+    """[B] bool: rows whose last valid token is not EOS (cut at the length budget)."""
+    eos = batch.meta.get("eos_token_id")
+    if eos is None:
+        return torch.zeros(len(batch), dtype=torch.bool)
+    lengths = batch.response_mask.sum(dim=1).long()
+    last = batch.input_ids[:, -batch.response_length :].gather(
+        1, (lengths - 1).clamp(min=0)[:, None]
+    )
+    return last.squeeze(1) != eos
+
+
+def mask_truncated(batch: Batch) -> tuple[Batch, float]:
+    """Overlong filtering: truncated rows get response mask 0; (batch, fraction masked)."""
+    cut = truncated_rows(batch)
+    mask = torch.where(cut[:, None], torch.zeros(()), batch.response_mask)
+    return batch.replace(response_mask=mask), cut.float().mean().item()
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
     """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch."""
     scores, mask = batch.scores, batch.response_mask
     lengths = mask.sum(dim=1)
-    eos = batch.meta.get("eos_token_id")
-    r = batch.response_length
-    last_tokens = batch.input_ids[:, -r:].gather(1, (lengths.long() - 1).clamp(min=0)[:, None])
-    truncated = (last_tokens.squeeze(1) != eos).float() if eos is not None else torch.zeros(1)
+    truncated = truncated_rows(batch).float()
     _, group_std, group_size = group_statistics(scores, batch.group_ids)
     all_equal = ((group_std == 0) & (group_size > 1)).float()
     metrics = {

@@ -91,6 +91,10 @@ def run_training(
         monitor.close()
         samples.close()
     model_dir = save_policy(roles, run_dir / "model")
+    if roles.critic is not None:
+        publish_folder(
+            run_dir / "critic", lambda tmp: roles.critic.call_all("save_pretrained", path=tmp)
+        )
     return RunResult(run_dir, model_dir, first_eval, last_eval, cfg.train.steps)
 
 
@@ -105,8 +109,8 @@ def seed_everything(seed: int) -> None:
 
 
 RUN_FILES = (
-    "metrics.jsonl", "config.yaml", "model", "checkpoints", "samples.jsonl", "tensorboard", "wandb",
-    "mlruns",
+    "metrics.jsonl", "config.yaml", "model", "critic", "checkpoints", "samples.jsonl",
+    "tensorboard", "wandb", "mlruns",
 )  # fmt: skip
 
 

@@ -43,3 +43,19 @@ def response_forward(
     logprobs = logprobs_from_logits(logits, labels)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logprobs, entropy
+
+
+def value_forward(model: Any, batch: Batch) -> torch.Tensor:
+    """Critic values V [B, R] of the response tokens: V_t is read at position t−1, the state
+    before token t is generated (as for log-probs). `model` returns logits [B, T, 1]."""
+    assert batch.input_ids is not None and batch.attention_mask is not None
+    r = batch.response_length
+    device = next(model.parameters()).device
+    attention = batch.attention_mask.to(device)
+    out = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=attention,
+        position_ids=position_ids_from_mask(attention),
+        use_cache=False,
+    )
+    return out.logits[:, -(r + 1) : -1, 0].float()

@@ -14,6 +14,7 @@ from keel.models.loading import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    load_value_model,
     register_builtin_model,
     resolve_model_path,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "load_value_model",
     "register_builtin_model",
     "resolve_model_path",
 ]

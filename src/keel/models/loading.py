@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -196,6 +198,25 @@ def load_reward_model(
         )
     model.config.pad_token_id = pad_token_id
     return model.eval()
+
+
+def load_value_model(
+    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """A critic: AutoModelForTokenClassification with one label (a scalar per position) on an HF
+    backbone, classifier dropout 0. From a causal-LM (or sequence-classification) folder the
+    backbone is loaded and the value head is new; a saved critic folder loads back whole."""
+    folder = Path(path).expanduser()
+    _check_model_folder(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(
+            folder, config=config, dtype=_torch_dtype(dtype), local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"could not load a value model (critic) from {folder}: {e}") from e
+    return model
 
 
 def check_vocab(

@@ -12,9 +12,16 @@ from typing import Any
 from keel.algo.spec import AlgorithmSpec
 from keel.config.loading import ConfigError
 from keel.config.schema import (
+    DAPOAlgorithm,
     DPOAlgorithm,
+    DrGRPOAlgorithm,
     GRPOAlgorithm,
+    GSPOAlgorithm,
     KeelConfig,
+    PPOAlgorithm,
+    ReinforcePPAlgorithm,
+    RewardKLAlgorithm,
+    RLOOAlgorithm,
     RMAlgorithm,
     SFTAlgorithm,
 )
@@ -26,29 +33,125 @@ def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
     )
 
 
-def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm) -> AlgorithmSpec:
+def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm, **changes: Any) -> AlgorithmSpec:
+    """GRPO and the family built on it (Dr.GRPO, DAPO, GSPO override parts through `changes`)."""
     roles = {"actor", "rollout", "reward"}
     if algo.kl_loss_coef > 0:
         roles.add("reference")
-    return AlgorithmSpec(
-        name="grpo",
+    fields: dict[str, Any] = dict(
+        name=algo.name,
         stage="rl",
         roles=frozenset(roles),
         agg_mode=algo.loss_agg_mode,
         advantage="grpo",
         advantage_kwargs={"norm_by_std": algo.norm_adv_by_std, "epsilon": algo.adv_epsilon},
         policy_loss="vanilla",
-        policy_loss_kwargs={
-            "clip_ratio_low": algo.clip_ratio_low,
-            "clip_ratio_high": algo.clip_ratio_high,
-            "clip_ratio_c": algo.clip_ratio_c,
-        },
+        policy_loss_kwargs=_clip_kwargs(algo),
         loss_scale_factor=algo.loss_scale_factor,
         kl_loss_coef=algo.kl_loss_coef,
         kl_loss_type=algo.kl_loss_type,
         entropy_coeff=algo.entropy_coeff,
         ppo_epochs=cfg.train.ppo_epochs,
     )
+    return AlgorithmSpec(**{**fields, **changes})
+
+
+def _clip_kwargs(algo: GRPOAlgorithm | RewardKLAlgorithm) -> dict[str, float]:
+    return {
+        "clip_ratio_low": algo.clip_ratio_low,
+        "clip_ratio_high": algo.clip_ratio_high,
+        "clip_ratio_c": algo.clip_ratio_c,
+    }
+
+
+def _drgrpo(cfg: KeelConfig, algo: DrGRPOAlgorithm) -> AlgorithmSpec:
+    # K must stay constant over training: the generation budget unless set.
+    return _grpo(cfg, algo, loss_scale_factor=algo.loss_scale_factor or cfg.rollout.max_new_tokens)
+
+
+def _dapo(cfg: KeelConfig, algo: DAPOAlgorithm) -> AlgorithmSpec:
+    budget = cfg.rollout.max_new_tokens
+    if algo.overlong_buffer_len > budget:
+        raise ConfigError(
+            f"algorithm.overlong_buffer_len ({algo.overlong_buffer_len}) must not exceed "
+            f"rollout.max_new_tokens ({budget}): the punishment starts at max_new_tokens − "
+            "overlong_buffer_len"
+        )
+    return _grpo(
+        cfg,
+        algo,
+        dynamic_sampling=algo.dynamic_sampling,
+        max_gen_batches=algo.max_num_gen_batches,
+        mask_truncated=algo.overlong_filter,
+        overlong_buffer_len=algo.overlong_buffer_len,
+        overlong_penalty_factor=algo.overlong_penalty_factor,
+    )
+
+
+def _gspo(cfg: KeelConfig, algo: GSPOAlgorithm) -> AlgorithmSpec:
+    loss = "gspo" if algo.importance_level == "sequence" else "gspo_token"
+    kwargs = {"clip_ratio_low": algo.clip_ratio_low, "clip_ratio_high": algo.clip_ratio_high}
+    return _grpo(cfg, algo, policy_loss=loss, policy_loss_kwargs=kwargs)
+
+
+def _reward_kl_spec(
+    cfg: KeelConfig,
+    algo: RewardKLAlgorithm,
+    advantage: str,
+    extra_roles: frozenset[str] = frozenset(),
+    **changes: Any,
+) -> AlgorithmSpec:
+    """PPO, RLOO, REINFORCE++: PPO-clip loss; KL in the reward (and/or as a loss)."""
+    roles = {"actor", "rollout", "reward", *extra_roles}
+    ctrl = algo.kl_ctrl
+    kl_in_reward = algo.use_kl_in_reward and (ctrl.kl_coef > 0 or ctrl.type == "adaptive")
+    if kl_in_reward or algo.kl_loss_coef > 0:
+        roles.add("reference")
+    fields: dict[str, Any] = dict(
+        name=algo.name,
+        stage="rl",
+        roles=frozenset(roles),
+        agg_mode=algo.loss_agg_mode,
+        advantage=advantage,
+        policy_loss="vanilla",
+        policy_loss_kwargs=_clip_kwargs(algo),
+        loss_scale_factor=algo.loss_scale_factor,
+        kl_loss_coef=algo.kl_loss_coef,
+        kl_loss_type=algo.kl_loss_type,
+        entropy_coeff=algo.entropy_coeff,
+        ppo_epochs=cfg.train.ppo_epochs,
+        kl_reward_type=algo.kl_penalty if kl_in_reward else None,
+        kl_ctrl={
+            "kind": ctrl.type,
+            "kl_coef": ctrl.kl_coef,
+            "target_kl": ctrl.target_kl,
+            "horizon": ctrl.horizon,
+        },
+    )
+    return AlgorithmSpec(**{**fields, **changes})
+
+
+def _ppo(cfg: KeelConfig, algo: PPOAlgorithm) -> AlgorithmSpec:
+    return _reward_kl_spec(
+        cfg,
+        algo,
+        "gae",
+        extra_roles=frozenset({"critic"}),
+        advantage_kwargs={"gamma": algo.gamma, "lam": algo.lam, "whiten": algo.norm_adv},
+        value_clip=algo.cliprange_value,
+        critic_warmup_steps=algo.critic_warmup_steps,
+        critic_lr=algo.critic_lr,
+    )
+
+
+def _rloo(cfg: KeelConfig, algo: RLOOAlgorithm) -> AlgorithmSpec:
+    return _reward_kl_spec(cfg, algo, "rloo")
+
+
+def _reinforce_pp(cfg: KeelConfig, algo: ReinforcePPAlgorithm) -> AlgorithmSpec:
+    if algo.name == "reinforce_pp_baseline":
+        return _reward_kl_spec(cfg, algo, "reinforce_pp_baseline")
+    return _reward_kl_spec(cfg, algo, "reinforce_pp", advantage_kwargs={"gamma": algo.gamma})
 
 
 def _rm(cfg: KeelConfig, algo: RMAlgorithm) -> AlgorithmSpec:
@@ -72,6 +175,12 @@ def _dpo(cfg: KeelConfig, algo: DPOAlgorithm) -> AlgorithmSpec:
 RECIPES: dict[type, Callable[[KeelConfig, Any], AlgorithmSpec]] = {
     SFTAlgorithm: _sft,
     GRPOAlgorithm: _grpo,
+    DrGRPOAlgorithm: _drgrpo,
+    DAPOAlgorithm: _dapo,
+    GSPOAlgorithm: _gspo,
+    PPOAlgorithm: _ppo,
+    RLOOAlgorithm: _rloo,
+    ReinforcePPAlgorithm: _reinforce_pp,
     RMAlgorithm: _rm,
     DPOAlgorithm: _dpo,
 }

@@ -1,6 +1,7 @@
-"""Role workers (actor, reference, rollout, reward) and the WorkerGroups that dispatch to them."""
+"""Role workers (actor, critic, reference, rollout, reward) and the WorkerGroups over them."""
 
 from keel.workers.actor import ActorWorker
+from keel.workers.critic import CriticWorker
 from keel.workers.group import LocalWorkerGroup, WorkerGroup
 from keel.workers.reference import ReferenceWorker
 from keel.workers.reward import RewardWorker
@@ -8,6 +9,7 @@ from keel.workers.rollout import RolloutWorker
 
 __all__ = [
     "ActorWorker",
+    "CriticWorker",
     "LocalWorkerGroup",
     "ReferenceWorker",
     "RewardWorker",

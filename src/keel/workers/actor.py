@@ -69,7 +69,7 @@ class ActorWorker:
                     self._policy_loss, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
                 )
                 history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
-        return _mean_prefixed(history, "actor/")
+        return mean_prefixed(history, "actor/")
 
     def _policy_loss(
         self, micro: Batch, *, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
@@ -135,7 +135,7 @@ class ActorWorker:
                 return loss, {"sft_loss": loss.item(), "nll_per_token": nll}
 
             history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
-        return _mean_prefixed(history, "actor/")
+        return mean_prefixed(history, "actor/")
 
     # ------------------------------------------------------------------- export
     def save_pretrained(self, path: str | Path) -> None:
@@ -151,6 +151,6 @@ class ActorWorker:
         }
 
 
-def _mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
+def mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
     keys = history[0].keys()
     return {f"{prefix}{k}": sum(h[k] for h in history) / len(history) for k in keys}

@@ -1,0 +1,89 @@
+"""Rollout sampling for the RL step: generation and scoring, with DAPO-style dynamic sampling
+(drop groups whose scores are all equal; generate more until the batch is full)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from keel.algo import varied_groups
+from keel.types import Batch
+
+
+def concat_rollouts(batches: list[Batch]) -> Batch:
+    """Rows of several rollout batches in one batch, keeping the layout: prompts left-padded to
+    the widest prompt, responses right-padded to the longest response."""
+    p = max(b.prompt_length for b in batches)
+    r = max(b.response_length for b in batches)
+    relaid = []
+    for b in batches:
+        pad = (p - b.prompt_length, r - b.response_length)
+        assert b.input_ids is not None and b.attention_mask is not None
+        relaid.append(
+            b.replace(
+                input_ids=torch.nn.functional.pad(b.input_ids, pad),
+                attention_mask=torch.nn.functional.pad(b.attention_mask, pad),
+            )
+        )
+    return Batch.concat(relaid)
+
+
+def first_groups(batch: Batch, count: int) -> Batch:
+    """The rows of the first `count` groups (by group id, which grows with generation order)."""
+    assert batch.group_ids is not None
+    keep_ids = torch.unique(batch.group_ids)[:count]
+    return batch.select(torch.nonzero(torch.isin(batch.group_ids, keep_ids)).squeeze(1))
+
+
+class DynamicSampler:
+    """Collects groups with varied scores until `target_groups` are kept or `max_rounds`
+    generation rounds have run (0: no cap). `generate()` returns one scored rollout batch.
+
+    If every group of every round was all-equal, the last round is used as is (its advantages
+    are all zero). Counters of kept and dropped groups persist in state_dict.
+    """
+
+    def __init__(self, target_groups: int, max_rounds: int):
+        self.target_groups = target_groups
+        self.max_rounds = max_rounds
+        self.totals = {"rounds": 0, "dropped_groups": 0}
+
+    def sample(self, generate: Callable[[], Batch]) -> tuple[Batch, dict[str, float]]:
+        kept: list[Batch] = []
+        n_kept = dropped = rounds = 0
+        scores: list[torch.Tensor] = []
+        while True:
+            batch = generate()
+            assert batch.scores is not None and batch.group_ids is not None
+            rounds += 1
+            scores.append(batch.scores)
+            keep = varied_groups(batch.scores, batch.group_ids)
+            groups = int(torch.unique(batch.group_ids).numel())
+            kept_groups = int(torch.unique(batch.group_ids[keep]).numel())
+            dropped += groups - kept_groups
+            if kept_groups:
+                kept.append(batch.select(torch.nonzero(keep).squeeze(1)))
+            n_kept += kept_groups
+            if n_kept >= self.target_groups or (self.max_rounds and rounds >= self.max_rounds):
+                break
+        out = first_groups(concat_rollouts(kept), self.target_groups) if kept else batch
+        self.totals["rounds"] += rounds
+        self.totals["dropped_groups"] += dropped
+        return out, {
+            "sampling/gen_rounds": float(rounds),
+            "sampling/dropped_groups": float(dropped),
+            "sampling/kept_groups": float(min(n_kept, self.target_groups)),
+            "sampling/dropped_groups_total": float(self.totals["dropped_groups"]),
+            "sampling/score_mean_all": torch.cat(scores).float().mean().item(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.totals)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.totals = {
+            "rounds": int(state["rounds"]),
+            "dropped_groups": int(state["dropped_groups"]),
+        }

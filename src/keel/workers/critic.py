@@ -1,0 +1,96 @@
+"""CriticWorker: the value model of PPO. Values, the clipped value-loss update, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.algo import clipped_value_loss, loss_denominators, masked_mean
+from keel.algo.spec import AlgorithmSpec
+from keel.engine.forward import value_forward
+from keel.engine.update import GradientStep
+from keel.types import Batch
+from keel.workers.actor import mean_prefixed
+
+
+class CriticWorker:
+    """Owns the critic model (an HF token-classification model with one label), its optimizer
+    and scheduler (through GradientStep). Mini/micro-batching as the actor's."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        step: GradientStep,
+        *,
+        mini_batch_size: int,
+        micro_batch_size: int,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.step = step
+        self.mini_batch_size = mini_batch_size
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """Fills `values` [B, R]: V_old, frozen for the whole step."""
+        self.model.eval()
+        parts = [value_forward(self.model, micro) for micro in batch.split(self.micro_batch_size)]
+        return batch.replace(values=torch.cat(parts).cpu())
+
+    def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
+        """`ppo_epochs` passes over the mini-batches of the clipped value loss (returns and old
+        values frozen). Returns `critic/*` metrics averaged over the updates."""
+        history = []
+        for _ in range(spec.ppo_epochs):
+            for mini in batch.split(self.mini_batch_size):
+                num_tokens, num_seqs = loss_denominators(mini.response_mask)
+
+                def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
+                    return self._value_loss(micro, spec, num_tokens, num_seqs)
+
+                history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+        return mean_prefixed(history, "critic/")
+
+    def _value_loss(
+        self, micro: Batch, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = micro.response_mask
+        values = value_forward(self.model, micro)
+        loss, clipfrac = clipped_value_loss(
+            values,
+            micro.values,
+            micro.returns,
+            mask,
+            cliprange_value=spec.value_clip,
+            agg_mode=spec.agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            scale_factor=spec.loss_scale_factor,
+        )
+        share = int(mask.bool().sum()) / max(num_tokens, 1)
+        return loss, {
+            "vf_loss": loss.item(),
+            "vf_clipfrac": clipfrac.item() * share,
+            "vpred_mean": masked_mean(values.detach(), mask).item() * share,
+        }
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """The critic as an HF token-classification folder (one label) with the tokenizer."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.step.optimizer.state_dict(),
+            "scheduler": self.step.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.step.optimizer.load_state_dict(state["optimizer"])
+        self.step.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,105 @@
+"""The RL step for the new algorithms: PPO's critic warm-up and adaptive KL in the reward, DAPO's
+overlong shaping and filtering, and the controller's own state (C1)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.config import validate
+from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.rl import RLController, mask_truncated, truncated_rows
+from keel.recipes import build_spec
+from keel.types import Batch
+
+
+def controller(tiny_dir, algorithm, **sections):
+    cfg = validate({
+        "models": {"actor": str(tiny_dir)}, "algorithm": algorithm,
+        "data": {"arithmetic": {"eval_size": 4}},
+        "rollout": {"n": 2, "max_new_tokens": 4},
+        "train": {"batch_size": 4, "lr": 1e-3, "steps": 4}, **sections,
+    })  # fmt: skip
+    spec = build_spec(cfg)
+    roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
+    return RLController(cfg, spec, roles, load_datasets(cfg, spec, Path(".")))
+
+
+def params(group):
+    return [p.detach().clone() for p in group.workers[0].model.parameters()]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+ADAPTIVE = {"type": "adaptive", "kl_coef": 0.1, "target_kl": 0.01, "horizon": 10}
+PPO = {"name": "ppo", "critic_warmup_steps": 1, "critic_lr": 1e-3, "kl_ctrl": ADAPTIVE}
+
+
+def test_ppo_trains_only_the_critic_during_warm_up_then_both(tiny_dir):
+    ctl = controller(tiny_dir, PPO)
+    actor0, critic0 = params(ctl.roles.actor), params(ctl.roles.critic)
+    m1 = ctl.step(1)
+    assert same(params(ctl.roles.actor), actor0) and not same(params(ctl.roles.critic), critic0)
+    assert "critic/vf_loss" in m1 and "actor/pg_loss" not in m1
+    assert m1["kl_ctrl/coef"] == 0.1
+    m2 = ctl.step(2)
+    assert not same(params(ctl.roles.actor), actor0)
+    assert "actor/pg_loss" in m2 and "critic/vf_clipfrac" in m2
+
+
+def test_adaptive_kl_follows_the_reward_kl_and_the_state_round_trips(tiny_dir, tmp_path):
+    ctl = controller(tiny_dir, PPO)
+    for step in (1, 2, 3):
+        metrics = ctl.step(step)
+    # β is read before the update: β_next = β·(1 + clip(KL/target − 1, ±0.2)·B/horizon)
+    error = max(min(metrics["kl_ctrl/reward_kl"] / 0.01 - 1, 0.2), -0.2)
+    assert ctl.kl_ctrl.value == pytest.approx(metrics["kl_ctrl/coef"] * (1 + error * 8 / 10))
+    state = ctl.state_dict()
+    fresh = controller(tiny_dir, PPO)
+    fresh.load_state_dict(state)
+    assert fresh.kl_ctrl.value == ctl.kl_ctrl.value and fresh.groups_seen == 12
+    assert fresh.prompts.next_batch() == ctl.prompts.next_batch()
+    torch.save(state, tmp_path / "state.pt")  # plain values and tensors
+
+
+def test_dapo_shapes_long_responses_and_logs_dynamic_sampling(tiny_dir):
+    ctl = controller(tiny_dir, {"name": "dapo", "overlong_buffer_len": 2, "overlong_filter": True,
+                                "max_num_gen_batches": 2})  # fmt: skip
+    metrics = ctl.step(1)
+    assert metrics["sampling/gen_rounds"] in (1.0, 2.0)
+    assert (
+        "reward/overlong_penalty_mean" in metrics and metrics["reward/overlong_penalty_mean"] <= 0
+    )
+    assert 0.0 <= metrics["response/truncated_masked"] <= 1.0
+    assert ctl.state_dict()["sampler"]["rounds"] == metrics["sampling/gen_rounds"]
+
+
+def test_truncated_rows_lose_their_loss_mask_only():
+    eos = 2
+    # one prompt column, three response columns: row 0 and row 2 end in EOS, row 1 is cut.
+    ids = torch.tensor([[5, 7, eos, 0], [5, 7, 8, 9], [5, eos, 0, 0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
+                  meta={"eos_token_id": eos})  # fmt: skip
+    assert truncated_rows(batch).tolist() == [False, True, False]
+    out, frac = mask_truncated(batch)
+    assert out.response_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
+    assert frac == pytest.approx(1 / 3)
+
+
+def test_a_ppo_run_writes_the_critic_as_an_hf_folder_next_to_the_policy(tiny_dir, tmp_path):
+    from keel.controller import run_training
+    from keel.models import load_value_model
+
+    cfg = validate({
+        "run_dir": str(tmp_path / "run"), "models": {"actor": str(tiny_dir)},
+        "algorithm": {"name": "ppo", "critic_lr": 1e-3}, "data": {"arithmetic": {"eval_size": 4}},
+        "rollout": {"n": 2, "max_new_tokens": 4}, "train": {"batch_size": 2, "steps": 1},
+        "monitor": {"progress": False},
+    })  # fmt: skip
+    result = run_training(cfg)
+    critic = load_value_model(result.run_dir / "critic")
+    assert critic.config.num_labels == 1
+    assert (result.run_dir / "critic" / "tokenizer.json").is_file()
