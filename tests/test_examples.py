@@ -22,6 +22,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 SMOKE = ["train.steps=2", "eval.every=0", "data.arithmetic.eval_size=8", "checkpoint.save_steps=0"]
 EXAMPLE_OVERRIDES: dict[str, list[str]] = {
     "ppo_arith_tiny.yaml": ["algorithm.critic_warmup_steps=0"],  # else 2 steps move only the critic
+    "ppo_rm_tiny.yaml": ["algorithm.critic_warmup_steps=0"],
 }
 
 
