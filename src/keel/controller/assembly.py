@@ -6,7 +6,7 @@ here, before the run directory is touched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,11 @@ class Roles:
 
 @dataclass
 class Datasets:
+    """bad_rows: errors of the rows left out under `data.on_bad_row: skip`."""
+
     train: list[Example]
     eval: list[Example]
+    bad_rows: list[str] = field(default_factory=list)
 
 
 def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datasets:
@@ -53,6 +56,7 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
     d = cfg.data
     need = ("prompt", "response") if spec.stage == "sft" else ("prompt",)
     builtin = None
+    bad_rows: list[str] = []
     if BUILTIN_TASK in (d.train, d.eval):
         a = d.arithmetic
         builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
@@ -72,6 +76,8 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
             answer_key=d.answer_key,
             response_key=d.response_key,
             require=need,
+            on_bad_row=d.on_bad_row,
+            bad_rows=bad_rows,
         )
 
     train = load(d.train, 0)
@@ -80,7 +86,7 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
         a = d.arithmetic
         builtin = arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)
     evaluation = load(eval_source, 1) if eval_source else []
-    return Datasets(train=train, eval=evaluation)
+    return Datasets(train=train, eval=evaluation, bad_rows=bad_rows)
 
 
 def check_prompt_lengths(tokenizer: Any, examples: list[Example], data: DataConfig) -> None:
@@ -102,6 +108,9 @@ def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
         kwargs=dict(cfg.reward.kwargs),
         on_error=cfg.reward.on_error,
         fallback_score=cfg.reward.fallback_score,
+        timeout_s=cfg.reward.timeout_s,
+        max_concurrency=cfg.reward.max_concurrency,
+        max_error_rate=cfg.reward.max_error_rate,
         name=cfg.reward.fn,
     )
 

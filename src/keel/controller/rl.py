@@ -34,6 +34,34 @@ class RLController:
         )
         self.timer = StageTimer()
         self.groups_seen = 0
+        self.kl_coef = spec.kl_loss_coef  # the KL coefficient's mutable home (an adaptive KL
+        self.kl_scale = 1.0  # controller updates kl_coef; the guard raises kl_scale)
+
+    # ------------------------------------------------------------ state (C1)
+    def state_dict(self) -> dict:
+        """Data position, group counter and KL coefficient (not the role weights)."""
+        return {
+            "prompts": self.prompts.state_dict(),
+            "groups_seen": self.groups_seen,
+            "kl_coef": self.kl_coef,
+            "kl_scale": self.kl_scale,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.groups_seen = int(state["groups_seen"])
+        self.kl_coef = float(state["kl_coef"])
+        self.kl_scale = float(state["kl_scale"])
+
+    # ------------------------------------------------------- guard actions
+    def skip_batches(self, n: int) -> None:
+        """Advance the prompt stream past `n` batches without training on them."""
+        for _ in range(n):
+            self.prompts.next_batch()
+
+    def set_kl_scale(self, scale: float) -> None:
+        """Multiply the KL coefficient by `scale` relative to its unguarded value."""
+        self.kl_scale = scale
 
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
@@ -59,12 +87,15 @@ class RLController:
         with t("advantage"):
             batch = self.compute_advantages(batch)
         with t("update"):
-            update_metrics = roles.actor.call("update", batch, spec=self.spec)
+            update_metrics = roles.actor.call(
+                "update", batch, spec=self.spec, kl_coef=self.kl_coef * self.kl_scale
+            )
         elapsed = time.perf_counter() - start
         return {
             **batch_metrics(batch),
             **update_metrics,
             **self.timer.pop(),
+            "actor/kl_coef": self.kl_coef * self.kl_scale,
             "timing/step_s": elapsed,
             "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
         }
