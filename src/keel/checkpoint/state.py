@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from keel.checkpoint.export import fsync_dir, publish_folder, step_folder_name, step_of
@@ -46,6 +47,14 @@ class Stateful(Protocol):
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used (incomplete, damaged, or not a checkpoint)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed (a full disk, …); the previously published one is intact."""
+
+
+# What a failed write raises: OSError, torch.save's RuntimeError, safetensors' own error.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -87,8 +96,11 @@ def save_checkpoint(
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         (tmp / MARKER).write_text("")
 
-    path = publish_folder(root / step_folder_name(step), write)
-    write_latest(root, path.name)
+    try:
+        path = publish_folder(root / step_folder_name(step), write)
+        write_latest(root, path.name)
+    except _WRITE_ERRORS as exc:
+        raise CheckpointSaveError(f"saving step {step} under {root} failed: {exc}") from exc
     return info_of(path)
 
 

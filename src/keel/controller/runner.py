@@ -26,7 +26,7 @@ from keel.checkpoint import (
     validate_checkpoint,
 )
 from keel.checkpoint.remote import download_checkpoint, upload_checkpoint
-from keel.checkpoint.state import write_latest
+from keel.checkpoint.state import CheckpointSaveError, write_latest
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
@@ -211,8 +211,8 @@ class TrainingLoop:
                 healthy=healthy,
                 metrics=metrics,
             )
-        except OSError as exc:
-            self.events.emit(step, "checkpoint", f"saving step {step} failed: {exc}", ok=False)
+        except CheckpointSaveError as exc:
+            self.events.emit(step, "checkpoint", str(exc), ok=False)
             return False
         self.saved += 1
         seconds = time.perf_counter() - start
