@@ -154,7 +154,7 @@ class GuardConfig(Section):
 
     enabled: bool = True
     monitor_metric: str = Field("reward/mean", description="the metric whose collapse is watched")
-    window: int = Field(5, ge=1, description="steps in the monitored metric's rolling mean")
+    window: int = Field(10, ge=1, description="steps in the monitored metric's rolling mean")
     max_drop: float | None = Field(
         None, gt=0, description="trip when the rolling mean falls this far below its best"
     )
