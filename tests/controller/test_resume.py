@@ -66,3 +66,31 @@ def test_exact_resume(path: Path, tmp_path: Path, tiny_dir: Path):
     assert rows_a == rows_b
     events = [e["event"] for e in read_events(tmp_path / "split" / "events.jsonl")]
     assert "signal" in events and "resume" in events
+
+
+def test_resume_rules_for_a_finished_or_changed_run(tiny_grpo):
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    run_training(cfg)
+    with pytest.raises(RunDirError, match="finished run"):
+        run_training(cfg)  # auto: nothing left to do
+    with pytest.raises(RunDirError, match="already holds a run"):
+        run_training(cfg, resume="never")
+    changed = tiny_grpo("train.steps=3", "checkpoint.save_steps=1", "train.lr=0.1")
+    with pytest.raises(RunDirError, match=r"config differs in train\.lr"):
+        run_training(changed)
+    longer = tiny_grpo("train.steps=3", "checkpoint.save_steps=1")
+    assert run_training(longer).resumed_from == 2  # raising train.steps continues the run
+    assert run_training(longer, overwrite=True).resumed_from == 0
+
+
+def test_skipped_bad_rows_are_counted(tiny_grpo, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n{"prompt": "2+3=", "answer": "5"}\n'
+    )
+    cfg = tiny_grpo("train.steps=1", f"data.train={data}", "data.on_bad_row=skip")
+    run_training(cfg)
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert rows[0]["data/skipped_rows"] == 1.0

@@ -118,3 +118,26 @@ def test_lr_blow_up_trips_the_kl_ceiling_and_recovers(tiny_grpo, monkeypatch):
     assert [e["to_step"] for e in events if e["event"] == "rollback"] == [4]
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert rows[-1]["step"] == 8 and rows[-1]["actor/kl"] < 0.5  # recovered
+
+
+def test_hanging_reward_falls_back_and_is_counted(tiny_grpo):
+    cfg = tiny_grpo(
+        "train.steps=2", f"reward.fn={FAULTS}:hangs", "reward.on_error=fallback",
+        "reward.timeout_s=0.2", "reward.max_concurrency=8",
+    )  # fmt: skip
+    run_training(cfg)
+    rows = [r for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["step"] > 0]
+    assert sum(r["reward/errors"] for r in rows) > 0
+
+
+def test_reward_errors_past_the_rate_stop_the_run(tiny_grpo):
+    from keel.rewards import RewardError
+
+    cfg = tiny_grpo(
+        "train.steps=2", f"reward.fn={FAULTS}:raises_sometimes", "reward.on_error=fallback",
+        "reward.max_error_rate=0.01",
+    )  # fmt: skip
+    with pytest.raises(RewardError, match="max_error_rate"):
+        run_training(cfg)
+    [stop] = [e for e in events_of(cfg.run_dir) if e["event"] == "stop"]
+    assert stop["rule"] == "reward_errors"
