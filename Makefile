@@ -31,6 +31,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.reliability
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
