@@ -286,8 +286,10 @@ class TrainingLoop:
         """A kill between the checkpoint and its metrics line loses the line: put it back."""
         path = self.run_dir / "metrics.jsonl"
         rows = read_metrics(path) if path.is_file() else []
-        if self.cfg.monitor.jsonl and not any(r["step"] == info.step for r in rows):
-            self.monitor.sinks[-1].log(info.step, info.metrics)
+        if not any(r["step"] == info.step for r in rows):
+            for sink in self.monitor.sinks:
+                if isinstance(sink, JsonlSink):
+                    sink.log(info.step, info.metrics)
 
     # ------------------------------------------------------------------ guard actions
     def _rollback(self, step: int, verdict: Verdict) -> int:
