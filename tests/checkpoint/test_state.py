@@ -19,6 +19,7 @@ from keel.checkpoint import (
 )
 from keel.checkpoint.state import read_latest
 from keel.controller import run_training
+from keel.controller.runner import RunDirError
 from keel.guard import read_events
 
 
@@ -54,6 +55,8 @@ def test_incomplete_is_ignored_and_corrupt_falls_back(run, tiny_grpo):
     with pytest.raises(CheckpointError, match=r"model\.safetensors is missing or truncated"):
         validate_checkpoint(root / "step_000003")
     cfg = tiny_grpo("train.steps=5", "checkpoint.save_steps=1", "checkpoint.keep=4")
+    with pytest.raises(RunDirError, match="step_000003 is damaged"):  # named: no fallback
+        run_training(cfg, resume=str(root / "step_000003"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = run_training(cfg)
