@@ -295,7 +295,7 @@ class TrainingLoop:
     def _rollback(self, step: int, verdict: Verdict) -> int:
         """Restore the newest healthy checkpoint, lower the LR, raise the KL coefficient, skip
         the data since the checkpoint; returns the step to run next."""
-        target = self._newest_healthy()
+        target = self._newest_healthy(step)
         cause = verdict.cause
         if target is None:
             verdict.action = "stop"
@@ -323,14 +323,14 @@ class TrainingLoop:
         )  # fmt: skip
         return target.step + 1
 
-    def _newest_healthy(self) -> CheckpointInfo | None:
+    def _newest_healthy(self, step: int) -> CheckpointInfo | None:
         for info in reversed(list_checkpoints(self.ckpt_dir)):
             if not info.healthy:
                 continue
             try:
                 return validate_checkpoint(info.path)
             except CheckpointError as exc:
-                self.events.emit(0, "restart", f"skipped a damaged checkpoint: {exc}")
+                self.events.emit(step, "restart", f"skipped a damaged checkpoint: {exc}")
         return None
 
     def _stop(self, step: int, verdict: Verdict, why: str | None = None) -> None:
