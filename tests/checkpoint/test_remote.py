@@ -73,3 +73,15 @@ def test_upload_and_resume_from_s3(tiny_grpo, tmp_path, s3_server):
     assert result.resumed_from == 2
     fetched = Path(other.run_dir) / "checkpoints" / "step_000002" / "actor" / "model.safetensors"
     assert fetched.read_bytes() == (local / "actor" / "model.safetensors").read_bytes()
+
+
+def test_failed_upload_is_an_event_and_training_goes_on(tiny_grpo):
+    cfg = tiny_grpo(
+        "train.steps=2", "checkpoint.save_steps=1", "checkpoint.upload_to=file:///dev/null/x"
+    )
+    result = run_training(cfg)
+    failed = [
+        e for e in read_events(Path(cfg.run_dir) / "events.jsonl") if "upload to" in e["message"]
+    ]
+    assert [e["step"] for e in failed] == [1, 2] and "failed" in failed[0]["message"]
+    assert result.model_dir.is_dir()

@@ -22,7 +22,7 @@ REWARD = f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:digit_fraction"
 TINY = [
     "train.steps=4", "eval.every=2", "data.arithmetic.eval_size=8", "checkpoint.save_steps=2",
     "train.batch_size=4", "train.mini_batch_size=4", "train.warmup_steps=1", "rollout.n=4",
-    "monitor.progress=false", "guard.enabled=false",
+    "monitor.progress=false",
 ]  # fmt: skip
 # A graded reward so that GRPO's advantages are not all zero on the untrained tiny model.
 RESUME_OVERRIDES: dict[str, list[str]] = {"grpo_arith_tiny.yaml": [REWARD]}
