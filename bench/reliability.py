@@ -49,7 +49,8 @@ def tiny_run(model_dir: Path, steps: int = 12) -> tuple[object, RLController, ob
 def checkpoint_costs(model_dir: Path, root: Path) -> dict:
     cfg, ctl, roles = tiny_run(model_dir)
     ctl.step(1)  # the optimizer has state
-    kwargs = {"roles": trainable_roles(roles), "components": {"controller": ctl}}
+    components = {"controller": ctl, "guard": Guard(cfg.guard)}
+    kwargs = {"roles": trainable_roles(roles), "components": components}
     saves, loads = [], []
     for i in range(5):
         start = time.perf_counter()
