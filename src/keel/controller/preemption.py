@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 
@@ -40,11 +39,12 @@ class Preemption:
             os.write(2, f"keel: second {signal.Signals(signum).name}: exiting now\n".encode())
             os._exit(128 + signum)
         self.signal = signum
-        print(
+        # os.write, not print: a handler that prints while the loop is printing would re-enter
+        # the stderr buffer.
+        os.write(
+            2,
             f"keel: {signal.Signals(signum).name} received: finishing this step, then saving a "
-            "checkpoint (send it again to exit at once)",
-            file=sys.stderr,
-            flush=True,
+            "checkpoint (send it again to exit at once)\n".encode(),
         )
 
     def request(self, signum: int = signal.SIGTERM) -> None:
