@@ -92,3 +92,11 @@ def test_event_log_lines(tmp_path):
     [event] = read_events(tmp_path / "events.jsonl")
     assert event["step"] == 3 and event["rule"] == "collapse" and event["action"] == "rollback"
     assert set(event) == {"time", "step", "event", "message", "rule", "action"}
+
+
+def test_a_sliding_metric_is_not_healthy_before_it_trips():
+    guard = Guard(GuardConfig(window=1, max_drop_frac=0.5))
+    feed(guard, [1.0])
+    verdict = guard.check(2, {"reward/mean": 0.7})  # 30% down: past half of the 50% threshold
+    assert verdict.action == "ok" and verdict.state == 0 and not verdict.healthy
+    assert guard.check(3, {"reward/mean": 0.9}).healthy

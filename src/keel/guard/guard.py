@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from keel.config.schema import GuardConfig
 from keel.guard import rules
@@ -30,10 +31,13 @@ class Trip:
 @dataclass
 class Verdict:
     """action: the step's decision; state: the guard/state metric (0 ok, 1 tripped, 2 rollback,
-    3 stop); healthy: no rule tripped."""
+    3 stop); healthy: no rule tripped and the monitored metric is not sliding (its rolling mean
+    is less than half the collapse threshold below its best), so a checkpoint written now is a
+    safe rollback target."""
 
     action: str = "ok"
     trips: list[Trip] = field(default_factory=list)
+    sliding: bool = False
 
     @property
     def state(self) -> int:
@@ -41,7 +45,7 @@ class Verdict:
 
     @property
     def healthy(self) -> bool:
-        return not self.trips
+        return not self.trips and not self.sliding
 
     @property
     def cause(self) -> Trip:
@@ -54,6 +58,7 @@ class Guard:
         self.history: list[float] = []  # the monitored metric, last `window` values
         self.best = -math.inf  # best rolling mean so far
         self.nonfinite_streak = 0
+        self.sliding = False  # the monitored metric is more than half-way to a collapse trip
         self.trips = 0
         self.rollbacks = 0
         self.lr_scale = 1.0
@@ -65,11 +70,13 @@ class Guard:
         """Apply every rule to this step's metrics; the returned verdict is also `self.last`."""
         verdict = Verdict()
         if self.cfg.enabled:
+            self.sliding = False
             for rule, action, message in self._tripped(metrics):
                 verdict.trips.append(Trip(rule, action, message))
             if verdict.trips:
                 self.trips += len(verdict.trips)
                 verdict.action = max((t.action for t in verdict.trips), key=SEVERITY.get)
+            verdict.sliding = self.sliding
             if verdict.action == "rollback" and self.rollbacks >= self.cfg.max_rollbacks:
                 cap = f"max_rollbacks ({self.cfg.max_rollbacks}) reached"
                 verdict.trips.append(Trip("max_rollbacks", "stop", cap))
@@ -111,16 +118,13 @@ class Guard:
         out = []
         if msg := rules.below(current, c.auto_stop_threshold, f"{c.monitor_metric} rolling mean"):
             out.append(("auto_stop_threshold", "stop", msg + " (auto_stop_threshold)"))
-        if math.isfinite(self.best) and (
-            msg := rules.collapse(
-                current,
-                self.best,
-                metric=c.monitor_metric,
-                max_drop=c.max_drop,
-                max_drop_frac=c.max_drop_frac,
-            )
-        ):
-            out.append(("collapse", c.collapse_action, msg))
+        if math.isfinite(self.best):
+            drop = partial(rules.collapse, current, self.best, metric=c.monitor_metric)
+            if msg := drop(max_drop=c.max_drop, max_drop_frac=c.max_drop_frac):
+                out.append(("collapse", c.collapse_action, msg))
+            half_drop = c.max_drop / 2 if c.max_drop else None
+            half_frac = c.max_drop_frac / 2 if c.max_drop_frac else None
+            self.sliding = drop(max_drop=half_drop, max_drop_frac=half_frac) is not None
         self.best = max(self.best, current)
         return out
 
