@@ -149,3 +149,25 @@ def test_kill_9_at_random_moments(tmp_path, tiny_dir, tiny_grpo, seed):
         if r["step"]
     }
     assert last == ref
+
+
+def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_grpo, monkeypatch):
+    """A real SIGINT to this process in the middle of step 2 (Ctrl-C): the step completes, a
+    checkpoint of step 2 is written, RunPreempted names the signal."""
+    from keel.controller.rl import RLController
+    from keel.controller.runner import RunPreempted
+
+    original = RLController.step
+
+    def step_with_ctrl_c(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, step)
+
+    monkeypatch.setattr(RLController, "step", step_with_ctrl_c)
+    cfg = tiny_grpo("train.steps=4")
+    with pytest.raises(RunPreempted, match="preempted by SIGINT after step 2"):
+        run_training(cfg)
+    assert [c.step for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [2]
+    assert steps_logged(Path(cfg.run_dir)) == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
