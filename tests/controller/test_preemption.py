@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KEEL = Path(sys.executable).parent / "keel"
 KILLS = 4  # kill -9 repetitions (2 inside a checkpoint write, 2 at random moments)
 STEPS = 6
+KILL_STEPS = 10  # enough that no process of the kill test can finish the run before its kill
+KILLED = [f"train.steps={KILL_STEPS}", "checkpoint.save_steps=1"]
 
 
 def start(run_dir: Path, tiny_dir: Path, *extra: str, pause: float = 0.0) -> subprocess.Popen:
@@ -111,7 +113,7 @@ def test_kill_9_at_random_moments(tmp_path, tiny_dir, tiny_grpo, seed):
     rng = random.Random(seed)
     run_dir, ckpt_dir = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
     for i in range(KILLS):
-        proc = start(run_dir, tiny_dir, "checkpoint.save_steps=1", pause=0.4)
+        proc = start(run_dir, tiny_dir, *KILLED, pause=0.4)
         # Wait until this process trains: after its resume, or (the first one, since a run killed
         # before its first checkpoint has nothing to resume) after its first checkpoint.
         known = len(resume_events(run_dir))
@@ -133,11 +135,11 @@ def test_kill_9_at_random_moments(tmp_path, tiny_dir, tiny_grpo, seed):
         newest = published[-1].path.name if published else None
         assert read_latest(ckpt_dir) == newest
         assert max((c.step for c in published), default=0) >= max(before, default=0)
-    proc = start(run_dir, tiny_dir, "checkpoint.save_steps=1")
+    proc = start(run_dir, tiny_dir, *KILLED)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     assert len(resume_events(run_dir)) == KILLS
-    straight = run_training(tiny_grpo(f"train.steps={STEPS}", "checkpoint.save_steps=1"))
+    straight = run_training(tiny_grpo(*KILLED))
     a, b = weights(straight.model_dir), weights(run_dir / "model")
     assert all(torch.equal(a[k], b[k]) for k in a), "kill -9 and resume changed the result"
     last = {
