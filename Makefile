@@ -32,6 +32,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.exporter
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.reliability
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

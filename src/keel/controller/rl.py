@@ -52,6 +52,19 @@ class RLController:
             else None
         )
         self.last_batch: Batch | None = None
+        self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
+        self.kl_scale = 1.0  # the guard raises it after a rollback; scales both
+
+    # ------------------------------------------------------- guard actions
+    def skip_batches(self, n: int) -> None:
+        """Advance the prompt stream past `n` batches without training on them."""
+        for _ in range(n):
+            self.prompts.next_batch()
+
+    def set_kl_scale(self, scale: float) -> None:
+        """Multiply the KL coefficients (the loss's, and β of KL in the reward) by `scale`
+        relative to their unguarded values."""
+        self.kl_scale = scale
 
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
@@ -84,12 +97,17 @@ class RLController:
                 metrics.update(roles.critic.call("update", batch, spec=spec))
         if step > spec.critic_warmup_steps:
             with t("update"):
-                metrics.update(roles.actor.call("update", batch, spec=spec))
+                metrics.update(
+                    roles.actor.call(
+                        "update", batch, spec=spec, kl_coef=self.kl_coef * self.kl_scale
+                    )
+                )
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
         return {
             **metrics,
             **self.timer.pop(),
+            "actor/kl_coef": self.kl_coef * self.kl_scale,
             "timing/step_s": elapsed,
             "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
         }
@@ -125,7 +143,7 @@ class RLController:
         kl, beta = None, 0.0
         if self.kl_ctrl is not None:
             kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_reward_type)
-            beta, current = self.kl_ctrl.value, batch_mean_kl(kl, mask)
+            beta, current = self.kl_ctrl.value * self.kl_scale, batch_mean_kl(kl, mask)
             self.kl_ctrl.update(current, n_steps=len(batch))
             metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}
         rewards = token_level_rewards(batch.scores, mask, kl, beta)
@@ -142,11 +160,14 @@ class RLController:
         return batch.replace(advantages=advantages, returns=returns), metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's own state (C1): data position, group counter, KL controller,
-        dynamic-sampling counters. Role weights live in the workers' state_dicts."""
+        """The controller's own state (C1): data position, group counter, KL coefficients (the
+        loss's, the guard's scale, the reward KL controller), dynamic-sampling counters. Role
+        weights live in the workers' state_dicts."""
         return {
             "prompts": self.prompts.state_dict(),
             "groups_seen": self.groups_seen,
+            "kl_coef": self.kl_coef,
+            "kl_scale": self.kl_scale,
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
         }
@@ -154,6 +175,8 @@ class RLController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.groups_seen = int(state["groups_seen"])
+        self.kl_coef = float(state["kl_coef"])
+        self.kl_scale = float(state["kl_scale"])
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.sampler is not None and state.get("sampler") is not None:

@@ -45,6 +45,7 @@ class ActorWorker:
         self.temperature = temperature
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
+        self.lr_scale = 1.0  # the guard's cumulative LR factor (set_lr_scale)
 
     # ---------------------------------------------------------------- inference
     @torch.no_grad()
@@ -58,21 +59,29 @@ class ActorWorker:
         return batch.replace(old_logprobs=torch.cat(parts).cpu())
 
     # ------------------------------------------------------------------- update
-    def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
+    def update(
+        self, batch: Batch, spec: AlgorithmSpec, kl_coef: float | None = None
+    ) -> dict[str, float]:
         """`ppo_epochs` passes over the mini-batches; one optimizer update per mini-batch.
+        kl_coef: β_kl of the KL loss (the controller's current value); default spec.kl_loss_coef.
         Returns `actor/*` metrics averaged over the updates."""
+        beta = spec.kl_loss_coef if kl_coef is None else kl_coef
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
                 num_tokens, num_seqs = loss_denominators(mini.response_mask)
                 loss_fn = partial(
-                    self._policy_loss, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
+                    self._policy_loss,
+                    spec=spec,
+                    kl_coef=beta,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
                 )
                 history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
         return mean_prefixed(history, "actor/")
 
     def _policy_loss(
-        self, micro: Batch, *, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
+        self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
         denominators (ALGORITHMS.md §3 'Full verl actor loss')."""
@@ -108,9 +117,9 @@ class ActorWorker:
             "clipfrac_lower": pg.clipfrac_lower.item() * share,
             "ppo_kl": pg.ppo_kl.item() * share,
         }
-        if spec.kl_loss_coef > 0:
+        if spec.kl_loss_coef > 0:  # a reference model exists
             kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
-            loss = loss + spec.kl_loss_coef * kl
+            loss = loss + kl_coef * kl
             metrics["kl"] = kl.item()
         metrics["loss"] = loss.item()
         return loss, metrics
@@ -143,12 +152,47 @@ class ActorWorker:
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
+    # ------------------------------------------------------------ state (C1)
     def state_dict(self) -> dict[str, Any]:
+        """model, optimizer and scheduler states and the guard's LR scale (torch.save-able)."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.step.optimizer.state_dict(),
             "scheduler": self.step.scheduler.state_dict(),
+            "lr_scale": self.lr_scale,
         }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output. The model's weights may omit parameters tied to
+        another one (the HF folder stores a tied lm_head once)."""
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        untied = [k for k in missing if not _is_tied(self.model, k)]
+        if untied or unexpected:
+            raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
+        self.step.optimizer.load_state_dict(state["optimizer"])
+        self.step.scheduler.load_state_dict(state["scheduler"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply the LR schedule by `scale` relative to the configured one (the guard lowers it
+        after a rollback). Saved in state_dict, so it survives resume."""
+        ratio = scale / self.lr_scale
+        sched = self.step.scheduler
+        sched.base_lrs = [lr * ratio for lr in sched.base_lrs]
+        for group in self.step.optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        self.lr_scale = scale
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter `name` shares its storage with another named parameter."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        return False
+    ptr = params[name].data_ptr()
+    return any(k != name and p.data_ptr() == ptr for k, p in params.items())
 
 
 def mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
