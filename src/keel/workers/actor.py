@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +19,10 @@ from keel.algo.spec import AlgorithmSpec
 from keel.engine.forward import response_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch
+from keel.workers.trainable import TrainableWorker, mean_prefixed
 
 
-class ActorWorker:
+class ActorWorker(TrainableWorker):
     """Owns the policy model, its optimizer and scheduler (through GradientStep).
 
     temperature: the sampling temperature; log-probs are computed from logits / temperature.
@@ -39,13 +39,14 @@ class ActorWorker:
         mini_batch_size: int,
         micro_batch_size: int,
     ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.step = step
+        super().__init__(
+            model,
+            tokenizer,
+            step,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+        )
         self.temperature = temperature
-        self.mini_batch_size = mini_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.lr_scale = 1.0  # the guard's cumulative LR factor (set_lr_scale)
 
     # ---------------------------------------------------------------- inference
     @torch.no_grad()
@@ -145,56 +146,3 @@ class ActorWorker:
 
             history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
         return mean_prefixed(history, "actor/")
-
-    # ------------------------------------------------------------------- export
-    def save_pretrained(self, path: str | Path) -> None:
-        """The policy as an HF folder (safetensors + tokenizer), loadable by transformers."""
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-
-    # ------------------------------------------------------------ state (C1)
-    def state_dict(self) -> dict[str, Any]:
-        """model, optimizer and scheduler states and the guard's LR scale (torch.save-able)."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.step.optimizer.state_dict(),
-            "scheduler": self.step.scheduler.state_dict(),
-            "lr_scale": self.lr_scale,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output. The model's weights may omit parameters tied to
-        another one (the HF folder stores a tied lm_head once)."""
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
-        untied = [k for k in missing if not _is_tied(self.model, k)]
-        if untied or unexpected:
-            raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
-        self.step.optimizer.load_state_dict(state["optimizer"])
-        self.step.scheduler.load_state_dict(state["scheduler"])
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-
-    def set_lr_scale(self, scale: float) -> None:
-        """Multiply the LR schedule by `scale` relative to the configured one (the guard lowers it
-        after a rollback). Saved in state_dict, so it survives resume."""
-        ratio = scale / self.lr_scale
-        sched = self.step.scheduler
-        sched.base_lrs = [lr * ratio for lr in sched.base_lrs]
-        for group in self.step.optimizer.param_groups:
-            group["lr"] *= ratio
-            if "initial_lr" in group:
-                group["initial_lr"] *= ratio
-        self.lr_scale = scale
-
-
-def _is_tied(model: torch.nn.Module, name: str) -> bool:
-    """Whether parameter `name` shares its storage with another named parameter."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        return False
-    ptr = params[name].data_ptr()
-    return any(k != name and p.data_ptr() == ptr for k, p in params.items())
-
-
-def mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    keys = history[0].keys()
-    return {f"{prefix}{k}": sum(h[k] for h in history) / len(history) for k in keys}
