@@ -45,11 +45,11 @@ def response_forward(
     return logprobs, entropy
 
 
-def value_forward(model: Any, batch: Batch) -> torch.Tensor:
-    """Critic values V [B, R] of the response tokens: V_t is read at position t−1, the state
-    before token t is generated (as for log-probs). `model` returns logits [B, T, 1]."""
+def head_forward(model: Any, batch: Batch) -> torch.Tensor:
+    """The logits of a model with a scalar head on its backbone: [B, T, 1] for a
+    token-classification model (a critic), [B, 1] for a sequence-classification one (a reward
+    model, read at each row's last non-pad token)."""
     assert batch.input_ids is not None and batch.attention_mask is not None
-    r = batch.response_length
     device = next(model.parameters()).device
     attention = batch.attention_mask.to(device)
     out = model(
@@ -58,4 +58,11 @@ def value_forward(model: Any, batch: Batch) -> torch.Tensor:
         position_ids=position_ids_from_mask(attention),
         use_cache=False,
     )
-    return out.logits[:, -(r + 1) : -1, 0].float()
+    return out.logits
+
+
+def value_forward(model: Any, batch: Batch) -> torch.Tensor:
+    """Critic values V [B, R] of the response tokens: V_t is read at position t−1, the state
+    before token t is generated (as for log-probs). `model` returns logits [B, T, 1]."""
+    r = batch.response_length
+    return head_forward(model, batch)[:, -(r + 1) : -1, 0].float()

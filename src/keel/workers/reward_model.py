@@ -14,7 +14,7 @@ import torch
 from keel.algo.normalization import RunningMoments
 from keel.algo.preference import bradley_terry_loss
 from keel.data.preference import encode_scored
-from keel.engine.forward import position_ids_from_mask
+from keel.engine.forward import head_forward
 from keel.rewards.scoring import RewardScorer
 from keel.types import Batch
 from keel.workers.trainable import TrainableWorker
@@ -22,16 +22,7 @@ from keel.workers.trainable import TrainableWorker
 
 def sequence_scores(model: Any, batch: Batch) -> torch.Tensor:
     """The scalar head's output for each row [B] (the last non-pad token's logit)."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
-    device = next(model.parameters()).device
-    attention = batch.attention_mask.to(device)
-    out = model(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=attention,
-        position_ids=position_ids_from_mask(attention),
-        use_cache=False,
-    )
-    return out.logits[:, 0].float()
+    return head_forward(model, batch)[:, 0].float()
 
 
 class RewardModelTrainer(TrainableWorker):
