@@ -15,8 +15,8 @@ from keel.checkpoint import prune_step_folders, publish_folder, step_folder_name
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
+    assemble_roles,
     build_reward,
-    build_roles,
     check_prompt_lengths,
     load_datasets,
 )
@@ -58,7 +58,15 @@ def run_training(
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
     scorer = build_reward(cfg, config_dir)
-    roles = build_roles(cfg, spec, scorer)
+    roles = assemble_roles(cfg, spec, scorer, config_dir)
+    try:
+        return _run(cfg, spec, roles, data, overwrite, title)
+    finally:
+        roles.close()
+
+
+def _run(cfg, spec, roles, data, overwrite: bool, title: str) -> RunResult:
+    run_dir = Path(cfg.run_dir)
     check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 

@@ -12,11 +12,16 @@ from keel.algo import (
     POLICY_LOSSES,
     agg_loss,
     kl_penalty,
-    loss_denominators,
     masked_mean,
     sft_loss,
 )
 from keel.algo.spec import AlgorithmSpec
+from keel.engine.distributed import (
+    full_state_dict,
+    global_denominators,
+    rank,
+    save_hf_folder,
+)
 from keel.engine.forward import response_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch
@@ -45,6 +50,7 @@ class ActorWorker:
         self.temperature = temperature
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
+        self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
 
     # ---------------------------------------------------------------- inference
     @torch.no_grad()
@@ -64,11 +70,12 @@ class ActorWorker:
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                num_tokens, num_seqs = loss_denominators(mini.response_mask)
+                num_tokens, num_seqs = global_denominators(mini.response_mask)
                 loss_fn = partial(
                     self._policy_loss, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
                 )
                 history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+        self.weight_version += 1
         return mean_prefixed(history, "actor/")
 
     def _policy_loss(
@@ -119,7 +126,7 @@ class ActorWorker:
         """One optimizer update of negative log-likelihood on the response tokens."""
         history = []
         for mini in batch.split(self.mini_batch_size):
-            num_tokens, num_seqs = loss_denominators(mini.response_mask)
+            num_tokens, num_seqs = global_denominators(mini.response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                 logprobs, _ = response_forward(self.model, micro)
@@ -139,15 +146,22 @@ class ActorWorker:
 
     # ------------------------------------------------------------------- export
     def save_pretrained(self, path: str | Path) -> None:
-        """The policy as an HF folder (safetensors + tokenizer), loadable by transformers."""
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        """The policy as an HF folder (safetensors + tokenizer), loadable by transformers.
+        In a data-parallel group rank 0 writes it (FSDP2: after gathering the shards)."""
+        save_hf_folder(self.model, self.tokenizer, path)
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """(full weights on rank 0, None elsewhere; the weight version): pushed to separate
+        rollout workers after each update."""
+        state = full_state_dict(self.model)
+        return (state if rank() == 0 else None), self.weight_version
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.step.optimizer.state_dict(),
             "scheduler": self.step.scheduler.state_dict(),
+            "weight_version": self.weight_version,
         }
 
 

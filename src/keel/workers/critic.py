@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from keel.algo import clipped_value_loss, loss_denominators, masked_mean
+from keel.algo import clipped_value_loss, masked_mean
 from keel.algo.spec import AlgorithmSpec
+from keel.engine.distributed import global_denominators, save_hf_folder
 from keel.engine.forward import value_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch
@@ -47,7 +48,7 @@ class CriticWorker:
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                num_tokens, num_seqs = loss_denominators(mini.response_mask)
+                num_tokens, num_seqs = global_denominators(mini.response_mask)
 
                 def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                     return self._value_loss(micro, spec, num_tokens, num_seqs)
@@ -80,8 +81,7 @@ class CriticWorker:
 
     def save_pretrained(self, path: str | Path) -> None:
         """The critic as an HF token-classification folder (one label) with the tokenizer."""
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        save_hf_folder(self.model, self.tokenizer, path)
 
     def state_dict(self) -> dict[str, Any]:
         return {
