@@ -34,6 +34,30 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+TINY_GRPO = [
+    "data.arithmetic.eval_size=8", "train.batch_size=4", "train.mini_batch_size=4",
+    "train.warmup_steps=0", "rollout.n=4", "monitor.progress=false", "eval.every=0",
+]  # fmt: skip
+
+
+@pytest.fixture
+def tiny_grpo(tmp_path, tiny_dir):
+    """tiny_grpo(*overrides) → a KeelConfig of examples/grpo_arith_tiny.yaml on the tiny model at
+    tiny sizes (4 prompts × 4 samples per step), with its run_dir under tmp_path."""
+    from pathlib import Path
+
+    from keel.config.loading import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    reward = f"reward.fn={root / 'tests/cli/format_reward.py'}:digit_fraction"
+
+    def make(*overrides: str):
+        base = [*TINY_GRPO, f"models.actor={tiny_dir}", reward, f"run_dir={tmp_path / 'run'}"]
+        return load_config(root / "examples/grpo_arith_tiny.yaml", [*base, *overrides])
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def scraped_run(tiny_dir, tmp_path_factory):
     """One real tiny GRPO run (6 steps) with every sink on, its exporter scraped while it ran."""

@@ -1,5 +1,6 @@
 """End to end through the real CLI: GRPO and SFT on the tiny model, a few steps each."""
 
+import json
 import math
 
 import pytest
@@ -70,3 +71,21 @@ def test_sft_example_lowers_the_loss(keel, tiny_dir, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert model(torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+
+
+@pytest.mark.e2e
+def test_guard_stop_exits_3_with_a_clear_message(keel, tiny_dir, tmp_path):
+    run_dir = tmp_path / "stopped"
+    proc = keel(
+        "train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+        "--set", f"models.actor={tiny_dir}", "--set", "train.steps=3",
+        "--set", "data.arithmetic.eval_size=8", "--set", "train.batch_size=2",
+        "--set", "train.mini_batch_size=16", "--set", "guard.window=1",
+        "--set", "guard.auto_stop_threshold=2.0",  # rewards are at most 1: stops after step 1
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "keel: stopped: guard stopped the run" in proc.stderr
+    assert "auto_stop_threshold" in proc.stderr
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stop" and events[-1]["step"] == 1
+    assert not (run_dir / "model").exists()

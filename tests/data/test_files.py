@@ -85,3 +85,14 @@ def test_missing_file_is_rejected(tmp_path):
 def test_empty_dataset_is_rejected(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ["", "  "])
     assert "no rows" in data_error(path)
+
+
+def test_bad_rows_are_skipped_and_reported_when_asked(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": \n[1]\n{"answer": "x"}\n{"prompt": "b"}\n')
+    bad: list[str] = []
+    examples = load_examples(path, on_bad_row="skip", bad_rows=bad)
+    assert [e.prompt for e in examples] == ["a", "b"]
+    assert [line.split(":")[1] for line in bad] == ["2", "3", "4"]
+    with pytest.raises(DataError, match=rf"{path}:2"):
+        load_examples(path)

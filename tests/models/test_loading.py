@@ -176,3 +176,30 @@ def test_builtin_builder_crash_leaves_nothing(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="killed"):
         resolve_model_path("builtin:broken")
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_building_a_builtin_leaves_the_random_streams_alone(monkeypatch, tmp_path):
+    """A run draws the same random numbers whether or not a built-in model was cached."""
+    import random
+
+    import numpy as np
+
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+
+    def reseeding_builder(path: Path) -> None:  # as the SFT warm-starts do (seed_everything)
+        random.seed(123)
+        np.random.seed(123)
+        torch.manual_seed(123)
+        create_tiny_model(path, TinyModelSpec(hidden_size=16, num_layers=1, seed=1))
+
+    monkeypatch.setitem(BUILTIN_MODELS, "reseeding", reseeding_builder)
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    resolve_model_path("builtin:reseeding")
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]

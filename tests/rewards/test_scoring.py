@@ -40,3 +40,55 @@ def test_nan_return_raises_under_raise_policy():
     scorer = RewardScorer(lambda *a, **k: math.nan)
     with pytest.raises(RewardError, match="non-finite"):
         scorer.score(["p"], ["r"], ["a"])
+
+
+def sleeps_on_slow(prompt, response, answer, **kwargs):
+    import time
+
+    if response == "slow":
+        time.sleep(5)
+    return 1.0
+
+
+def test_timeout_falls_back_and_is_counted():
+    import time
+
+    scorer = RewardScorer(sleeps_on_slow, on_error="fallback", fallback_score=-1.0, timeout_s=0.2)
+    start = time.monotonic()
+    scores, errors = scorer.score(["p"] * 3, ["a", "slow", "b"], [None] * 3)
+    assert (scores, errors) == ([1.0, -1.0, 1.0], 1)
+    assert time.monotonic() - start < 2  # the hung call was abandoned, not awaited
+
+
+def test_timeout_with_raise_names_the_limit():
+    scorer = RewardScorer(sleeps_on_slow, timeout_s=0.1)
+    with pytest.raises(RewardError, match=r"timed out after 0\.1s"):
+        scorer.score(["p"], ["slow"], [None])
+
+
+def test_bounded_concurrency_keeps_order_and_limit():
+    import threading
+    import time
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def slow_len(prompt, response, answer, **kwargs):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return float(len(response))
+
+    scorer = RewardScorer(slow_len, max_concurrency=3)
+    responses = ["x" * i for i in range(10)]
+    assert scorer.score(["p"] * 10, responses, [None] * 10) == ([float(i) for i in range(10)], 0)
+    assert peak[0] == 3
+
+
+def test_error_rate_past_the_threshold_stops():
+    scorer = RewardScorer(fails_on_b, on_error="fallback", max_error_rate=0.4)
+    assert scorer.score(["p"] * 3, ["a", "b", "c"], [None] * 3)[1] == 1  # 1/3 ≤ 0.4
+    with pytest.raises(RewardError, match=r"failed on 2 of 3 rows, above reward\.max_error_rate"):
+        scorer.score(["p"] * 3, ["b", "b", "c"], [None] * 3)

@@ -3,6 +3,8 @@
 One Ray session serves every test of this module (starting Ray takes ~5 s)."""
 
 import json
+import threading
+import time
 
 import pytest
 import ray
@@ -10,6 +12,7 @@ from safetensors.torch import load_file
 
 from keel.config import validate
 from keel.controller.runner import run_training
+from keel.guard.events import read_events
 
 pytestmark = pytest.mark.ray
 
@@ -82,3 +85,51 @@ def test_two_ray_workers_make_the_same_update_as_one_local_worker(
     assert all(r["rollout/weight_version_lag"] == 0 and r["rollout/weight_push_s"] > 0
                for r in rows[1:])  # fmt: skip
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def kill_when(path, step, name_part):
+    """Background: once metrics.jsonl shows `step`, ray.kill rank 1 of the Ray actors named
+    *name_part* (a real worker process of a 2-rank group)."""
+    killed = []
+
+    def watch():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if path.is_file() and any(r["step"] >= step for r in metrics(path.parent)):
+                names = [a for a in ray.util.list_named_actors() if name_part in a and "rank1" in a]
+                ray.kill(ray.get_actor(names[0]), no_restart=True)
+                killed.append(names[0])
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def test_a_killed_worker_restarts_the_groups_and_the_run_resumes(
+    ray_session, local_run, tiny_dir, tmp_path
+):
+    run_dir = tmp_path / "killed"
+    resources = {
+        "backend": "ray",
+        "max_restarts": 1,
+        "groups": [
+            {"roles": ["actor", "reference"], "workers": 2, "cpus_per_worker": 0.5},
+        ],
+    }  # fmt: skip   (the rollout runs in the driver: its random stream is checkpointed)
+    cfg = tiny_grpo(tiny_dir, run_dir, **resources)
+    cfg.checkpoint.save_steps = 1
+    thread, killed = kill_when(run_dir / "metrics.jsonl", 1, "actor+reference-")
+    run_training(cfg)
+    thread.join()
+    assert killed and killed[0].endswith("rank1")
+    events = read_events(run_dir / "events.jsonl")
+    restart = [e for e in events if e["event"] == "restart"]
+    assert len(restart) == 1 and restart[0]["reason"] == "worker_lost" and restart[0]["step"] >= 2
+    resumed = [e for e in events if e["event"] == "resume"]
+    assert resumed and resumed[0]["step"] >= 1
+    assert [r["step"] for r in metrics(run_dir)][-1] == 3
+    # resumed from a full-state checkpoint, the run ends where the uninterrupted one does
+    local, dist = weights(local_run), weights(run_dir)
+    assert max((local[k] - dist[k]).abs().max().item() for k in local) <= TOLERANCE

@@ -1,4 +1,5 @@
-"""Writing a folder atomically (temp folder, fsync, rename) and keeping the newest N steps."""
+"""Writing a folder atomically (temp folder, fsync, rename), retention, and clean-up of what a
+killed writer left behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ _STEP = re.compile(r"^step_(\d+)$")
 
 def step_folder_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a `step_NNNNNN` folder name, or None."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
 
 
 def publish_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
@@ -37,28 +44,52 @@ def publish_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(old)
         else:
             tmp.rename(target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
 
 
-def prune_step_folders(parent: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` step_N folders under `parent`; returns the deleted."""
+def prune_step_folders(parent: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` step_N folders under `parent`, never `protect` (the
+    newest healthy checkpoint); returns the deleted."""
     parent = Path(parent)
     if not parent.is_dir():
         return []
     steps = sorted(
         (int(m.group(1)), p) for p in parent.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()
     )
-    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)]]
+    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)] if p != protect]
     for p in doomed:
         shutil.rmtree(p)
     return doomed
 
 
-def _fsync_dir(path: Path) -> None:
+def clean_leftovers(parent: str | Path) -> list[str]:
+    """Undo what a writer killed inside `publish_folder` left under `parent`: `.tmp-*` folders
+    are deleted; an `.old-NAME-PID` folder is renamed back to NAME when NAME is missing (the kill
+    fell between the two renames), else deleted. Returns one line per action."""
+    parent = Path(parent)
+    done: list[str] = []
+    if not parent.is_dir():
+        return done
+    for p in sorted(parent.iterdir()):
+        if p.name.startswith(".tmp-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"deleted the unfinished {p}")
+        elif (m := re.match(r"^\.old-(.+)-\d+$", p.name)) and p.is_dir():
+            original = parent / m.group(1)
+            if original.exists():
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"deleted the replaced {p}")
+            else:
+                p.rename(original)
+                done.append(f"restored {original} from {p}")
+    return done
+
+
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

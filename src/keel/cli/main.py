@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_GUARD_STOP = 3  # the guard stopped the run (a stop rule, or the rollback cap)
+EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: a checkpoint was written; rerun to resume (EX_TEMPFAIL)
 
 
 def _quiet_libraries() -> None:
@@ -31,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(train)
     train.add_argument("--run-dir", help="where the run lives (overrides run_dir)")
     train.add_argument("--overwrite", action="store_true", help="replace a previous run there")
+    train.add_argument(
+        "--resume",
+        default="auto",
+        metavar="auto|never|PATH",
+        help="auto (default): continue from RUN_DIR's newest checkpoint if there is one; "
+        "never: start fresh; PATH: a checkpoint folder or fsspec URL",
+    )
 
     config = sub.add_parser("config", help="check a config before running it")
     csub = config.add_subparsers(dest="config_command", required=True)
@@ -68,8 +77,16 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_libraries()
     args = build_parser().parse_args(argv)
+    from keel.controller.runner import RunPreempted, RunStopped
+
     try:
         return _dispatch(args)
+    except RunPreempted as exc:
+        print(f"keel: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except RunStopped as exc:
+        print(f"keel: stopped: {exc}", file=sys.stderr)
+        return EXIT_GUARD_STOP
     except KeyboardInterrupt:
         print("keel: interrupted", file=sys.stderr)
         return 130
@@ -87,18 +104,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
+    from keel.checkpoint import CheckpointError
     from keel.config import ConfigError
     from keel.controller.runner import RunDirError
     from keel.data import DataError
     from keel.models import ModelLoadError
     from keel.monitor.optional import MissingPackageError
     from keel.monitor.prometheus import ExporterError
+    from keel.report import ReportError
     from keel.rewards import RewardError, RewardLoadError
 
-    user = (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, RunDirError)
-    from keel.report import ReportError
-
-    user += (ExporterError, MissingPackageError, ReportError)
+    user = (
+        CheckpointError, ConfigError, DataError, ExporterError, MissingPackageError,
+        ModelLoadError, ReportError, RewardError, RewardLoadError, RunDirError,
+    )  # fmt: skip
     return isinstance(exc, user)
 
 
@@ -112,7 +131,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from keel.cli.train_cmd import train
 
-        return train(args.config, args.set, run_dir=args.run_dir, overwrite=args.overwrite)
+        return train(
+            args.config, args.set, run_dir=args.run_dir, overwrite=args.overwrite,
+            resume=args.resume,
+        )  # fmt: skip
     if args.command == "demo":
         from keel.cli.demo import demo
 

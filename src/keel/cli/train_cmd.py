@@ -10,7 +10,12 @@ from keel.config import load_config
 
 
 def train(
-    path: Path, overrides: Sequence[str], *, run_dir: str | None = None, overwrite: bool = False
+    path: Path,
+    overrides: Sequence[str],
+    *,
+    run_dir: str | None = None,
+    overwrite: bool = False,
+    resume: str = "auto",
 ) -> int:
     cfg = load_config(path, overrides)
     if run_dir:
@@ -18,7 +23,7 @@ def train(
     from keel.controller import run_training
 
     result = run_training(
-        cfg, config_dir=path.parent, overwrite=overwrite, title=cfg.algorithm.name
+        cfg, config_dir=path.parent, overwrite=overwrite, resume=resume, title=cfg.algorithm.name
     )
     shown = ("eval/accuracy", "eval/rm/accuracy", "eval/rewards/accuracies")
     summary = "".join(

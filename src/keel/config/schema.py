@@ -60,6 +60,10 @@ class DataConfig(Section):
         description="held-out data; default: the arithmetic held-out split when training "
         "on builtin:arithmetic, otherwise no evaluation",
     )
+    on_bad_row: Literal["raise", "skip"] = Field(
+        "raise",
+        description="a malformed row: raise (error naming file:line) or skip it and count it",
+    )
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     response_key: str = "response"
@@ -93,6 +97,13 @@ class RewardConfig(Section):
     on_error: Literal["raise", "fallback"] = "raise"
     fallback_score: float = 0.0
     model: RewardModelConfig = RewardModelConfig()
+    timeout_s: float | None = Field(
+        None, gt=0, description="per-call time limit; a call past it is an error; null: none"
+    )
+    max_concurrency: int = Field(1, ge=1, description="reward calls running at once (threads)")
+    max_error_rate: float = Field(
+        1.0, ge=0, le=1, description="stop the run when a step's errored fraction exceeds this"
+    )
 
 
 class RolloutConfig(Section):
@@ -142,10 +153,52 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Saving the policy as an HF folder (full-state checkpoints come later)."""
+    """Full-state checkpoints (weights, optimizer, scheduler, RNG, data position, controller and
+    guard state, config) under RUN_DIR/checkpoints, published atomically."""
 
-    save_steps: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
-    keep: int = Field(2, ge=1, description="saved step folders to keep")
+    save_steps: int = Field(0, ge=0, description="save every N steps; 0: none during the run")
+    keep: int = Field(2, ge=1, description="step folders to keep (the newest healthy one stays)")
+    upload_to: str | None = Field(
+        None, description="fsspec URL (s3://bucket/prefix, file://…) to copy each checkpoint to"
+    )
+    storage_options: dict[str, object] = Field(
+        default_factory=dict, description="fsspec options for upload_to (endpoint_url, key, …)"
+    )
+
+
+GuardAction = Literal["warn", "rollback", "stop"]
+
+
+class GuardConfig(Section):
+    """The circuit breaker: health rules checked after every step, each with an action."""
+
+    enabled: bool = True
+    monitor_metric: str = Field("reward/mean", description="the metric whose collapse is watched")
+    window: int = Field(10, ge=1, description="steps in the monitored metric's rolling mean")
+    max_drop: float | None = Field(
+        None, gt=0, description="trip when the rolling mean falls this far below its best"
+    )
+    max_drop_frac: float | None = Field(
+        0.5, gt=0, description="trip when it falls this fraction of |best| below its best"
+    )
+    auto_stop_threshold: float | None = Field(
+        None, description="stop when the rolling mean falls below this value"
+    )
+    collapse_action: GuardAction = "rollback"
+    nonfinite_action: Literal["warn", "skip"] = Field(
+        "skip", description="a non-finite loss/grad norm: the update is skipped; warn or skip"
+    )
+    nonfinite_patience: int = Field(3, ge=1, description="non-finite steps in a row → rollback")
+    kl_max: float | None = Field(None, gt=0, description="ceiling on actor/kl")
+    kl_action: GuardAction = "warn"
+    entropy_min: float | None = Field(None, ge=0, description="floor on actor/entropy")
+    entropy_action: GuardAction = "warn"
+    length_max: float | None = Field(None, gt=0, description="ceiling on response/length_mean")
+    length_action: GuardAction = "warn"
+    lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback")
+    kl_factor: float = Field(1.0, ge=1, description="KL coefficient multiplier per rollback")
+    skip_data: bool = Field(True, description="after a rollback, skip the batches that led to it")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed; one more trip stops")
 
 
 class PrometheusConfig(Section):
@@ -435,6 +488,7 @@ class KeelConfig(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    guard: GuardConfig = GuardConfig()
     monitor: MonitorConfig = MonitorConfig()
     resources: ResourcesConfig = ResourcesConfig()
 

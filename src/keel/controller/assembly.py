@@ -7,7 +7,7 @@ here, before the run directory is touched.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +65,12 @@ class Roles:
 
 @dataclass
 class Datasets:
-    """Examples, or PreferencePairs for the stages in PAIR_STAGES."""
+    """Examples, or PreferencePairs for the stages in PAIR_STAGES. bad_rows: errors of the rows
+    left out under `data.on_bad_row: skip`."""
 
     train: list[Any]
     eval: list[Any]
+    bad_rows: list[str] = field(default_factory=list)
 
 
 def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datasets:
@@ -90,7 +92,8 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
             ),
         )
     need = ("prompt", "response") if spec.stage == "sft" else ("prompt",)
-    return _load_sources(
+    bad_rows: list[str] = []
+    data = _load_sources(
         d,
         base_dir,
         BUILTIN_TASK,
@@ -101,8 +104,12 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
             answer_key=d.answer_key,
             response_key=d.response_key,
             require=need,
+            on_bad_row=d.on_bad_row,
+            bad_rows=bad_rows,
         ),
     )
+    data.bad_rows = bad_rows
+    return data
 
 
 def _load_sources(
@@ -152,6 +159,9 @@ def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
         kwargs=dict(cfg.reward.kwargs),
         on_error=cfg.reward.on_error,
         fallback_score=cfg.reward.fallback_score,
+        timeout_s=cfg.reward.timeout_s,
+        max_concurrency=cfg.reward.max_concurrency,
+        max_error_rate=cfg.reward.max_error_rate,
         name=cfg.reward.fn,
     )
 

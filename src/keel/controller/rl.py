@@ -53,6 +53,19 @@ class RLController:
         )
         self.last_batch: Batch | None = None
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
+        self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
+        self.kl_scale = 1.0  # the guard raises it after a rollback; scales both
+
+    # ------------------------------------------------------- guard actions
+    def skip_batches(self, n: int) -> None:
+        """Advance the prompt stream past `n` batches without training on them."""
+        for _ in range(n):
+            self.prompts.next_batch()
+
+    def set_kl_scale(self, scale: float) -> None:
+        """Multiply the KL coefficients (the loss's, and β of KL in the reward) by `scale`
+        relative to their unguarded values."""
+        self.kl_scale = scale
 
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
@@ -86,7 +99,11 @@ class RLController:
                 metrics.update(roles.critic.call("update", batch, spec=spec))
         if step > spec.critic_warmup_steps:
             with t("update"):
-                metrics.update(roles.actor.call("update", batch, spec=spec))
+                metrics.update(
+                    roles.actor.call(
+                        "update", batch, spec=spec, kl_coef=self.kl_coef * self.kl_scale
+                    )
+                )
             self.weight_version += 1
             metrics.update(roles.push_weights())
         elapsed = time.perf_counter() - start
@@ -94,6 +111,7 @@ class RLController:
         return {
             **metrics,
             **self.timer.pop(),
+            "actor/kl_coef": self.kl_coef * self.kl_scale,
             "timing/step_s": elapsed,
             "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
         }
@@ -142,7 +160,7 @@ class RLController:
         kl, beta = None, 0.0
         if self.kl_ctrl is not None:
             kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_reward_type)
-            beta, current = self.kl_ctrl.value, batch_mean_kl(kl, mask)
+            beta, current = self.kl_ctrl.value * self.kl_scale, batch_mean_kl(kl, mask)
             self.kl_ctrl.update(current, n_steps=len(batch))
             metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}
         rewards = token_level_rewards(batch.scores, mask, kl, beta)
@@ -159,12 +177,15 @@ class RLController:
         return batch.replace(advantages=advantages, returns=returns), metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's own state (C1): data position, group counter, KL controller,
-        dynamic-sampling counters. Role weights live in the workers' state_dicts."""
+        """The controller's own state (C1): data position, group counter, KL coefficients (the
+        loss's, the guard's scale, the reward KL controller), dynamic-sampling counters. Role
+        weights live in the workers' state_dicts."""
         return {
             "prompts": self.prompts.state_dict(),
             "groups_seen": self.groups_seen,
             "weight_version": self.weight_version,
+            "kl_coef": self.kl_coef,
+            "kl_scale": self.kl_scale,
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
         }
@@ -173,6 +194,8 @@ class RLController:
         self.prompts.load_state_dict(state["prompts"])
         self.groups_seen = int(state["groups_seen"])
         self.weight_version = int(state.get("weight_version", 0))
+        self.kl_coef = float(state["kl_coef"])
+        self.kl_scale = float(state["kl_scale"])
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.sampler is not None and state.get("sampler") is not None:

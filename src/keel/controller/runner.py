@@ -1,17 +1,32 @@
-"""Running a whole training job: assemble, evaluate at step 0, step, log, save, export."""
+"""Running a whole training job: assemble, resume, step, guard, checkpoint, preempt, export."""
 
 from __future__ import annotations
 
 import random
 import shutil
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from keel.checkpoint import prune_step_folders, publish_folder, step_folder_name
+from keel.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    clean_leftovers,
+    list_checkpoints,
+    load_checkpoint,
+    prune_step_folders,
+    publish_folder,
+    save_checkpoint,
+    validate_checkpoint,
+)
+from keel.checkpoint.remote import download_checkpoint, upload_checkpoint
+from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
@@ -20,11 +35,23 @@ from keel.controller.assembly import (
     check_prompt_lengths,
     load_datasets,
 )
+from keel.controller.preemption import Preemption
 from keel.controller.preference import DPOController, RewardModelController
+from keel.controller.resume import (
+    RUN_FILES,
+    ResumePlan,
+    RunDirError,
+    config_changes,
+    plan_resume,
+)
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
+from keel.guard import EventLog, Guard, Verdict
 from keel.monitor.build import build_monitor, check_monitor_config
+from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.recipes import build_spec
+from keel.rewards import RewardError
+from keel.workers.group import WorkerLostError
 
 CONTROLLERS = {
     "rl": RLController,
@@ -33,9 +60,15 @@ CONTROLLERS = {
     "dpo": DPOController,
 }
 
+__all__ = ["CONTROLLERS", "RunDirError", "RunPreempted", "RunResult", "RunStopped"]
 
-class RunDirError(ValueError):
-    """The run directory cannot be used without damaging what it holds."""
+
+class RunStopped(RuntimeError):
+    """The guard stopped the run (a rule with action stop, or the rollback cap)."""
+
+
+class RunPreempted(RuntimeError):
+    """A signal stopped the run after a checkpoint was written; resume continues it."""
 
 
 @dataclass
@@ -45,65 +78,351 @@ class RunResult:
     first_eval: dict[str, float]
     last_eval: dict[str, float]
     steps: int
+    resumed_from: int = 0
 
 
 def run_training(
-    cfg: KeelConfig, *, config_dir: Path = Path("."), overwrite: bool = False, title: str = "train"
+    cfg: KeelConfig,
+    *,
+    config_dir: Path = Path("."),
+    overwrite: bool = False,
+    resume: str = "auto",
+    title: str = "train",
+    stop_after: int | None = None,
 ) -> RunResult:
-    """Train as `cfg` says. Inputs are all loaded and checked before RUN_DIR is written."""
+    """Train as `cfg` says. Inputs are all loaded and checked before RUN_DIR is written.
+
+    resume: auto | never | a checkpoint folder or URL (keel.controller.resume). stop_after: act
+    as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted)."""
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
-    check_run_dir(run_dir, overwrite)
+    plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
     check_monitor_config(cfg)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
     scorer = build_reward(cfg, config_dir)
-    roles = assemble_roles(cfg, spec, scorer, config_dir)
-    try:
-        return _run(cfg, spec, roles, data, overwrite, title)
-    finally:
-        roles.close()
+    restarts, note = 0, None
+    while True:
+        roles = assemble_roles(cfg, spec, scorer, config_dir)
+        try:
+            return _run(cfg, spec, roles, data, plan, overwrite, title, stop_after, note)
+        except WorkerLostError as exc:
+            if restarts >= cfg.resources.max_restarts:
+                raise
+            restarts += 1
+            lost_at = int(getattr(exc, "step", 0))
+            note = (lost_at, f"restart {restarts}/{cfg.resources.max_restarts}: {exc}")
+            plan, overwrite = restart_plan(run_dir)
+            seed_everything(cfg.seed)
+        finally:
+            roles.close()
 
 
-def _run(cfg, spec, roles, data, overwrite: bool, title: str) -> RunResult:
+def restart_plan(run_dir: Path) -> tuple[ResumePlan | None, bool]:
+    """After a lost worker: resume from the newest checkpoint, or start over without one."""
+    found = resume_candidates(run_dir / "checkpoints")
+    return (ResumePlan([c.path for c in found]), False) if found else (None, True)
+
+
+def _run(
+    cfg: KeelConfig,
+    spec: Any,
+    roles: Any,
+    data: Any,
+    plan: ResumePlan | None,
+    overwrite: bool,
+    title: str,
+    stop_after: int | None,
+    note: tuple[int, str] | None,
+) -> RunResult:
+    """One attempt of the run on `roles`; `note`: (step, why) when it restarts the run."""
     run_dir = Path(cfg.run_dir)
     check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
-    prepare_run_dir(run_dir, overwrite)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    monitor, samples = build_monitor(cfg, run_dir, title)
-    saved = 0
-
-    first_eval = last_eval = controller.evaluate()
+    prepare_run_dir(run_dir, overwrite and plan is None)
+    loop = TrainingLoop(cfg, run_dir, roles, controller, title)
     try:
-        if first_eval:
-            monitor.log(0, first_eval)
-        for step in range(1, cfg.train.steps + 1):
-            metrics = controller.step(step)
-            every = cfg.eval.every
-            if step == cfg.train.steps or (every and step % every == 0):
-                last_eval = controller.evaluate()
-                metrics.update(last_eval)
-            if cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0:
-                start = time.time()
-                save_policy(roles, run_dir / "checkpoints" / step_folder_name(step) / "actor")
-                prune_step_folders(run_dir / "checkpoints", cfg.checkpoint.keep)
-                saved += 1
-                metrics.update({"checkpoint/saved_at": time.time(), "checkpoint/count": saved,
-                                "checkpoint/save_s": time.time() - start})  # fmt: skip
-            monitor.log(step, metrics)
-            if samples.due(step):
-                samples.log(step, getattr(controller, "last_batch", None))
+        if note:
+            loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
+        start = loop.resume(plan) if plan is not None else 0
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        if data.bad_rows:
+            loop.note_bad_rows(data.bad_rows)
+        return loop.run(start, stop_after)
     finally:
-        monitor.close()
-        samples.close()
-    model_dir = save_policy(roles, run_dir / "model")
-    if roles.critic is not None:
-        publish_folder(
-            run_dir / "critic", lambda tmp: roles.critic.call_all("save_pretrained", path=tmp)
+        loop.close()
+
+
+class TrainingLoop:
+    """The step loop with everything around it: guard, checkpoints, signals, files."""
+
+    def __init__(self, cfg: KeelConfig, run_dir: Path, roles: Any, controller: Any, title: str):
+        self.cfg, self.run_dir, self.roles, self.controller = cfg, run_dir, roles, controller
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.trainable = trainable_roles(roles)
+        self.guard = Guard(cfg.guard)
+        self.events = EventLog(run_dir / "events.jsonl")
+        self.monitor, self.samples = build_monitor(cfg, run_dir, title)
+        self.saved = 0
+        self.pending: dict[str, float] = {}  # extra metrics for the next logged row
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.samples.close()
+        self.events.close()
+
+    # -------------------------------------------------------------------------- the loop
+    def run(self, start: int, stop_after: int | None) -> RunResult:
+        cfg = self.cfg
+        first_eval = last_eval = self.controller.evaluate() if start == 0 else {}
+        if first_eval:
+            self._log(0, dict(first_eval))
+        step = start + 1
+        with Preemption() as preemption:
+            while step <= cfg.train.steps:
+                metrics, evaluated = self._train_step(step)
+                last_eval = evaluated or last_eval
+                verdict = self._judge(step, metrics)
+                if verdict.action == "rollback":
+                    self._log(step, metrics)
+                    step = self._rollback(step, verdict)
+                    continue
+                if verdict.action == "stop":
+                    self._log(step, metrics)
+                    self._stop(step, verdict)
+                saved = self._due(step) and self._save(step, metrics, verdict.healthy)
+                self._log(step, metrics)
+                if self.samples.due(step):
+                    self.samples.log(step, getattr(self.controller, "last_batch", None))
+                if step == stop_after:
+                    preemption.request()
+                if preemption.signal is not None:
+                    self._preempt(step, preemption.name, saved, metrics, verdict)
+                step += 1
+        model_dir = save_policy(self.roles, self.run_dir / "model")
+        if getattr(self.roles, "critic", None) is not None:
+            critic = self.roles.critic
+            publish_folder(
+                self.run_dir / "critic", lambda tmp: critic.call_all("save_pretrained", path=tmp)
+            )
+        return RunResult(self.run_dir, model_dir, first_eval, last_eval, cfg.train.steps, start)
+
+    def _train_step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
+        try:
+            metrics = self.controller.step(step)
+        except WorkerLostError as exc:
+            exc.step = step  # type: ignore[attr-defined]  # named by the restart event
+            raise
+        except RewardError as exc:
+            self.events.emit(step, "stop", str(exc), rule="reward_errors", action="stop")
+            raise
+        every, evaluated = self.cfg.eval.every, {}
+        if step == self.cfg.train.steps or (every and step % every == 0):
+            evaluated = self.controller.evaluate()
+            metrics.update(evaluated)
+        return metrics, evaluated
+
+    def _judge(self, step: int, metrics: dict[str, float]) -> Verdict:
+        start = time.perf_counter()
+        verdict = self.guard.check(step, metrics)
+        metrics.update(self.guard.metrics())
+        metrics["timing/guard_s"] = time.perf_counter() - start
+        for trip in verdict.trips:
+            self.events.emit(step, "guard_trip", trip.message, rule=trip.rule, action=trip.action)
+        return verdict
+
+    def _due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.save_steps
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics.update(self.pending)
+        self.pending = {}
+        self.monitor.log(step, metrics)
+
+    def note_bad_rows(self, bad_rows: list[str]) -> None:
+        shown = "; ".join(bad_rows[:3]) + (" …" if len(bad_rows) > 3 else "")
+        print(f"keel: skipped {len(bad_rows)} bad data rows: {shown}", file=sys.stderr)
+        self.pending["data/skipped_rows"] = float(len(bad_rows))
+
+    # ------------------------------------------------------------------- checkpoints
+    def _components(self) -> dict[str, Any]:
+        return {"controller": self.controller, "guard": self.guard}
+
+    def _save(self, step: int, metrics: dict[str, float], healthy: bool) -> bool:
+        """Write a checkpoint; on failure (a full disk…) warn, record it and keep training: the
+        previous checkpoint is untouched. Adds checkpoint/* to `metrics` on success."""
+        start = time.perf_counter()
+        try:
+            info = save_checkpoint(
+                self.ckpt_dir,
+                step,
+                roles=self.trainable,
+                components=self._components(),
+                config_text=dump_config(self.cfg),
+                healthy=healthy,
+                metrics=metrics,
+            )
+        except CheckpointSaveError as exc:
+            self.events.emit(step, "checkpoint", str(exc), ok=False)
+            return False
+        self.saved += 1
+        seconds = time.perf_counter() - start
+        metrics.update(
+            {
+                "checkpoint/saved_at": info.time,
+                "checkpoint/count": float(self.saved),
+                "checkpoint/save_s": seconds,
+            }
         )
-    return RunResult(run_dir, model_dir, first_eval, last_eval, cfg.train.steps)
+        self.events.emit(
+            step, "checkpoint", f"saved {info.path} in {seconds:.2f}s", ok=True,
+            path=str(info.path), healthy=healthy,
+        )  # fmt: skip
+        self._retain()
+        self._upload(step, info)
+        return True
+
+    def _retain(self) -> None:
+        healthy = [c for c in list_checkpoints(self.ckpt_dir) if c.healthy]
+        protect = healthy[-1].path if healthy else None
+        prune_step_folders(self.ckpt_dir, self.cfg.checkpoint.keep, protect=protect)
+
+    def _upload(self, step: int, info: CheckpointInfo) -> None:
+        c = self.cfg.checkpoint
+        if not c.upload_to:
+            return
+        try:
+            url = upload_checkpoint(info.path, c.upload_to, dict(c.storage_options))
+        except Exception as exc:  # the local checkpoint is safe; training goes on
+            self.events.emit(step, "checkpoint", f"upload to {c.upload_to} failed: {exc!r}")
+            return
+        self.events.emit(step, "checkpoint", f"uploaded to {url}", ok=True, url=url)
+
+    # ------------------------------------------------------------------------ resume
+    def resume(self, plan: ResumePlan) -> int:
+        """Load the first usable checkpoint of `plan`; returns its step."""
+        for line in clean_leftovers(self.ckpt_dir):
+            self.events.emit(0, "restart", line)
+        candidates = plan.candidates
+        if plan.url:
+            sopts = dict(self.cfg.checkpoint.storage_options)
+            candidates = [download_checkpoint(plan.url, self.ckpt_dir, sopts)]
+        for path in candidates:
+            try:
+                self._check_config(path)
+                info = load_checkpoint(path, roles=self.trainable, components=self._components())
+            except CheckpointError as exc:
+                if plan.explicit:
+                    raise RunDirError(str(exc)) from exc
+                warnings.warn(f"{exc}; trying the checkpoint before it", stacklevel=1)
+                self.events.emit(0, "restart", f"skipped a damaged checkpoint: {exc}")
+                continue
+            self._restore_metrics_row(info)
+            self.pending.update(self.roles.push_weights())  # separate rollout workers
+            self.events.emit(info.step, "resume", f"resumed from {info.path}", path=str(path))
+            return info.step
+        raise RunDirError(f"no usable checkpoint in {self.ckpt_dir}; pass --overwrite to restart")
+
+    def _check_config(self, path: Path) -> None:
+        saved = path / "config.yaml"
+        if not saved.is_file():
+            raise CheckpointError(f"checkpoint {path} has no config.yaml")
+        changed = config_changes(saved.read_text(), dump_config(self.cfg))
+        if changed:
+            raise RunDirError(
+                f"cannot resume from {path}: the config differs in {', '.join(changed)} "
+                "(use --resume never with another run_dir to start a new run)"
+            )
+
+    def _restore_metrics_row(self, info: CheckpointInfo) -> None:
+        """A kill between the checkpoint and its metrics line loses the line: put it back."""
+        path = self.run_dir / "metrics.jsonl"
+        rows = read_metrics(path) if path.is_file() else []
+        if not any(r["step"] == info.step for r in rows):
+            for sink in self.monitor.sinks:
+                if isinstance(sink, JsonlSink):
+                    sink.log(info.step, info.metrics)
+
+    # ------------------------------------------------------------------ guard actions
+    def _rollback(self, step: int, verdict: Verdict) -> int:
+        """Restore the newest healthy checkpoint, lower the LR, raise the KL coefficient, skip
+        the data since the checkpoint; returns the step to run next."""
+        target = self._newest_healthy(step)
+        cause = verdict.cause
+        if target is None:
+            verdict.action = "stop"
+            self._stop(step, verdict, "no healthy checkpoint to roll back to")
+        controller = {"controller": self.controller}
+        load_checkpoint(target.path, roles=self.trainable, components=controller)
+        guard_state = torch.load(target.path / "guard.pt", weights_only=True)
+        self.guard.restore_observations(guard_state)
+        self.guard.rolled_back()
+        for group in self.trainable.values():
+            group.apply_all(set_lr_scale, scale=self.guard.lr_scale)
+        self.pending.update(self.roles.push_weights())  # separate rollout workers
+        if hasattr(self.controller, "set_kl_scale"):
+            self.controller.set_kl_scale(self.guard.kl_scale)
+        if self.cfg.guard.skip_data and hasattr(self.controller, "skip_batches"):
+            self.controller.skip_batches(step - target.step)
+        for newer in [c for c in list_checkpoints(self.ckpt_dir) if c.step > target.step]:
+            shutil.rmtree(newer.path)  # the abandoned trajectory's (unhealthy) checkpoints
+        write_latest(self.ckpt_dir, target.path.name)
+        self.events.emit(
+            step, "rollback",
+            f"rolled back to step {target.step} ({cause.message}); LR scale "
+            f"{self.guard.lr_scale:.3g}, KL scale {self.guard.kl_scale:.3g}",
+            rule=cause.rule, action="rollback", to_step=target.step,
+        )  # fmt: skip
+        return target.step + 1
+
+    def _newest_healthy(self, step: int) -> CheckpointInfo | None:
+        for info in reversed(list_checkpoints(self.ckpt_dir)):
+            if not info.healthy:
+                continue
+            try:
+                return validate_checkpoint(info.path)
+            except CheckpointError as exc:
+                self.events.emit(step, "restart", f"skipped a damaged checkpoint: {exc}")
+        return None
+
+    def _stop(self, step: int, verdict: Verdict, why: str | None = None) -> None:
+        cause = verdict.cause
+        message = f"guard stopped the run: {why or cause.message}"
+        self.events.emit(step, "stop", message, rule=cause.rule, action="stop")
+        raise RunStopped(f"{message} (step {step}; see {self.run_dir / 'events.jsonl'})")
+
+    def _preempt(
+        self, step: int, name: str, saved: bool, metrics: dict[str, float], verdict: Verdict
+    ) -> None:
+        self.events.emit(step, "signal", f"{name}: stopping after step {step}", signal=name)
+        if not saved:
+            saved = self._save(step, metrics, verdict.healthy)
+        where = f"checkpoint step {step}" if saved else "no checkpoint could be written"
+        self.events.emit(step, "stop", f"preempted by {name}; {where}", action="preempt")
+        raise RunPreempted(
+            f"preempted by {name} after step {step} ({where}); run the same command again to resume"
+        )
+
+
+def trainable_roles(roles: Any) -> dict[str, Any]:
+    """The role groups whose workers carry state (state_dict), by role name: the actor, the
+    critic. Their rank-0 state is what a checkpoint saves."""
+    out = {}
+    for name, group in vars(roles).items():
+        if hasattr(group, "apply_all") and all(group.apply_all(has_state)):
+            out[name] = group
+    return out
+
+
+def has_state(worker: Any) -> bool:
+    return hasattr(worker, "state_dict")
+
+
+def set_lr_scale(worker: Any, scale: float) -> None:
+    if hasattr(worker, "set_lr_scale"):
+        worker.set_lr_scale(scale)
 
 
 def save_policy(roles, target: Path) -> Path:
@@ -114,21 +433,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-RUN_FILES = (
-    "metrics.jsonl", "config.yaml", "model", "critic", "checkpoints", "samples.jsonl",
-    "tensorboard", "wandb", "mlruns",
-)  # fmt: skip
-
-
-def check_run_dir(run_dir: Path, overwrite: bool) -> None:
-    found = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if found and not overwrite:
-        raise RunDirError(
-            f"{run_dir} already holds a run ({', '.join(found)}); choose another run_dir "
-            "(--run-dir DIR) or pass --overwrite to replace it"
-        )
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:

@@ -24,6 +24,18 @@ class SFTController:
         )
         self.timer = StageTimer()
 
+    def state_dict(self) -> dict:
+        """The data position (C1: a controller's own state, not the role weights)."""
+        return {"examples": self.examples.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.examples.load_state_dict(state["examples"])
+
+    def skip_batches(self, n: int) -> None:
+        """Advance the example stream past `n` batches without training on them."""
+        for _ in range(n):
+            self.examples.next_batch()
+
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
         return evaluate_policy(self.roles, self.eval_examples, self.cfg)

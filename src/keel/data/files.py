@@ -20,26 +20,40 @@ def load_examples(
     answer_key: str = "answer",
     response_key: str = "response",
     require: tuple[str, ...] = ("prompt",),
+    on_bad_row: str = "raise",
+    bad_rows: list[str] | None = None,
 ) -> list[Example]:
     """Examples from a .jsonl/.json-lines or .parquet file.
 
     `require` names which of "prompt", "answer", "response" every row must have; the key in the
-    file for each is given by the *_key arguments.
+    file for each is given by the *_key arguments. A malformed row raises DataError naming
+    file:line, or with `on_bad_row="skip"` is left out and its error appended to `bad_rows`.
     """
     keys = {"prompt": prompt_key, "answer": answer_key, "response": response_key}
-    return [_example(row, where, keys, require) for where, row in read_rows(path)]
+    examples = []
+    for where, row in read_rows(path, on_bad_row, bad_rows):
+        try:
+            examples.append(_example(row, where, keys, require))
+        except DataError as exc:
+            _bad_row(exc, on_bad_row, bad_rows)
+    if not examples:
+        raise DataError(f"{path}: the dataset has no rows")
+    return examples
 
 
-def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+def read_rows(
+    path: str | Path, on_bad_row: str = "raise", bad_rows: list[str] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     """(where, row) for every row of a .jsonl/.json/.ndjson or .parquet file; `where` is
-    "file:line" or "file: row i". A missing, unsupported or empty file is a DataError."""
+    "file:line" or "file: row i". A missing, unsupported or empty file is a DataError; a line
+    that is not a JSON object raises, or with on_bad_row="skip" is left out (see load_examples)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset not found: {path}")
     if path.suffix == ".parquet":
         rows = _parquet_rows(path)
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
-        rows = _jsonl_rows(path)
+        rows = _jsonl_rows(path, on_bad_row, bad_rows)
     else:
         raise DataError(
             f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)"
@@ -49,7 +63,16 @@ def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def _jsonl_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _bad_row(exc: DataError, on_bad_row: str, bad_rows: list[str] | None) -> None:
+    if on_bad_row != "skip":
+        raise exc
+    if bad_rows is not None:
+        bad_rows.append(str(exc))
+
+
+def _jsonl_rows(
+    path: Path, on_bad_row: str = "raise", bad_rows: list[str] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     rows = []
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -58,10 +81,14 @@ def _jsonl_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
             where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
             except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                _bad_row(DataError(f"{where}: not valid JSON ({exc.msg})"), on_bad_row, bad_rows)
+                continue
+            except DataError as exc:
+                _bad_row(exc, on_bad_row, bad_rows)
+                continue
             rows.append((where, row))
     return rows
 

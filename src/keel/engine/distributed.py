@@ -87,6 +87,44 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def load_full_state_dict(
+    model: torch.nn.Module, state: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """Load full weights (missing keys, unexpected keys); an FSDP2 model keeps its shards."""
+    if not is_sharded(model):
+        return model.load_state_dict(state, strict=False)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    return set_model_state_dict(model, state, options=options)
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state; for FSDP2 the full (unsharded) one, keyed by parameter name."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, state: dict) -> None:
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
 def save_hf_folder(model: Any, tokenizer: Any, path: str | Path) -> None:
     """An HF folder (safetensors + tokenizer) of the full weights, written by rank 0 only."""
     state = full_state_dict(model) if is_sharded(model) else None

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import (
     AutoConfig,
@@ -88,13 +91,16 @@ def _build_atomically(target: Path, builder: Callable[[Path], None]) -> None:
     """Run builder into a staging folder next to target, then rename it into place.
 
     A crash leaves only a hidden staging folder behind, never a half-written target; if another
-    process wins the race, its folder is kept and ours is discarded.
+    process wins the race, its folder is kept and ours is discarded. The builder runs with the
+    python, numpy and torch random states saved and restored around it, so that a run draws the
+    same random numbers whether or not a built-in model was already in the cache.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
     try:
         built = staging / target.name
-        builder(built)
+        with _preserved_rng():
+            builder(built)
         if not (built / "config.json").is_file():
             raise ModelLoadError(f"builtin model builder wrote no config.json into {built}")
         if target.exists() and not (target / "config.json").is_file():
@@ -110,6 +116,17 @@ def _build_atomically(target: Path, builder: Callable[[Path], None]) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _preserved_rng() -> Iterator[None]:
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 def _require_folder(path: Path, what: str) -> None:

@@ -2,12 +2,17 @@
 
 Policy (`reward.on_error`): `raise` (default) stops the run with a RewardError that names the
 function, the row and the exception; `fallback` gives that row `reward.fallback_score` and counts
-it in `reward/errors`. A non-finite or non-numeric return value is an error too.
+it in `reward/errors`. A non-finite or non-numeric return value is an error too, and so is a call
+that runs past `reward.timeout_s`. Calls run on at most `reward.max_concurrency` daemon threads at
+once (a hung call cannot be killed; it is abandoned and its thread no longer counts). When the
+fraction of a batch's rows that errored exceeds `reward.max_error_rate`, the run stops.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,8 +21,38 @@ class RewardError(RuntimeError):
     """A reward function failed and the policy is to stop."""
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call ran past its time limit."""
+
+
+class _Call:
+    """One reward call on its own daemon thread; `outcome` is a value or an exception."""
+
+    def __init__(self, fn: Callable[[], Any], timeout_s: float | None):
+        self.outcome: Any = None
+        self.timeout_s = timeout_s
+        self.done = threading.Event()
+        self.deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.outcome = fn()
+        except Exception as exc:
+            self.outcome = exc
+        self.done.set()
+
+    def result(self) -> Any:
+        """The value or exception, waiting until the deadline at most."""
+        left = self.deadline - time.monotonic()
+        if not self.done.wait(None if math.isinf(left) else max(left, 0.0)):
+            return RewardTimeout(f"timed out after {self.timeout_s:.3g}s (reward.timeout_s)")
+        return self.outcome
+
+
 class RewardScorer:
-    """Calls `fn(prompt, response, answer, **kwargs)` row by row."""
+    """Calls `fn(prompt, response, answer, **kwargs)` for every row."""
 
     def __init__(
         self,
@@ -27,32 +62,71 @@ class RewardScorer:
         on_error: str = "raise",
         fallback_score: float = 0.0,
         name: str = "reward",
+        timeout_s: float | None = None,
+        max_concurrency: int = 1,
+        max_error_rate: float = 1.0,
     ):
         self.fn = fn
         self.kwargs = kwargs or {}
         self.on_error = on_error
         self.fallback_score = fallback_score
         self.name = name
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.max_error_rate = max_error_rate
 
     def score(
         self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         """(one score per row, number of rows that errored)."""
+        rows = list(zip(prompts, responses, answers, strict=True))
+        outcomes = self._call_all(rows) if self._threaded else [self._plain(*r) for r in rows]
         scores, errors = [], 0
-        for i, (p, r, a) in enumerate(zip(prompts, responses, answers, strict=True)):
-            try:
-                value = self.fn(p, r, a, **self.kwargs)
-                value = float(value)
-                if not math.isfinite(value):
-                    raise ValueError(f"returned a non-finite score {value}")
-            except Exception as exc:
-                if self.on_error == "raise":
-                    raise RewardError(
-                        f"reward function {self.name} failed on row {i} "
-                        f"(prompt {str(p)[:60]!r}, response {r[:60]!r}): {exc!r}. "
-                        "Set reward.on_error: fallback to score such rows with "
-                        "reward.fallback_score instead."
-                    ) from exc
+        for i, ((p, r, _), value) in enumerate(zip(rows, outcomes, strict=True)):
+            if isinstance(value, Exception):
+                self._raise_unless_fallback(i, p, r, value)
                 value, errors = self.fallback_score, errors + 1
             scores.append(value)
+        if rows and errors / len(rows) > self.max_error_rate:
+            raise RewardError(
+                f"reward function {self.name} failed on {errors} of {len(rows)} rows, above "
+                f"reward.max_error_rate={self.max_error_rate}; stopping the run"
+            )
         return scores, errors
+
+    @property
+    def _threaded(self) -> bool:
+        return self.timeout_s is not None or self.max_concurrency > 1
+
+    def _plain(self, prompt: Any, response: str, answer: Any) -> float | Exception:
+        try:
+            return self._checked(prompt, response, answer)
+        except Exception as exc:
+            return exc
+
+    def _checked(self, prompt: Any, response: str, answer: Any) -> float:
+        value = float(self.fn(prompt, response, answer, **self.kwargs))
+        if not math.isfinite(value):
+            raise ValueError(f"returned a non-finite score {value}")
+        return value
+
+    def _call_all(self, rows: list[tuple[Any, str, Any]]) -> list[float | Exception]:
+        """Each row on a daemon thread, at most `max_concurrency` running at once; a call past
+        its deadline becomes a RewardTimeout and stops counting against the bound."""
+        outcomes: list[float | Exception] = []
+        running: list[_Call] = []
+        for p, r, a in rows:
+            if len(running) == self.max_concurrency:
+                outcomes.append(running.pop(0).result())
+            running.append(_Call(lambda p=p, r=r, a=a: self._checked(p, r, a), self.timeout_s))
+        outcomes.extend(call.result() for call in running)
+        return outcomes
+
+    def _raise_unless_fallback(self, i: int, prompt: Any, response: str, exc: Exception) -> None:
+        if self.on_error == "raise":
+            raise RewardError(
+                f"reward function {self.name} failed on row {i} "
+                f"(prompt {str(prompt)[:60]!r}, response {response[:60]!r}): {exc!r}. "
+                "Set reward.on_error: fallback to score such rows with "
+                "reward.fallback_score instead."
+            ) from exc

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,14 +19,14 @@ from keel.engine.distributed import (
     full_state_dict,
     global_denominators,
     rank,
-    save_hf_folder,
 )
 from keel.engine.forward import response_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch
+from keel.workers.trainable import TrainableWorker, mean_prefixed
 
 
-class ActorWorker:
+class ActorWorker(TrainableWorker):
     """Owns the policy model, its optimizer and scheduler (through GradientStep).
 
     temperature: the sampling temperature; log-probs are computed from logits / temperature.
@@ -44,12 +43,14 @@ class ActorWorker:
         mini_batch_size: int,
         micro_batch_size: int,
     ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.step = step
+        super().__init__(
+            model,
+            tokenizer,
+            step,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+        )
         self.temperature = temperature
-        self.mini_batch_size = mini_batch_size
-        self.micro_batch_size = micro_batch_size
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
 
     # ---------------------------------------------------------------- inference
@@ -64,22 +65,30 @@ class ActorWorker:
         return batch.replace(old_logprobs=torch.cat(parts).cpu())
 
     # ------------------------------------------------------------------- update
-    def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
+    def update(
+        self, batch: Batch, spec: AlgorithmSpec, kl_coef: float | None = None
+    ) -> dict[str, float]:
         """`ppo_epochs` passes over the mini-batches; one optimizer update per mini-batch.
+        kl_coef: β_kl of the KL loss (the controller's current value); default spec.kl_loss_coef.
         Returns `actor/*` metrics averaged over the updates."""
+        beta = spec.kl_loss_coef if kl_coef is None else kl_coef
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
                 num_tokens, num_seqs = global_denominators(mini.response_mask)
                 loss_fn = partial(
-                    self._policy_loss, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
+                    self._policy_loss,
+                    spec=spec,
+                    kl_coef=beta,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
                 )
                 history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
         self.weight_version += 1
         return mean_prefixed(history, "actor/")
 
     def _policy_loss(
-        self, micro: Batch, *, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
+        self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
         denominators (ALGORITHMS.md §3 'Full verl actor loss')."""
@@ -115,9 +124,9 @@ class ActorWorker:
             "clipfrac_lower": pg.clipfrac_lower.item() * share,
             "ppo_kl": pg.ppo_kl.item() * share,
         }
-        if spec.kl_loss_coef > 0:
+        if spec.kl_loss_coef > 0:  # a reference model exists
             kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
-            loss = loss + spec.kl_loss_coef * kl
+            loss = loss + kl_coef * kl
             metrics["kl"] = kl.item()
         metrics["loss"] = loss.item()
         return loss, metrics
@@ -144,12 +153,6 @@ class ActorWorker:
             history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
         return mean_prefixed(history, "actor/")
 
-    # ------------------------------------------------------------------- export
-    def save_pretrained(self, path: str | Path) -> None:
-        """The policy as an HF folder (safetensors + tokenizer), loadable by transformers.
-        In a data-parallel group rank 0 writes it (FSDP2: after gathering the shards)."""
-        save_hf_folder(self.model, self.tokenizer, path)
-
     def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
         """(full weights on rank 0, None elsewhere; the weight version): pushed to separate
         rollout workers after each update."""
@@ -157,14 +160,8 @@ class ActorWorker:
         return (state if rank() == 0 else None), self.weight_version
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.step.optimizer.state_dict(),
-            "scheduler": self.step.scheduler.state_dict(),
-            "weight_version": self.weight_version,
-        }
+        return {**super().state_dict(), "weight_version": self.weight_version}
 
-
-def mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    keys = history[0].keys()
-    return {f"{prefix}{k}": sum(h[k] for h in history) / len(history) for k in keys}
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.weight_version = int(state.get("weight_version", 0))

@@ -2,38 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 
 from keel.algo import clipped_value_loss, masked_mean
 from keel.algo.spec import AlgorithmSpec
-from keel.engine.distributed import global_denominators, save_hf_folder
+from keel.engine.distributed import global_denominators
 from keel.engine.forward import value_forward
-from keel.engine.update import GradientStep
 from keel.types import Batch
-from keel.workers.actor import mean_prefixed
+from keel.workers.trainable import TrainableWorker, mean_prefixed
 
 
-class CriticWorker:
+class CriticWorker(TrainableWorker):
     """Owns the critic model (an HF token-classification model with one label), its optimizer
     and scheduler (through GradientStep). Mini/micro-batching as the actor's."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        step: GradientStep,
-        *,
-        mini_batch_size: int,
-        micro_batch_size: int,
-    ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.step = step
-        self.mini_batch_size = mini_batch_size
-        self.micro_batch_size = micro_batch_size
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
@@ -78,19 +59,3 @@ class CriticWorker:
             "vf_clipfrac": clipfrac.item() * share,
             "vpred_mean": masked_mean(values.detach(), mask).item() * share,
         }
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """The critic as an HF token-classification folder (one label) with the tokenizer."""
-        save_hf_folder(self.model, self.tokenizer, path)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.step.optimizer.state_dict(),
-            "scheduler": self.step.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.step.optimizer.load_state_dict(state["optimizer"])
-        self.step.scheduler.load_state_dict(state["scheduler"])

@@ -30,6 +30,7 @@ class WorkerGroup(Protocol):
 
     def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any: ...
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]: ...
+    def apply_all(self, fn: Callable[..., Any], /, **kwargs: Any) -> list[Any]: ...
 
 
 def dispatch(
@@ -100,6 +101,10 @@ class LocalWorkerGroup:
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank with the same arguments; one result per rank."""
         return [getattr(w, method)(**kwargs) for w in self.workers]
+
+    def apply_all(self, fn: Callable[..., Any], /, **kwargs: Any) -> list[Any]:
+        """`fn(worker, **kwargs)` on every rank (a module-level function); one result per rank."""
+        return [fn(w, **kwargs) for w in self.workers]
 
 
 def _args(shard: Any) -> tuple[Any, ...]:

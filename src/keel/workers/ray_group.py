@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -109,6 +110,9 @@ class RoleHost:
         args = () if rows is None else (rows,)
         return getattr(self.workers[role], method)(*args, **kwargs)
 
+    def apply(self, role: str, fn: Any, kwargs: dict[str, Any]) -> Any:
+        return fn(self.workers[role], **kwargs)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -140,6 +144,11 @@ class RayWorkerGroup:
         """Same arguments on every rank; they are put in Ray's object store once."""
         ref = ray.put(kwargs)
         return self._get([h.run.remote(self.role, method, None, ref) for h in self.hosts])
+
+    def apply_all(self, fn: Any, /, **kwargs: Any) -> list[Any]:
+        """`fn(worker, **kwargs)` on every rank; `fn` must be importable there (module-level)."""
+        ref = ray.put(kwargs)
+        return self._get([h.apply.remote(self.role, fn, ref) for h in self.hosts])
 
     def _get(self, refs: list[Any]) -> list[Any]:
         try:
@@ -212,8 +221,10 @@ def place_group(
             f"{bundle} within {PG_TIMEOUT_S} s; cluster resources: {ray.cluster_resources()}"
         )
     host_cls = ray.remote(RoleHost)
+    tag = f"keel-{'+'.join(roles)}-{uuid.uuid4().hex[:8]}"  # `ray list actors` shows the roles
     hosts = [
         host_cls.options(
+            name=f"{tag}-rank{i}",
             num_cpus=gcfg.cpus_per_worker,
             num_gpus=gcfg.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),

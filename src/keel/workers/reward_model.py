@@ -7,7 +7,6 @@ config sets `pad_token_id`, so transformers scores the last non-pad token of eac
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +15,9 @@ from keel.algo.normalization import RunningMoments
 from keel.algo.preference import bradley_terry_loss
 from keel.data.preference import encode_scored
 from keel.engine.forward import position_ids_from_mask
-from keel.engine.update import GradientStep
 from keel.rewards.scoring import RewardScorer
 from keel.types import Batch
+from keel.workers.trainable import TrainableWorker
 
 
 def sequence_scores(model: Any, batch: Batch) -> torch.Tensor:
@@ -35,26 +34,11 @@ def sequence_scores(model: Any, batch: Batch) -> torch.Tensor:
     return out.logits[:, 0].float()
 
 
-class RewardModelTrainer:
+class RewardModelTrainer(TrainableWorker):
     """Role `actor` of the rm stage: owns the reward model, its tokenizer and GradientStep.
 
     Batches hold interleaved pairs (row 2i chosen, row 2i+1 rejected; `encode_pairs`);
     mini_batch_size / micro_batch_size count pairs."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        step: GradientStep,
-        *,
-        mini_batch_size: int,
-        micro_batch_size: int,
-    ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.step = step
-        self.mini_batch_size = mini_batch_size
-        self.micro_batch_size = micro_batch_size
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One optimizer update per mini-batch of pairs; rm/* metrics averaged over updates."""
@@ -82,22 +66,6 @@ class RewardModelTrainer:
             for micro in batch.split(2 * self.micro_batch_size)
         ]
         return torch.cat(parts)
-
-    def save_pretrained(self, path: str | Path) -> None:
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.step.optimizer.state_dict(),
-            "scheduler": self.step.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.step.optimizer.load_state_dict(state["optimizer"])
-        self.step.scheduler.load_state_dict(state["scheduler"])
 
 
 class ModelRewardWorker:

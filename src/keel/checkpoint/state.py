@@ -1,0 +1,274 @@
+"""Full-state checkpoints: every trainable role, every stateful component, RNG, config.
+
+Layout of one checkpoint (`RUN_DIR/checkpoints/step_NNNNNN/`):
+
+    <role>/                HF folder of the role's model (safetensors, config, tokenizer) when
+                           the worker can `save_pretrained`, plus trainer_state.pt (optimizer,
+                           scheduler, LR scale); otherwise <role>/state.pt with everything
+    <component>.pt         `component.state_dict()` (controller, guard, …)
+    rng.pt                 python / numpy / torch (and CUDA) random states
+    config.yaml            the resolved config of the run
+    meta.json              step, healthy, time, the step's metrics, every file's size
+    COMPLETE               the completion marker, written last
+
+A checkpoint is written into a temporary sibling folder, fsync'd and renamed into place, and only
+then is `checkpoints/latest` (a text file naming the folder) replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from keel.checkpoint.export import fsync_dir, publish_folder, step_folder_name, step_of
+from keel.engine.distributed import rank
+
+MARKER = "COMPLETE"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+PAUSE_ENV = "KEEL_TEST_SAVE_PAUSE_S"  # test-only: sleep inside a save so a kill can land there
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that cannot be used (incomplete, damaged, or not a checkpoint)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed (a full disk, …); the previously published one is intact."""
+
+
+# What a failed write raises: OSError, torch.save's RuntimeError, safetensors' own error.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    healthy: bool
+    time: float
+    metrics: dict[str, float]
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    roles: Mapping[str, Any],
+    components: Mapping[str, Stateful],
+    config_text: str,
+    healthy: bool,
+    metrics: Mapping[str, float] | None = None,
+) -> CheckpointInfo:
+    """Write `root/step_NNNNNN` atomically and point `root/latest` at it.
+
+    roles: name → WorkerGroup whose workers have state_dict (every rank takes part, FSDP2 gathers
+    its shards; rank 0 writes: ranks hold the same model). components: name → object with
+    state_dict (controller, guard, …).
+    """
+    root = Path(root)
+    meta = {"step": step, "healthy": healthy, "time": time.time(), "metrics": dict(metrics or {})}
+
+    def write(tmp: Path) -> None:
+        for name, group in roles.items():
+            group.apply_all(save_role, folder=tmp / name)
+        for name, component in components.items():
+            torch.save(component.state_dict(), tmp / f"{name}.pt")
+        torch.save(capture_rng(), tmp / "rng.pt")
+        (tmp / "config.yaml").write_text(config_text)
+        _test_pause()
+        meta["files"] = _sizes(tmp)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        (tmp / MARKER).write_text("")
+
+    try:
+        path = publish_folder(root / step_folder_name(step), write)
+        write_latest(root, path.name)
+    except _WRITE_ERRORS as exc:
+        raise CheckpointSaveError(f"saving step {step} under {root} failed: {exc}") from exc
+    return info_of(path)
+
+
+def load_checkpoint(
+    path: str | Path, *, roles: Mapping[str, Any], components: Mapping[str, Stateful]
+) -> CheckpointInfo:
+    """Load every role, component and the RNG states from a complete checkpoint.
+
+    Raises CheckpointError naming the folder and the problem; nothing is loaded then, because
+    all files are read (and checked) before any state is changed."""
+    path = Path(path)
+    info = validate_checkpoint(path)
+    try:
+        role_states = {name: _read_role(path / name) for name in roles}
+        states = {name: _torch_load(path / f"{name}.pt") for name in components}
+        rng = _torch_load(path / "rng.pt")
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from exc
+    for name, group in roles.items():
+        group.apply_all(load_role, state=role_states[name])
+    for name, component in components.items():
+        component.load_state_dict(states[name])
+    restore_rng(rng)
+    return info
+
+
+def validate_checkpoint(path: Path) -> CheckpointInfo:
+    """The checkpoint's info if it is complete and every file has its recorded size."""
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        files = meta["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path}: meta.json is unreadable ({exc})") from exc
+    for rel, size in files.items():
+        file = path / rel
+        if not file.is_file() or file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is damaged: {rel} is missing or truncated")
+    return info_of(path, meta)
+
+
+def info_of(path: Path, meta: dict[str, Any] | None = None) -> CheckpointInfo:
+    meta = meta if meta is not None else json.loads((path / "meta.json").read_text())
+    return CheckpointInfo(
+        path, int(meta["step"]), bool(meta["healthy"]), float(meta["time"]), meta["metrics"]
+    )
+
+
+def list_checkpoints(root: str | Path, *, warn: bool = True) -> list[CheckpointInfo]:
+    """Complete checkpoints under `root`, oldest first. Folders without the completion marker
+    (a save that did not finish) are skipped with a warning."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if step_of(path.name) is None or not path.is_dir():
+            continue
+        if not (path / MARKER).is_file():
+            if warn:
+                warnings.warn(f"ignoring incomplete checkpoint {path}", stacklevel=2)
+            continue
+        try:
+            found.append(info_of(path))
+        except (OSError, ValueError, KeyError):
+            if warn:
+                warnings.warn(f"ignoring checkpoint {path}: unreadable meta.json", stacklevel=2)
+    return sorted(found, key=lambda c: c.step)
+
+
+def resume_candidates(root: str | Path) -> list[CheckpointInfo]:
+    """Checkpoints to try, best first: the one `latest` names, then the others newest first."""
+    root = Path(root)
+    found = list_checkpoints(root)
+    named = read_latest(root)
+    first = [c for c in found if c.path.name == named]
+    return first + [c for c in reversed(found) if c.path.name != named]
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    with tmp.open("w") as fh:
+        fh.write(name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------------ roles
+def save_role(worker: Any, folder: Path) -> None:
+    """One rank's part of saving a role: every rank gathers (collectives), rank 0 writes. In a
+    Ray group `folder` must be reachable from rank 0's node (the same machine, or shared)."""
+    first = rank() == 0
+    if first:
+        folder.mkdir(parents=True)
+    state = worker.state_dict()
+    if hasattr(worker, "save_pretrained"):
+        worker.save_pretrained(folder)
+        state = {k: v for k, v in state.items() if k != "model"}
+        name = TRAINER_STATE
+    else:
+        name = "state.pt"
+    if first:
+        torch.save(state, folder / name)
+
+
+def load_role(worker: Any, state: dict[str, Any]) -> None:
+    worker.load_state_dict(state)
+
+
+def _read_role(folder: Path) -> dict[str, Any]:
+    if not (folder / TRAINER_STATE).is_file():
+        return _torch_load(folder / "state.pt")
+    state = _torch_load(folder / TRAINER_STATE)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(file))
+    if not weights:
+        raise CheckpointError(f"{folder} holds no *.safetensors weights")
+    return {**state, "model": weights}
+
+
+def _torch_load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# -------------------------------------------------------------------------------------- RNG
+def capture_rng() -> dict[str, Any]:
+    """The python, numpy and torch (CPU and CUDA) random states, as plain values/tensors."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------ files
+def _sizes(folder: Path) -> dict[str, int]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {str(p.relative_to(folder)): p.stat().st_size for p in files}
+
+
+def _test_pause() -> None:
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        time.sleep(float(pause))

@@ -1,0 +1,93 @@
+"""TrainableWorker: what every worker that owns a trained model shares (actor, critic, reward
+model): the model, its tokenizer and GradientStep, mini/micro-batch sizes, HF export, the full
+training state (contract C1) and the guard's LR scale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.engine.distributed import (
+    full_state_dict,
+    load_full_state_dict,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+    save_hf_folder,
+)
+from keel.engine.update import GradientStep
+
+
+class TrainableWorker:
+    """mini_batch_size / micro_batch_size: rows (or pairs) per optimizer update / per
+    forward-backward. lr_scale: the guard's cumulative LR factor (set_lr_scale)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        step: GradientStep,
+        *,
+        mini_batch_size: int,
+        micro_batch_size: int,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.step = step
+        self.mini_batch_size = mini_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.lr_scale = 1.0
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """The model as an HF folder (safetensors + tokenizer), loadable by transformers. In a
+        data-parallel group rank 0 writes it (FSDP2: after gathering the shards)."""
+        save_hf_folder(self.model, self.tokenizer, path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """model, optimizer and scheduler states and the guard's LR scale (torch.save-able).
+        FSDP2: full (unsharded) states, gathered by every rank."""
+        return {
+            "model": full_state_dict(self.model),
+            "optimizer": optimizer_state_dict(self.model, self.step.optimizer),
+            "scheduler": self.step.scheduler.state_dict(),
+            "lr_scale": self.lr_scale,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output. The model's weights may omit parameters tied to
+        another one (an HF folder stores a tied lm_head once)."""
+        missing, unexpected = load_full_state_dict(self.model, state["model"])
+        untied = [k for k in missing if not _is_tied(self.model, k)]
+        if untied or unexpected:
+            raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
+        load_optimizer_state_dict(self.model, self.step.optimizer, state["optimizer"])
+        self.step.scheduler.load_state_dict(state["scheduler"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply the LR schedule by `scale` relative to the configured one (the guard lowers it
+        after a rollback). Saved in state_dict, so it survives resume."""
+        ratio = scale / self.lr_scale
+        sched = self.step.scheduler
+        sched.base_lrs = [lr * ratio for lr in sched.base_lrs]
+        for group in self.step.optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        self.lr_scale = scale
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter `name` shares its storage with another named parameter."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        return False
+    ptr = params[name].data_ptr()
+    return any(k != name and p.data_ptr() == ptr for k, p in params.items())
+
+
+def mean_prefixed(history: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Per-update metric dicts → their means, keys prefixed (e.g. "actor/")."""
+    keys = history[0].keys()
+    return {f"{prefix}{k}": sum(h[k] for h in history) / len(history) for k in keys}

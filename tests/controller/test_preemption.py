@@ -1,0 +1,175 @@
+"""Real processes, real signals: SIGTERM checkpoints and exits 75; a second signal exits at once;
+kill -9 at random moments (half of them inside a checkpoint write) never leaves a checkpoint that
+resume would use half-written, and the run still ends bitwise-identical to a straight run."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from keel.checkpoint import list_checkpoints, validate_checkpoint
+from keel.checkpoint.state import PAUSE_ENV, read_latest
+from keel.controller import run_training
+from keel.guard import read_events
+from keel.monitor import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEL = Path(sys.executable).parent / "keel"
+KILLS = 4  # kill -9 repetitions (2 inside a checkpoint write, 2 at random moments)
+STEPS = 6
+KILL_STEPS = 10  # enough that no process of the kill test can finish the run before its kill
+KILLED = [f"train.steps={KILL_STEPS}", "checkpoint.save_steps=1"]
+
+
+def start(run_dir: Path, tiny_dir: Path, *extra: str, pause: float = 0.0) -> subprocess.Popen:
+    from tests.conftest import TINY_GRPO
+
+    reward = f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:digit_fraction"
+    sets = [*TINY_GRPO, f"models.actor={tiny_dir}", reward, f"train.steps={STEPS}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", PAUSE_ENV: str(pause)}
+    args = [str(KEEL), "train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Poll until condition() or the process ends; True if the condition held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    raise TimeoutError
+
+
+def steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    try:
+        return max((r["step"] for r in read_metrics(path)), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+def saving(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and any(p.name.startswith(".tmp-step_") for p in ckpt_dir.iterdir())
+
+
+def resume_events(run_dir: Path) -> list[dict]:
+    try:
+        return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "resume"]
+    except (OSError, ValueError):
+        return []
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes(tmp_path, tiny_dir):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, tiny_dir)  # checkpoint.save_steps=0: only the signal saves
+    assert wait_for(lambda: steps_logged(run_dir) >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "preempted by SIGTERM" in err
+    [ckpt] = list_checkpoints(run_dir / "checkpoints")
+    events = read_events(run_dir / "events.jsonl")
+    assert [e["event"] for e in events][-3:] == ["signal", "checkpoint", "stop"]
+    assert events[-1]["step"] == ckpt.step
+    proc = start(run_dir, tiny_dir)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    resumed = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "resume"]
+    assert resumed[-1]["step"] == ckpt.step
+    assert steps_logged(run_dir) == STEPS
+
+
+def test_second_signal_exits_at_once_and_spares_the_latest(tmp_path, tiny_dir):
+    run_dir, ckpt_dir = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    proc = start(run_dir, tiny_dir, "checkpoint.save_steps=1", pause=1.5)
+    assert wait_for(lambda: read_latest(ckpt_dir) is not None and saving(ckpt_dir), proc)
+    proc.send_signal(signal.SIGTERM)  # during the second save: it goes on …
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # … until the second signal
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert read_latest(ckpt_dir) == "step_000001"
+    validate_checkpoint(ckpt_dir / "step_000001")
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_kill_9_at_random_moments(tmp_path, tiny_dir, tiny_grpo, seed):
+    rng = random.Random(seed)
+    run_dir, ckpt_dir = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    for i in range(KILLS):
+        proc = start(run_dir, tiny_dir, *KILLED, pause=0.4)
+        # Wait until this process trains: after its resume, or (the first one, since a run killed
+        # before its first checkpoint has nothing to resume) after its first checkpoint.
+        known = len(resume_events(run_dir))
+        if i == 0:
+            landed = wait_for(lambda: read_latest(ckpt_dir) is not None, proc)
+        else:
+            landed = wait_for(lambda k=known: len(resume_events(run_dir)) > k, proc)
+        if i % 2 == 0:  # inside a checkpoint write (the test hook holds it open for 0.4 s)
+            landed = landed and wait_for(lambda: saving(ckpt_dir), proc)
+        else:  # at a random moment
+            time.sleep(rng.uniform(0, 1.0))
+        before = [c.step for c in list_checkpoints(ckpt_dir, warn=False)]
+        proc.kill()
+        proc.wait()
+        assert landed, proc.stderr.read()
+        published = list_checkpoints(ckpt_dir, warn=False)
+        for c in published:
+            validate_checkpoint(c.path)  # nothing half-written was ever published
+        newest = published[-1].path.name if published else None
+        assert read_latest(ckpt_dir) == newest
+        assert max((c.step for c in published), default=0) >= max(before, default=0)
+    proc = start(run_dir, tiny_dir, *KILLED)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert len(resume_events(run_dir)) == KILLS
+    straight = run_training(tiny_grpo(*KILLED))
+    a, b = weights(straight.model_dir), weights(run_dir / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a), "kill -9 and resume changed the result"
+    last = {
+        r["step"]: r["reward/mean"] for r in read_metrics(run_dir / "metrics.jsonl") if r["step"]
+    }
+    ref = {
+        r["step"]: r["reward/mean"]
+        for r in read_metrics(straight.run_dir / "metrics.jsonl")
+        if r["step"]
+    }
+    assert last == ref
+
+
+def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_grpo, monkeypatch):
+    """A real SIGINT to this process in the middle of step 2 (Ctrl-C): the step completes, a
+    checkpoint of step 2 is written, RunPreempted names the signal."""
+    from keel.controller.rl import RLController
+    from keel.controller.runner import RunPreempted
+
+    original = RLController.step
+
+    def step_with_ctrl_c(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, step)
+
+    monkeypatch.setattr(RLController, "step", step_with_ctrl_c)
+    cfg = tiny_grpo("train.steps=4")
+    with pytest.raises(RunPreempted, match="preempted by SIGINT after step 2"):
+        run_training(cfg)
+    assert [c.step for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [2]
+    assert steps_logged(Path(cfg.run_dir)) == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored

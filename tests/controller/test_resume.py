@@ -1,0 +1,96 @@
+"""Exact resume: N steps straight vs K steps, a stop, and a resume give bitwise-identical weights
+and identical per-step metrics (timings aside). Parametrized over the example configs; a new
+example (PPO, DPO, …) is covered by adding it to examples/ (and, if it needs them, to
+RESUME_OVERRIDES)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from keel.checkpoint import list_checkpoints
+from keel.config.loading import load_config
+from keel.controller import run_training
+from keel.controller.runner import RunPreempted
+from keel.guard import read_events
+from keel.monitor import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+REWARD = f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:digit_fraction"
+TINY = [
+    "train.steps=4", "eval.every=2", "data.arithmetic.eval_size=8", "checkpoint.save_steps=2",
+    "train.batch_size=4", "train.mini_batch_size=4", "train.warmup_steps=1", "rollout.n=4",
+    "monitor.progress=false",
+]  # fmt: skip
+# A graded reward so that GRPO's advantages are not all zero on the untrained tiny model.
+RESUME_OVERRIDES: dict[str, list[str]] = {"grpo_arith_tiny.yaml": [REWARD]}
+VOLATILE = ("timing/", "perf/", "checkpoint/")
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def stable(rows: list[dict]) -> dict[int, dict]:
+    """Per step (the last row wins), without the timing and checkpoint metrics."""
+    out = {}
+    for row in rows:
+        out[row["step"]] = {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+    return out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_exact_resume(path: Path, tmp_path: Path, tiny_dir: Path):
+    overrides = [*TINY, f"models.actor={tiny_dir}", *RESUME_OVERRIDES.get(path.name, [])]
+    straight = load_config(path, [*overrides, f"run_dir={tmp_path / 'straight'}"])
+    run_training(straight, config_dir=path.parent)
+
+    split = load_config(path, [*overrides, f"run_dir={tmp_path / 'split'}"])
+    with pytest.raises(RunPreempted):
+        run_training(split, config_dir=path.parent, stop_after=1)  # → checkpoint at step 1
+    assert [c.step for c in list_checkpoints(tmp_path / "split" / "checkpoints")] == [1]
+    result = run_training(split, config_dir=path.parent)
+    assert result.resumed_from == 1
+
+    a, b = weights(tmp_path / "straight" / "model"), weights(tmp_path / "split" / "model")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights differ after resume"
+    rows_a = stable(read_metrics(tmp_path / "straight" / "metrics.jsonl"))
+    rows_b = stable(read_metrics(tmp_path / "split" / "metrics.jsonl"))
+    assert sorted(rows_a) == [0, 1, 2, 3, 4]
+    assert rows_a == rows_b
+    events = [e["event"] for e in read_events(tmp_path / "split" / "events.jsonl")]
+    assert "signal" in events and "resume" in events
+
+
+def test_resume_rules_for_a_finished_or_changed_run(tiny_grpo):
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    run_training(cfg)
+    with pytest.raises(RunDirError, match="finished run"):
+        run_training(cfg)  # auto: nothing left to do
+    with pytest.raises(RunDirError, match="already holds a run"):
+        run_training(cfg, resume="never")
+    changed = tiny_grpo("train.steps=3", "checkpoint.save_steps=1", "train.lr=0.1")
+    with pytest.raises(RunDirError, match=r"config differs in train\.lr"):
+        run_training(changed)
+    longer = tiny_grpo("train.steps=3", "checkpoint.save_steps=1")
+    assert run_training(longer).resumed_from == 2  # raising train.steps continues the run
+    assert run_training(longer, overwrite=True).resumed_from == 0
+
+
+def test_skipped_bad_rows_are_counted(tiny_grpo, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n{"prompt": "2+3=", "answer": "5"}\n'
+    )
+    cfg = tiny_grpo("train.steps=1", f"data.train={data}", "data.on_bad_row=skip")
+    run_training(cfg)
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert rows[0]["data/skipped_rows"] == 1.0

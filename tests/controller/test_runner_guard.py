@@ -1,0 +1,143 @@
+"""The guard in real (in-process) runs, by fault injection: a reward that turns adversarial, a
+NaN loss, an LR that blows up. It trips within its window, rolls back and recovers, or stops;
+events.jsonl records it; the healthy checkpoint survives."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.checkpoint import list_checkpoints, validate_checkpoint
+from keel.checkpoint.state import read_latest
+from keel.controller import run_training
+from keel.controller.runner import RunStopped
+from keel.engine.update import GradientStep
+from keel.guard import read_events
+from keel.monitor import read_metrics
+from keel.workers.actor import ActorWorker
+
+FAULTS = Path(__file__).resolve().parents[1] / "guard" / "fault_rewards.py"
+EVAL_CALLS, CALLS_PER_STEP = 8, 16  # eval_size=8 at step 0; 4 prompts x 4 samples per step
+UPDATES_PER_STEP = 4  # 16 sequences / mini_batch_size 4
+STEADY = [f"reward.fn={FAULTS}:turns_bad", "reward.kwargs={bad_from: 1000000}"]  # in [0.5, 1]
+GUARDED = [
+    "train.steps=8", "checkpoint.save_steps=2", "checkpoint.keep=2", "guard.window=2",
+    "guard.max_drop_frac=0.4",
+]  # fmt: skip
+
+
+def first_call_of(step: int) -> int:
+    return EVAL_CALLS + CALLS_PER_STEP * (step - 1)
+
+
+def adversarial(bad_from_step: int, bad_steps: int | None) -> list[str]:
+    until = 10**9 if bad_steps is None else first_call_of(bad_from_step + bad_steps)
+    return [
+        f"reward.fn={FAULTS}:turns_bad",
+        f"reward.kwargs={{bad_from: {first_call_of(bad_from_step)}, bad_until: {until}}}",
+    ]
+
+
+def events_of(run_dir: str) -> list[dict]:
+    return read_events(Path(run_dir) / "events.jsonl")
+
+
+def test_adversarial_reward_rolls_back_and_recovers(tiny_grpo):
+    cfg = tiny_grpo(*GUARDED, *adversarial(5, 1))
+    result = run_training(cfg)
+    events = events_of(cfg.run_dir)
+    [trip] = [e for e in events if e["event"] == "guard_trip"]
+    assert trip["rule"] == "collapse" and trip["action"] == "rollback"
+    assert 5 <= trip["step"] < 5 + cfg.guard.window  # tripped within the window
+    [back] = [e for e in events if e["event"] == "rollback"]
+    assert back["to_step"] == 4 and back["rule"] == "collapse"
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert [r["guard/state"] for r in rows if r["step"] == 5] == [2.0, 0.0]  # tripped, then ok
+    assert rows[-1]["step"] == 8 and rows[-1]["guard/trips"] == 1.0
+    lrs = [r["actor/lr"] for r in rows if r["step"] > 0]
+    assert lrs[-1] == pytest.approx(lrs[0] * cfg.guard.lr_factor)
+    assert result.model_dir.is_dir()
+
+
+def test_adversarial_forever_stops_after_the_rollback_cap(tiny_grpo):
+    cfg = tiny_grpo(*GUARDED, "guard.max_rollbacks=1", *adversarial(5, None))
+    with pytest.raises(RunStopped, match="max_rollbacks"):
+        run_training(cfg)
+    events = events_of(cfg.run_dir)
+    assert [e["event"] for e in events if e["event"] in ("rollback", "stop")] == [
+        "rollback", "stop",
+    ]  # fmt: skip
+    root = Path(cfg.run_dir) / "checkpoints"
+    assert read_latest(root) == "step_000004"
+    validate_checkpoint(root / "step_000004")  # the healthy checkpoint is not lost
+    assert not (Path(cfg.run_dir) / "model").exists()  # a collapsed policy is not exported
+
+
+def test_nan_loss_is_skipped_then_rolled_back(tiny_grpo, monkeypatch):
+    calls = [0]
+    original = ActorWorker._policy_loss
+    bad = range(UPDATES_PER_STEP * 4, UPDATES_PER_STEP * 6)  # the updates of steps 5 and 6
+
+    def nan_loss(self, micro, **kw):
+        loss, metrics = original(self, micro, **kw)
+        calls[0] += 1
+        return (loss * math.nan if calls[0] - 1 in bad else loss), metrics
+
+    monkeypatch.setattr(ActorWorker, "_policy_loss", nan_loss)
+    cfg = tiny_grpo(*GUARDED, *STEADY, "guard.nonfinite_patience=2")
+    result = run_training(cfg)
+    trips = [(e["step"], e["rule"], e["action"]) for e in events_of(cfg.run_dir)
+             if e["event"] == "guard_trip"]  # fmt: skip
+    assert trips == [(5, "nonfinite", "skip"), (6, "nonfinite", "rollback")]
+    weights = result.model_dir / "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(weights).values())
+    assert [c.healthy for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [True] * 2
+
+
+def test_lr_blow_up_trips_the_kl_ceiling_and_recovers(tiny_grpo, monkeypatch):
+    calls = [0]
+    original = GradientStep.apply
+
+    def blow_up(self, micro_batches, loss_fn):
+        if calls[0] == UPDATES_PER_STEP * 4:  # from step 5 on, the LR schedule is 10⁴ too high
+            self.scheduler.base_lrs = [lr * 1e4 for lr in self.scheduler.base_lrs]
+            for group in self.optimizer.param_groups:
+                group["lr"] *= 1e4
+        calls[0] += 1
+        return original(self, micro_batches, loss_fn)
+
+    monkeypatch.setattr(GradientStep, "apply", blow_up)
+    cfg = tiny_grpo(*GUARDED, *STEADY, "guard.kl_max=0.5", "guard.kl_action=rollback")
+    run_training(cfg)
+    events = events_of(cfg.run_dir)
+    trips = [e for e in events if e["event"] == "guard_trip"]
+    assert trips and trips[0]["rule"] in ("kl", "nonfinite") and 5 <= trips[0]["step"] <= 6
+    assert [e["to_step"] for e in events if e["event"] == "rollback"] == [4]
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert rows[-1]["step"] == 8 and rows[-1]["actor/kl"] < 0.5  # recovered
+
+
+def test_hanging_reward_falls_back_and_is_counted(tiny_grpo):
+    cfg = tiny_grpo(
+        "train.steps=2", f"reward.fn={FAULTS}:hangs", "reward.on_error=fallback",
+        "reward.timeout_s=0.2", "reward.max_concurrency=8",
+    )  # fmt: skip
+    run_training(cfg)
+    rows = [r for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["step"] > 0]
+    assert sum(r["reward/errors"] for r in rows) > 0
+
+
+def test_reward_errors_past_the_rate_stop_the_run(tiny_grpo):
+    from keel.rewards import RewardError
+
+    cfg = tiny_grpo(
+        "train.steps=2", f"reward.fn={FAULTS}:raises_sometimes", "reward.on_error=fallback",
+        "reward.max_error_rate=0.01",
+    )  # fmt: skip
+    with pytest.raises(RewardError, match="max_error_rate"):
+        run_training(cfg)
+    [stop] = [e for e in events_of(cfg.run_dir) if e["event"] == "stop"]
+    assert stop["rule"] == "reward_errors"
