@@ -1,0 +1,84 @@
+"""Data-parallel dispatch of LocalWorkerGroup (the same code RayWorkerGroup uses): mini-batch
+aware sharding, row order restored, group offsets, rollout layouts, the weight push."""
+
+import torch
+
+from keel.types import Batch
+from keel.workers.group import LocalWorkerGroup, WeightPush, shard_index
+
+
+class Echo:
+    def __init__(self, rank):
+        self.rank = rank
+        self.seen = []
+
+    def tag(self, batch):
+        self.seen.append(batch.scores.tolist())
+        return batch.replace(values=torch.full((len(batch), 1), float(self.rank)))
+
+    def offsets(self, rows, *, group_offset):
+        return [(row, group_offset) for row in rows]
+
+
+def test_each_rank_gets_its_share_of_every_mini_batch():
+    assert shard_index(8, 2, 4) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert shard_index(6, 3, 6) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_results_come_back_in_the_original_row_order():
+    workers = [Echo(0), Echo(1)]
+    batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
+    out = LocalWorkerGroup("actor", workers, row_block=4).call("tag", batch)
+    assert out.scores.tolist() == list(range(8))
+    assert out.values[:, 0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert workers[1].seen == [[2.0, 3.0, 6.0, 7.0]]
+
+
+def test_a_list_is_split_in_pieces_and_group_offsets_follow():
+    group = LocalWorkerGroup("rollout", [Echo(0), Echo(1)])
+    out = group.call("offsets", ["a", "b", "c", "d"], group_offset=10)
+    assert out == [("a", 10), ("b", 10), ("c", 12), ("d", 12)]
+
+
+def test_rollouts_of_different_widths_are_gathered_in_one_layout():
+    def rollout(prompt, response):
+        ids = torch.tensor([[7] * prompt + [5] * response])
+        return Batch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                     response_mask=torch.ones(1, response))  # fmt: skip
+
+    class Gen:
+        def __init__(self, shape):
+            self.shape = shape
+
+        def generate(self, rows):
+            return rollout(*self.shape)
+
+    out = LocalWorkerGroup("rollout", [Gen((2, 3)), Gen((4, 1))]).call("generate", ["x", "y"])
+    assert out.prompt_length == 4 and out.response_length == 3
+    assert out.input_ids.tolist() == [[0, 0, 7, 7, 5, 5, 5], [7, 7, 7, 7, 5, 0, 0]]
+
+
+class Actor:
+    def __init__(self):
+        self.model = torch.nn.Linear(2, 2)
+        self.weight_version = 0
+
+    def export_weights(self):
+        return self.model.state_dict(), self.weight_version
+
+
+class Engine:
+    def __init__(self):
+        self.model = torch.nn.Linear(2, 2)
+
+
+def test_the_weight_push_copies_the_actors_weights_and_version():
+    from keel.workers.rollout import RolloutWorker
+
+    actor, rollout = Actor(), RolloutWorker(Engine())
+    actor.weight_version = 3
+    push = WeightPush(LocalWorkerGroup("actor", [actor]), LocalWorkerGroup("rollout", [rollout]))
+    metrics = push()
+    assert metrics["rollout/weight_version"] == 3 and metrics["rollout/weight_push_s"] >= 0
+    assert rollout.weight_version == 3
+    assert torch.equal(rollout.engine.model.weight, actor.model.weight)
