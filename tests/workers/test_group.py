@@ -17,6 +17,7 @@ class Echo:
         return batch.replace(values=torch.full((len(batch), 1), float(self.rank)))
 
     def offsets(self, rows, *, group_offset):
+        self.seen.append(list(rows))
         return [(row, group_offset) for row in rows]
 
 
@@ -82,3 +83,10 @@ def test_the_weight_push_copies_the_actors_weights_and_version():
     assert metrics["rollout/weight_version"] == 3 and metrics["rollout/weight_push_s"] >= 0
     assert rollout.weight_version == 3
     assert torch.equal(rollout.engine.model.weight, actor.model.weight)
+
+
+def test_fewer_rows_than_ranks_still_call_every_rank_and_keep_one_result_per_row():
+    workers = [Echo(0), Echo(1), Echo(2)]
+    out = LocalWorkerGroup("rollout", workers).call("offsets", ["a", "b"], group_offset=5)
+    assert out == [("a", 5), ("b", 6)]  # rank 2 ran too (a repeat of "a"), its result dropped
+    assert [len(w.seen) for w in workers] == [1, 1, 1]

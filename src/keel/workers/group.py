@@ -49,14 +49,20 @@ def dispatch(
         if not isinstance(out, Batch):
             return out
         return out.select(torch.argsort(torch.tensor([i for part in index for i in part])))
-    bounds = [round(i * len(rows) / world) for i in range(world + 1)]
-    calls = []
-    for r in range(world):
-        kw = dict(kwargs)
-        if "group_offset" in kw:
-            kw["group_offset"] = kw["group_offset"] + bounds[r]
-        calls.append((rows[bounds[r] : bounds[r + 1]], kw))
+    n = len(rows)
+    if 0 < n < world:  # every rank takes part (FSDP2 collectives); extra ranks repeat a row
+        calls = [([rows[r % n]], _shifted(kwargs, r % n)) for r in range(world)]
+        return _gather(invoke_all(calls)[:n])
+    bounds = [round(i * n / world) for i in range(world + 1)]
+    calls = [(rows[bounds[r] : bounds[r + 1]], _shifted(kwargs, bounds[r])) for r in range(world)]
     return _gather(invoke_all(calls))
+
+
+def _shifted(kwargs: dict[str, Any], start: int) -> dict[str, Any]:
+    """`kwargs` for the piece of a list that starts at row `start` (group ids follow rows)."""
+    if "group_offset" not in kwargs:
+        return kwargs
+    return {**kwargs, "group_offset": kwargs["group_offset"] + start}
 
 
 def shard_index(n: int, world: int, block: int) -> list[list[int]]:
