@@ -68,12 +68,9 @@ class RoleHost:
     the group's roles, and runs their methods."""
 
     def __init__(self, rank: int, world: int, seed: int):
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.seed = rank, world, seed
         self.workers: dict[str, Any] = {}
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        from keel.controller.runner import seed_everything
-
-        seed_everything(seed + rank)
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's address, a free port) for rank 0 to host the rendezvous."""
@@ -94,8 +91,12 @@ class RoleHost:
         )
 
     def build(self, cfg: KeelConfig, roles: list[str], config_dir: str, fsdp: bool) -> list[str]:
+        """Every rank builds with the same seed (a new value head starts identical on all
+        replicas), then samples with its own (seed + rank)."""
+        from keel.controller.runner import seed_everything
         from keel.recipes import build_spec
 
+        seed_everything(self.seed)
         spec = build_spec(cfg)
         scorer = build_reward(cfg, Path(config_dir)) if "reward" in roles else None
         shard = shard_fsdp2 if fsdp and self.world > 1 else None
@@ -104,6 +105,7 @@ class RoleHost:
             for w in self.workers.values():
                 if hasattr(w, "model"):
                     w.model.cuda()
+        seed_everything(self.seed + self.rank)
         return sorted(self.workers)
 
     def run(self, role: str, method: str, rows: Any, kwargs: dict[str, Any]) -> Any:
