@@ -90,3 +90,16 @@ def test_fewer_rows_than_ranks_still_call_every_rank_and_keep_one_result_per_row
     out = LocalWorkerGroup("rollout", workers).call("offsets", ["a", "b"], group_offset=5)
     assert out == [("a", 5), ("b", 6)]  # rank 2 ran too (a repeat of "a"), its result dropped
     assert [len(w.seen) for w in workers] == [1, 1, 1]
+
+
+def test_preference_pairs_stay_on_one_rank_and_per_row_tensors_come_back_in_order():
+    assert shard_index(8, 2, 8, unit=2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shard_index(12, 2, 12, unit=2) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+
+    class Scorer:
+        def score(self, batch):
+            return batch.scores * 10
+
+    batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
+    group = LocalWorkerGroup("actor", [Scorer(), Scorer()], row_block=4, row_unit=2)
+    assert group.call("score", batch).tolist() == [10.0 * i for i in range(8)]

@@ -43,6 +43,15 @@ def global_denominators(mask: torch.Tensor) -> tuple[int, int]:
     return int(counts[0]), int(counts[1])
 
 
+def global_count(count: int) -> int:
+    """Σ over ranks of an integer (e.g. the preference pairs of a mini-batch)."""
+    if world_size() == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.long, device=_device())
+    dist.all_reduce(t)
+    return int(t[0])
+
+
 def sum_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """All-reduce (sum) the gradients of replicated `params` in one flat buffer."""
     if world_size() == 1:

@@ -4,7 +4,8 @@
 implements the same interface with one Ray actor per rank; the controller cannot tell them apart.
 
 Sharding: a Batch is cut in blocks of `row_block` rows (a trained role's mini-batch) and every
-block is split evenly across the ranks, so rank r's k-th mini-batch is the r-th share of the
+block is split evenly across the ranks (in whole units of `row_unit` rows: 2 keeps preference
+pairs together), so rank r's k-th mini-batch is the r-th share of the
 k-th global mini-batch; results are put back in the original row order. A list (prompts) is
 split into consecutive pieces, and a `group_offset` keyword moves with each piece's start.
 """
@@ -39,16 +40,18 @@ def dispatch(
     rows: Any,
     kwargs: dict[str, Any],
     row_block: int | None,
+    row_unit: int = 1,
 ) -> Any:
     """Shard `rows` over `world` ranks, run `invoke_all([(shard, kwargs) per rank])`, gather."""
     if rows is None:
         return _gather(invoke_all([(None, kwargs)] * world))
     if isinstance(rows, Batch):
-        index = shard_index(len(rows), world, row_block or len(rows))
+        index = shard_index(len(rows), world, row_block or len(rows), row_unit)
         out = _gather(invoke_all([(rows.select(i), kwargs) for i in index]))
-        if not isinstance(out, Batch):
-            return out
-        return out.select(torch.argsort(torch.tensor([i for part in index for i in part])))
+        restore = torch.argsort(torch.tensor([i for part in index for i in part]))
+        if isinstance(out, Batch):
+            return out.select(restore)
+        return out[restore] if isinstance(out, torch.Tensor) else out
     n = len(rows)
     if 0 < n < world:  # every rank takes part (FSDP2 collectives); extra ranks repeat a row
         calls = [([rows[r % n]], _shifted(kwargs, r % n)) for r in range(world)]
@@ -65,12 +68,14 @@ def _shifted(kwargs: dict[str, Any], start: int) -> dict[str, Any]:
     return {**kwargs, "group_offset": kwargs["group_offset"] + start}
 
 
-def shard_index(n: int, world: int, block: int) -> list[list[int]]:
-    """Row indices of each rank: every block of `block` rows split in `world` even parts."""
+def shard_index(n: int, world: int, block: int, unit: int = 1) -> list[list[int]]:
+    """Row indices of each rank: every block of `block` rows split in `world` even parts, in
+    whole units of `unit` rows (2: a preference pair's chosen and rejected rows stay together)."""
     index: list[list[int]] = [[] for _ in range(world)]
     for start in range(0, n, block):
         size = min(block, n - start)
-        bounds = [start + round(r * size / world) for r in range(world + 1)]
+        units = size // unit
+        bounds = [start + unit * round(r * units / world) for r in range(world)] + [start + size]
         for r in range(world):
             index[r].extend(range(bounds[r], bounds[r + 1]))
     return index
@@ -79,12 +84,14 @@ def shard_index(n: int, world: int, block: int) -> list[list[int]]:
 class LocalWorkerGroup:
     """In-process workers, one per rank. With one worker a call is a plain method call."""
 
-    def __init__(self, role: str, workers: Sequence[Any], row_block: int | None = None):
+    def __init__(
+        self, role: str, workers: Sequence[Any], row_block: int | None = None, row_unit: int = 1
+    ):
         if not workers:
             raise ValueError(f"worker group {role!r} needs at least one worker")
         self.role = role
         self.workers = list(workers)
-        self.row_block = row_block
+        self.row_block, self.row_unit = row_block, row_unit
 
     @property
     def world_size(self) -> int:
@@ -92,7 +99,8 @@ class LocalWorkerGroup:
 
     def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any:
         """Data-parallel call: `rows` (a Batch or a list) is split by rows across ranks and the
-        results are gathered (Batches concatenated, metric dicts averaged, lists joined)."""
+        results are gathered (Batches and per-row tensors concatenated in row order, metric
+        dicts averaged, lists joined)."""
         if rows is not None and self.world_size == 1:
             return getattr(self.workers[0], method)(rows, **kwargs)
 
@@ -102,7 +110,7 @@ class LocalWorkerGroup:
                 for w, (shard, kw) in zip(self.workers, calls, strict=True)
             ]
 
-        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block)
+        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block, self.row_unit)
 
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank with the same arguments; one result per rank."""
@@ -127,6 +135,8 @@ def _gather(results: list[Any]) -> Any:
         if all("reward_errors" in r.meta for r in results):
             out.meta["reward_errors"] = sum(r.meta["reward_errors"] for r in results)
         return out
+    if isinstance(first, torch.Tensor):  # one value per row, e.g. scores [B]
+        return torch.cat(results)
     if isinstance(first, Mapping):
         return {k: sum(float(r[k]) for r in results) / len(results) for k in first}
     if isinstance(first, list):

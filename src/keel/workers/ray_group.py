@@ -28,7 +28,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig, RayConfig, WorkerGroupConfig
-from keel.controller.assembly import Roles, build_reward, build_workers, role_names
+from keel.controller.assembly import (
+    PAIR_STAGES,
+    Roles,
+    build_reward,
+    build_workers,
+    role_names,
+)
 from keel.engine.distributed import shard_fsdp2
 from keel.models import load_tokenizer, resolve_model_path
 from keel.workers.group import LocalWorkerGroup, WeightPush, WorkerLostError, dispatch
@@ -122,10 +128,12 @@ class RoleHost:
 class RayWorkerGroup:
     """The WorkerGroup interface over the Ray actors hosting `role` (one per rank)."""
 
-    def __init__(self, role: str, hosts: Sequence[Any], row_block: int | None = None):
+    def __init__(
+        self, role: str, hosts: Sequence[Any], row_block: int | None = None, row_unit: int = 1
+    ):
         self.role = role
         self.hosts = list(hosts)
-        self.row_block = row_block
+        self.row_block, self.row_unit = row_block, row_unit
 
     @property
     def world_size(self) -> int:
@@ -140,7 +148,7 @@ class RayWorkerGroup:
                 ]
             )
 
-        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block)
+        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block, self.row_unit)
 
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
         """Same arguments on every rank; they are put in Ray's object store once."""
@@ -176,9 +184,10 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> R
             pg, hosts = place_group(cfg, gcfg, roles_here, config_dir)
             pgs.append(pg)
             hosts_all.extend(hosts)
-            block = batch_plan(cfg).mini_batch_size
+            unit = 2 if spec.stage in PAIR_STAGES else 1  # rows of one pair stay on one rank
+            block = batch_plan(cfg).mini_batch_size * unit
             for role in roles_here:
-                groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None)
+                groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None, unit)
         local = [n for n in names if n not in groups]
         scorer = build_reward(cfg, config_dir) if "reward" in local else None
         for name, worker in build_workers(cfg, spec, local, scorer).items():
