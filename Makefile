@@ -33,6 +33,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.exporter
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.reliability
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ray_overhead
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

@@ -15,3 +15,11 @@ def test_algo_and_config_import_neither_ray_nor_transformers():
         [sys.executable, "-c", CODE], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_runner_imports_ray_only_when_the_ray_backend_is_used():
+    code = CODE.replace("keel.algo, keel.config", "keel.controller.runner, keel.workers")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "'ray'" not in out.stdout

@@ -130,6 +130,24 @@ class Batch:
         return self.replace(**changes)
 
 
+def concat_rollouts(batches: list[Batch]) -> Batch:
+    """Rows of several rollout batches in one batch, keeping the layout: prompts left-padded to
+    the widest prompt, responses right-padded to the longest response."""
+    p = max(b.prompt_length for b in batches)
+    r = max(b.response_length for b in batches)
+    relaid = []
+    for b in batches:
+        pad = (p - b.prompt_length, r - b.response_length)
+        assert b.input_ids is not None and b.attention_mask is not None
+        relaid.append(
+            b.replace(
+                input_ids=torch.nn.functional.pad(b.input_ids, pad),
+                attention_mask=torch.nn.functional.pad(b.attention_mask, pad),
+            )
+        )
+    return Batch.concat(relaid)
+
+
 def _row_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(Batch) if f.name != "meta"]
 

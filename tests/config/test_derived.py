@@ -3,6 +3,7 @@
 import pytest
 
 from keel.config import ConfigError, batch_plan, validate
+from keel.config.derived import rank_batch_sizes
 
 
 def config(algorithm="grpo", **sections):
@@ -99,3 +100,24 @@ def test_batch_plan_sft_counts_one_update_per_mini_batch():
     assert plan.mini_batches_per_step == 2
     assert plan.optimizer_steps_per_step == 2
     assert plan.total_optimizer_steps == 10
+
+
+# ------------------------------------------------------------------ data parallelism
+def test_ray_workers_must_divide_the_mini_batch_of_the_roles_they_train():
+    train = {"batch_size": 2, "mini_batch_size": 8}
+    groups = [{"roles": ["actor", "reference"], "workers": 3}]
+    msg = algebra_error(train=train, resources={"backend": "ray", "groups": groups})
+    assert "resources.groups[0].workers (3)" in msg and "train.mini_batch_size (8)" in msg
+    ok = config(train=train, resources={"backend": "ray", "groups": [{**groups[0], "workers": 4}]})
+    assert rank_batch_sizes(batch_plan(ok), 4) == (2, 2)
+    # untrained roles (a rollout group) and the local backend have no such constraint
+    config(
+        train=train, resources={"backend": "ray", "groups": [{"roles": ["rollout"], "workers": 3}]}
+    )
+    config(train=train, resources={"groups": groups})
+
+
+def test_a_role_in_two_groups_is_refused_with_the_field():
+    groups = [{"roles": ["actor"]}, {"roles": ["rollout", "actor"]}]
+    msg = algebra_error(resources={"backend": "ray", "groups": groups})
+    assert "resources.groups[1].roles" in msg and "'actor'" in msg

@@ -103,3 +103,25 @@ def test_a_ppo_run_writes_the_critic_as_an_hf_folder_next_to_the_policy(tiny_dir
     critic = load_value_model(result.run_dir / "critic")
     assert critic.config.num_labels == 1
     assert (result.run_dir / "critic" / "tokenizer.json").is_file()
+
+
+def test_a_separate_rollout_that_missed_a_weight_push_stops_the_run(tiny_dir):
+    """The rollout role as a separate worker (its own model copy): with the push every step
+    passes the version check; without it the second step's rollout is one update behind."""
+    from keel.controller.assembly import build_workers
+    from keel.workers.group import LocalWorkerGroup, WeightPush
+
+    ctl = controller(tiny_dir, {"name": "grpo", "kl_loss_coef": 0.0})
+    separate = build_workers(ctl.cfg, ctl.spec, ["rollout"], None)["rollout"]
+    assert separate.weights_from is None
+    ctl.roles.rollout = LocalWorkerGroup("rollout", [separate])
+    ctl.roles.push_weights = WeightPush(ctl.roles.actor, ctl.roles.rollout)
+    for step in (1, 2):
+        metrics = ctl.step(step)
+        assert metrics["rollout/weight_version_lag"] == 0
+        assert metrics["rollout/weight_version"] == step
+    assert same(params(ctl.roles.actor), list(separate.engine.model.parameters()))
+    ctl.roles.push_weights = lambda: {}  # a push that never arrives
+    ctl.step(3)
+    with pytest.raises(RuntimeError, match="weight version 2, expected 3"):
+        ctl.step(4)

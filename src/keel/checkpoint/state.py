@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from keel.checkpoint.export import fsync_dir, publish_folder, step_folder_name, step_of
+from keel.engine.distributed import rank
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -78,15 +79,16 @@ def save_checkpoint(
 ) -> CheckpointInfo:
     """Write `root/step_NNNNNN` atomically and point `root/latest` at it.
 
-    roles: name → WorkerGroup whose workers have state_dict (rank 0 is saved: ranks are
-    data-parallel replicas). components: name → object with state_dict (controller, guard, …).
+    roles: name → WorkerGroup whose workers have state_dict (every rank takes part, FSDP2 gathers
+    its shards; rank 0 writes: ranks hold the same model). components: name → object with
+    state_dict (controller, guard, …).
     """
     root = Path(root)
     meta = {"step": step, "healthy": healthy, "time": time.time(), "metrics": dict(metrics or {})}
 
     def write(tmp: Path) -> None:
         for name, group in roles.items():
-            _save_role(group.workers[0], tmp / name)
+            group.apply_all(save_role, folder=tmp / name)
         for name, component in components.items():
             torch.save(component.state_dict(), tmp / f"{name}.pt")
         torch.save(capture_rng(), tmp / "rng.pt")
@@ -120,8 +122,7 @@ def load_checkpoint(
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from exc
     for name, group in roles.items():
-        for worker in group.workers:
-            worker.load_state_dict(role_states[name])
+        group.apply_all(load_role, state=role_states[name])
     for name, component in components.items():
         component.load_state_dict(states[name])
     restore_rng(rng)
@@ -200,15 +201,25 @@ def read_latest(root: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ roles
-def _save_role(worker: Any, folder: Path) -> None:
-    folder.mkdir(parents=True)
+def save_role(worker: Any, folder: Path) -> None:
+    """One rank's part of saving a role: every rank gathers (collectives), rank 0 writes. In a
+    Ray group `folder` must be reachable from rank 0's node (the same machine, or shared)."""
+    first = rank() == 0
+    if first:
+        folder.mkdir(parents=True)
     state = worker.state_dict()
     if hasattr(worker, "save_pretrained"):
         worker.save_pretrained(folder)
         state = {k: v for k, v in state.items() if k != "model"}
-        torch.save(state, folder / TRAINER_STATE)
+        name = TRAINER_STATE
     else:
-        torch.save(state, folder / "state.pt")
+        name = "state.pt"
+    if first:
+        torch.save(state, folder / name)
+
+
+def load_role(worker: Any, state: dict[str, Any]) -> None:
+    worker.load_state_dict(state)
 
 
 def _read_role(folder: Path) -> dict[str, Any]:

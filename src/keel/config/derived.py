@@ -78,6 +78,27 @@ def check_batch_algebra(cfg: KeelConfig) -> None:
             f"train.micro_batch_size ({micro}) must divide train.mini_batch_size ({mini}); "
             f"try one of {_divisors(mini)}"
         )
+    check_data_parallel(cfg, mini)
+
+
+def check_data_parallel(cfg: KeelConfig, mini: int) -> None:
+    """On Ray, every rank of a trained role gets an equal share of each mini-batch."""
+    if cfg.resources.backend != "ray":
+        return
+    for i, group in enumerate(cfg.resources.groups):
+        trained = [r for r in group.roles if r in ("actor", "critic")]
+        if trained and mini % group.workers:
+            raise ValueError(
+                f"resources.groups[{i}].workers ({group.workers}) must divide "
+                f"train.mini_batch_size ({mini}) for {', '.join(trained)}; "
+                f"try one of {_divisors(mini)}"
+            )
+
+
+def rank_batch_sizes(plan: BatchPlan, workers: int) -> tuple[int, int]:
+    """(mini-batch rows, micro-batch rows) of one of `workers` data-parallel ranks."""
+    mini = plan.mini_batch_size // workers
+    return mini, min(plan.micro_batch_size, mini)
 
 
 def _divisors(n: int) -> list[int]:

@@ -382,6 +382,71 @@ class ReinforcePPAlgorithm(RewardKLAlgorithm):
     gamma: float = Field(1.0, ge=0, le=1)
 
 
+RoleName = Literal["actor", "rollout", "reference", "critic", "reward"]
+
+
+class WorkerGroupConfig(Section):
+    """One colocation group: its roles share `workers` Ray actors (one placement-group bundle
+    each). The actor with the rollout role in the same group generates with its own weights;
+    a rollout role in another group gets the new weights pushed after each update."""
+
+    roles: list[RoleName] = Field(min_length=1, description="roles hosted by these workers")
+    workers: int = Field(1, ge=1, description="Ray actors (ranks) of the group")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker (nccl when > 0)")
+    fsdp: bool = Field(False, description="shard the group's models with FSDP2 fully_shard")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the group's bundles"
+    )
+
+
+class RayConfig(Section):
+    """How to reach Ray, and what the workers' processes get."""
+
+    address: str | None = Field(
+        None, description="an existing cluster (`auto`, `ray://…`, `HOST:6379`); null: start one"
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a Ray started here")
+    num_gpus: int | None = Field(None, ge=0, description="GPUs of a Ray started here")
+    namespace: str = "keel"
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="environment of every worker (Ray runtime_env)"
+    )
+    nccl_socket_ifname: str | None = Field(None, description="NCCL_SOCKET_IFNAME of the workers")
+    gloo_socket_ifname: str | None = Field(None, description="GLOO_SOCKET_IFNAME of the workers")
+
+
+class ResourcesConfig(Section):
+    """Where the roles run: in this process (local) or as Ray actors (ray)."""
+
+    backend: Literal["local", "ray"] = "local"
+    ray: RayConfig = RayConfig()
+    groups: list[WorkerGroupConfig] = Field(
+        default_factory=lambda: [WorkerGroupConfig(roles=["actor", "rollout", "reference"])],
+        description="colocation groups; roles in no group run in the driver process",
+    )
+    max_restarts: int = Field(
+        0, ge=0, description="ray: times a dead worker makes the run restart from a checkpoint"
+    )
+
+    @model_validator(mode="after")
+    def _each_role_once(self) -> ResourcesConfig:
+        seen: dict[str, int] = {}
+        for i, group in enumerate(self.groups):
+            for role in group.roles:
+                if role in seen:
+                    raise ValueError(
+                        f"resources.groups[{i}].roles: role {role!r} is already in "
+                        f"resources.groups[{seen[role]}]"
+                    )
+                seen[role] = i
+        return self
+
+    def group_of(self, role: str) -> WorkerGroupConfig | None:
+        """The group hosting `role` (None: the role runs in the driver)."""
+        return next((g for g in self.groups if role in g.roles), None)
+
+
 Algorithm = Annotated[
     SFTAlgorithm
     | GRPOAlgorithm
@@ -425,6 +490,7 @@ class KeelConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     guard: GuardConfig = GuardConfig()
     monitor: MonitorConfig = MonitorConfig()
+    resources: ResourcesConfig = ResourcesConfig()
 
     @model_validator(mode="after")
     def _batch_algebra(self) -> KeelConfig:

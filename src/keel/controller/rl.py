@@ -52,6 +52,7 @@ class RLController:
             else None
         )
         self.last_batch: Batch | None = None
+        self.weight_version = 0  # actor updates so far: the version every rollout must carry
         self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
         self.kl_scale = 1.0  # the guard raises it after a rollback; scales both
 
@@ -90,6 +91,7 @@ class RLController:
         with t("advantage"):
             batch, kl_metrics = self.compute_advantages(batch)
         metrics = {**batch_metrics(batch), **extra, **shaping, **kl_metrics}
+        metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
         if spec.mask_truncated:  # overlong filtering: after the advantages, loss mask only
             batch, metrics["response/truncated_masked"] = mask_truncated(batch)
         if roles.critic is not None:
@@ -102,6 +104,8 @@ class RLController:
                         "update", batch, spec=spec, kl_coef=self.kl_coef * self.kl_scale
                     )
                 )
+            self.weight_version += 1
+            metrics.update(roles.push_weights())
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
         return {
@@ -120,8 +124,21 @@ class RLController:
                 "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
             )
         self.groups_seen += len(examples)
+        self.check_weight_version(batch)
         with self.timer("reward"):
             return self.roles.reward.call("score", batch)
+
+    def check_weight_version(self, batch: Batch) -> None:
+        """The rollout must have used the policy of the latest update: a lag means the rollout
+        workers missed a weight push, and training on it would be silently off-policy."""
+        version = batch.meta.get("weight_version", self.weight_version)
+        lag = self.weight_version - version
+        batch.meta["weight_version_lag"] = lag
+        if lag != 0:
+            raise RuntimeError(
+                f"the rollout generated with weight version {version}, expected "
+                f"{self.weight_version}: the rollout workers missed a weight push"
+            )
 
     def shape_rewards(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """Soft overlong punishment added to the scores (when spec.overlong_buffer_len > 0)."""
@@ -166,6 +183,7 @@ class RLController:
         return {
             "prompts": self.prompts.state_dict(),
             "groups_seen": self.groups_seen,
+            "weight_version": self.weight_version,
             "kl_coef": self.kl_coef,
             "kl_scale": self.kl_scale,
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
@@ -175,6 +193,7 @@ class RLController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.groups_seen = int(state["groups_seen"])
+        self.weight_version = int(state.get("weight_version", 0))
         self.kl_coef = float(state["kl_coef"])
         self.kl_scale = float(state["kl_scale"])
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:

@@ -26,12 +26,12 @@ from keel.checkpoint import (
     validate_checkpoint,
 )
 from keel.checkpoint.remote import download_checkpoint, upload_checkpoint
-from keel.checkpoint.state import CheckpointSaveError, write_latest
+from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
+    assemble_roles,
     build_reward,
-    build_roles,
     check_prompt_lengths,
     load_datasets,
 )
@@ -51,6 +51,7 @@ from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.recipes import build_spec
 from keel.rewards import RewardError
+from keel.workers.group import WorkerLostError
 
 CONTROLLERS = {
     "rl": RLController,
@@ -100,13 +101,50 @@ def run_training(
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
     scorer = build_reward(cfg, config_dir)
-    roles = build_roles(cfg, spec, scorer)
+    restarts, note = 0, None
+    while True:
+        roles = assemble_roles(cfg, spec, scorer, config_dir)
+        try:
+            return _run(cfg, spec, roles, data, plan, overwrite, title, stop_after, note)
+        except WorkerLostError as exc:
+            if restarts >= cfg.resources.max_restarts:
+                raise
+            restarts += 1
+            lost_at = int(getattr(exc, "step", 0))
+            note = (lost_at, f"restart {restarts}/{cfg.resources.max_restarts}: {exc}")
+            plan, overwrite = restart_plan(run_dir)
+            seed_everything(cfg.seed)
+        finally:
+            roles.close()
+
+
+def restart_plan(run_dir: Path) -> tuple[ResumePlan | None, bool]:
+    """After a lost worker: resume from the newest checkpoint, or start over without one."""
+    found = resume_candidates(run_dir / "checkpoints")
+    return (ResumePlan([c.path for c in found]), False) if found else (None, True)
+
+
+def _run(
+    cfg: KeelConfig,
+    spec: Any,
+    roles: Any,
+    data: Any,
+    plan: ResumePlan | None,
+    overwrite: bool,
+    title: str,
+    stop_after: int | None,
+    note: tuple[int, str] | None,
+) -> RunResult:
+    """One attempt of the run on `roles`; `note`: (step, why) when it restarts the run."""
+    run_dir = Path(cfg.run_dir)
     check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite and plan is None)
     loop = TrainingLoop(cfg, run_dir, roles, controller, title)
     try:
+        if note:
+            loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
         start = loop.resume(plan) if plan is not None else 0
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         if data.bad_rows:
@@ -173,6 +211,9 @@ class TrainingLoop:
     def _train_step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
         try:
             metrics = self.controller.step(step)
+        except WorkerLostError as exc:
+            exc.step = step  # type: ignore[attr-defined]  # named by the restart event
+            raise
         except RewardError as exc:
             self.events.emit(step, "stop", str(exc), rule="reward_errors", action="stop")
             raise
@@ -279,6 +320,7 @@ class TrainingLoop:
                 self.events.emit(0, "restart", f"skipped a damaged checkpoint: {exc}")
                 continue
             self._restore_metrics_row(info)
+            self.pending.update(self.roles.push_weights())  # separate rollout workers
             self.events.emit(info.step, "resume", f"resumed from {info.path}", path=str(path))
             return info.step
         raise RunDirError(f"no usable checkpoint in {self.ckpt_dir}; pass --overwrite to restart")
@@ -318,8 +360,8 @@ class TrainingLoop:
         self.guard.restore_observations(guard_state)
         self.guard.rolled_back()
         for group in self.trainable.values():
-            if hasattr(group.workers[0], "set_lr_scale"):
-                group.call_all("set_lr_scale", scale=self.guard.lr_scale)
+            group.apply_all(set_lr_scale, scale=self.guard.lr_scale)
+        self.pending.update(self.roles.push_weights())  # separate rollout workers
         if hasattr(self.controller, "set_kl_scale"):
             self.controller.set_kl_scale(self.guard.kl_scale)
         if self.cfg.guard.skip_data and hasattr(self.controller, "skip_batches"):
@@ -365,14 +407,22 @@ class TrainingLoop:
 
 
 def trainable_roles(roles: Any) -> dict[str, Any]:
-    """The role groups whose workers carry state (state_dict), by role name: the actor today,
-    a critic tomorrow. Their rank-0 state is what a checkpoint saves."""
+    """The role groups whose workers carry state (state_dict), by role name: the actor, the
+    critic. Their rank-0 state is what a checkpoint saves."""
     out = {}
     for name, group in vars(roles).items():
-        workers = getattr(group, "workers", None)
-        if workers and hasattr(workers[0], "state_dict"):
+        if hasattr(group, "apply_all") and all(group.apply_all(has_state)):
             out[name] = group
     return out
+
+
+def has_state(worker: Any) -> bool:
+    return hasattr(worker, "state_dict")
+
+
+def set_lr_scale(worker: Any, scale: float) -> None:
+    if hasattr(worker, "set_lr_scale"):
+        worker.set_lr_scale(scale)
 
 
 def save_policy(roles, target: Path) -> Path:

@@ -9,25 +9,7 @@ from typing import Any
 import torch
 
 from keel.algo import varied_groups
-from keel.types import Batch
-
-
-def concat_rollouts(batches: list[Batch]) -> Batch:
-    """Rows of several rollout batches in one batch, keeping the layout: prompts left-padded to
-    the widest prompt, responses right-padded to the longest response."""
-    p = max(b.prompt_length for b in batches)
-    r = max(b.response_length for b in batches)
-    relaid = []
-    for b in batches:
-        pad = (p - b.prompt_length, r - b.response_length)
-        assert b.input_ids is not None and b.attention_mask is not None
-        relaid.append(
-            b.replace(
-                input_ids=torch.nn.functional.pad(b.input_ids, pad),
-                attention_mask=torch.nn.functional.pad(b.attention_mask, pad),
-            )
-        )
-    return Batch.concat(relaid)
+from keel.types import Batch, concat_rollouts
 
 
 def first_groups(batch: Batch, count: int) -> Batch:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from keel.engine.distributed import is_sharded, sum_gradients, sum_metrics
 from keel.types import Batch
 
 MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -17,7 +18,9 @@ class GradientStep:
     """Owns a model's optimizer and scheduler and applies one update per `apply` call.
 
     The loss function must already use the mini-batch's global denominators (ALGORITHMS.md §1),
-    so micro-batch losses are *summed*: 1 × 8 and 8 × 1 give the same gradient.
+    so micro-batch losses are *summed*: 1 × 8 and 8 × 1 give the same gradient. As one rank of a
+    data-parallel group, gradients and metrics are summed across ranks as well (an FSDP2 model
+    reduces its own gradients, set up by `keel.engine.distributed.shard_fsdp2` to sum them too).
     """
 
     def __init__(
@@ -46,8 +49,11 @@ class GradientStep:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if not is_sharded(self.model):
+            sum_gradients(params)
+        totals = sum_metrics(totals)
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not math.isfinite(grad_norm)
         if skipped:  # a skipped update does not consume the LR schedule either
@@ -56,3 +62,8 @@ class GradientStep:
             self.optimizer.step()
             self.scheduler.step()
         return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """The gradient norm as a plain tensor (FSDP2 returns a DTensor over the shards)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -37,6 +37,7 @@ class HFRolloutEngine:
         max_prompt_length: int = 64,
         batch_size: int | None = None,
         return_logprobs: bool = False,
+        synced: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -44,6 +45,7 @@ class HFRolloutEngine:
         self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
         self.return_logprobs = return_logprobs
+        self.synced = synced  # FSDP2: all ranks keep decoding until every rank is done
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
@@ -117,6 +119,7 @@ class HFRolloutEngine:
                 use_cache=True,
                 return_dict_in_generate=True,
                 output_logits=self.return_logprobs,
+                synced_gpus=self.synced,
                 **kwargs,
             )
         finally:

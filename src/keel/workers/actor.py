@@ -11,11 +11,15 @@ from keel.algo import (
     POLICY_LOSSES,
     agg_loss,
     kl_penalty,
-    loss_denominators,
     masked_mean,
     sft_loss,
 )
 from keel.algo.spec import AlgorithmSpec
+from keel.engine.distributed import (
+    full_state_dict,
+    global_denominators,
+    rank,
+)
 from keel.engine.forward import response_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch
@@ -47,6 +51,7 @@ class ActorWorker(TrainableWorker):
             micro_batch_size=micro_batch_size,
         )
         self.temperature = temperature
+        self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
 
     # ---------------------------------------------------------------- inference
     @torch.no_grad()
@@ -70,7 +75,7 @@ class ActorWorker(TrainableWorker):
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                num_tokens, num_seqs = loss_denominators(mini.response_mask)
+                num_tokens, num_seqs = global_denominators(mini.response_mask)
                 loss_fn = partial(
                     self._policy_loss,
                     spec=spec,
@@ -79,6 +84,7 @@ class ActorWorker(TrainableWorker):
                     num_seqs=num_seqs,
                 )
                 history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+        self.weight_version += 1
         return mean_prefixed(history, "actor/")
 
     def _policy_loss(
@@ -129,7 +135,7 @@ class ActorWorker(TrainableWorker):
         """One optimizer update of negative log-likelihood on the response tokens."""
         history = []
         for mini in batch.split(self.mini_batch_size):
-            num_tokens, num_seqs = loss_denominators(mini.response_mask)
+            num_tokens, num_seqs = global_denominators(mini.response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                 logprobs, _ = response_forward(self.model, micro)
@@ -146,3 +152,16 @@ class ActorWorker(TrainableWorker):
 
             history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
         return mean_prefixed(history, "actor/")
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """(full weights on rank 0, None elsewhere; the weight version): pushed to separate
+        rollout workers after each update."""
+        state = full_state_dict(self.model)
+        return (state if rank() == 0 else None), self.weight_version
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "weight_version": self.weight_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.weight_version = int(state.get("weight_version", 0))

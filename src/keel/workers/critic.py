@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from keel.algo import clipped_value_loss, loss_denominators, masked_mean
+from keel.algo import clipped_value_loss, masked_mean
 from keel.algo.spec import AlgorithmSpec
+from keel.engine.distributed import global_denominators
 from keel.engine.forward import value_forward
 from keel.types import Batch
 from keel.workers.trainable import TrainableWorker, mean_prefixed
@@ -28,7 +29,7 @@ class CriticWorker(TrainableWorker):
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                num_tokens, num_seqs = loss_denominators(mini.response_mask)
+                num_tokens, num_seqs = global_denominators(mini.response_mask)
 
                 def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                     return self._value_loss(micro, spec, num_tokens, num_seqs)

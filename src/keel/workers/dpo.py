@@ -6,6 +6,7 @@ import torch
 
 from keel.algo.preference import dpo_loss, sequence_logps
 from keel.algo.spec import AlgorithmSpec
+from keel.engine.distributed import global_count
 from keel.engine.forward import response_forward
 from keel.types import Batch
 from keel.workers.actor import ActorWorker
@@ -22,7 +23,7 @@ class DPOWorker(ActorWorker):
         """One optimizer update per mini-batch of pairs; metrics averaged over updates."""
         history = []
         for mini in batch.split(2 * self.mini_batch_size):
-            num_pairs = len(mini) // 2
+            num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
                 logps = sequence_logps(response_forward(self.model, micro)[0], micro.response_mask)

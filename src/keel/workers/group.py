@@ -1,15 +1,28 @@
 """WorkerGroup: `group.call("method", rows, **kw)` splits rows across ranks, runs, gathers.
 
-`LocalWorkerGroup` runs its workers in this process. A Ray-backed group implements the same
-interface with one Ray actor per rank; the controller cannot tell them apart.
+`LocalWorkerGroup` runs its workers in this process. `RayWorkerGroup` (keel.workers.ray_group)
+implements the same interface with one Ray actor per rank; the controller cannot tell them apart.
+
+Sharding: a Batch is cut in blocks of `row_block` rows (a trained role's mini-batch) and every
+block is split evenly across the ranks (in whole units of `row_unit` rows: 2 keeps preference
+pairs together), so rank r's k-th mini-batch is the r-th share of the
+k-th global mini-batch; results are put back in the original row order. A list (prompts) is
+split into consecutive pieces, and a `group_offset` keyword moves with each piece's start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from keel.types import Batch
+import torch
+
+from keel.types import Batch, concat_rollouts
+
+
+class WorkerLostError(RuntimeError):
+    """A worker of a group died (its process or node is gone); the group is unusable."""
 
 
 class WorkerGroup(Protocol):
@@ -18,16 +31,67 @@ class WorkerGroup(Protocol):
 
     def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any: ...
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]: ...
+    def apply_all(self, fn: Callable[..., Any], /, **kwargs: Any) -> list[Any]: ...
+
+
+def dispatch(
+    invoke_all: Callable[[list[tuple[Any, dict[str, Any]]]], list[Any]],
+    world: int,
+    rows: Any,
+    kwargs: dict[str, Any],
+    row_block: int | None,
+    row_unit: int = 1,
+) -> Any:
+    """Shard `rows` over `world` ranks, run `invoke_all([(shard, kwargs) per rank])`, gather."""
+    if rows is None:
+        return _gather(invoke_all([(None, kwargs)] * world))
+    if isinstance(rows, Batch):
+        index = shard_index(len(rows), world, row_block or len(rows), row_unit)
+        out = _gather(invoke_all([(rows.select(i), kwargs) for i in index]))
+        restore = torch.argsort(torch.tensor([i for part in index for i in part]))
+        if isinstance(out, Batch):
+            return out.select(restore)
+        return out[restore] if isinstance(out, torch.Tensor) else out
+    n = len(rows)
+    if 0 < n < world:  # every rank takes part (FSDP2 collectives); extra ranks repeat a row
+        calls = [([rows[r % n]], _shifted(kwargs, r % n)) for r in range(world)]
+        return _gather(invoke_all(calls)[:n])
+    bounds = [round(i * n / world) for i in range(world + 1)]
+    calls = [(rows[bounds[r] : bounds[r + 1]], _shifted(kwargs, bounds[r])) for r in range(world)]
+    return _gather(invoke_all(calls))
+
+
+def _shifted(kwargs: dict[str, Any], start: int) -> dict[str, Any]:
+    """`kwargs` for the piece of a list that starts at row `start` (group ids follow rows)."""
+    if "group_offset" not in kwargs:
+        return kwargs
+    return {**kwargs, "group_offset": kwargs["group_offset"] + start}
+
+
+def shard_index(n: int, world: int, block: int, unit: int = 1) -> list[list[int]]:
+    """Row indices of each rank: every block of `block` rows split in `world` even parts, in
+    whole units of `unit` rows (2: a preference pair's chosen and rejected rows stay together)."""
+    index: list[list[int]] = [[] for _ in range(world)]
+    for start in range(0, n, block):
+        size = min(block, n - start)
+        units = size // unit
+        bounds = [start + unit * round(r * units / world) for r in range(world)] + [start + size]
+        for r in range(world):
+            index[r].extend(range(bounds[r], bounds[r + 1]))
+    return index
 
 
 class LocalWorkerGroup:
     """In-process workers, one per rank. With one worker a call is a plain method call."""
 
-    def __init__(self, role: str, workers: Sequence[Any]):
+    def __init__(
+        self, role: str, workers: Sequence[Any], row_block: int | None = None, row_unit: int = 1
+    ):
         if not workers:
             raise ValueError(f"worker group {role!r} needs at least one worker")
         self.role = role
         self.workers = list(workers)
+        self.row_block, self.row_unit = row_block, row_unit
 
     @property
     def world_size(self) -> int:
@@ -35,34 +99,64 @@ class LocalWorkerGroup:
 
     def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any:
         """Data-parallel call: `rows` (a Batch or a list) is split by rows across ranks and the
-        results are gathered (Batches concatenated, metric dicts averaged, lists joined)."""
-        if rows is None:
-            return _gather([getattr(w, method)(**kwargs) for w in self.workers])
-        if self.world_size == 1:
+        results are gathered (Batches and per-row tensors concatenated in row order, metric
+        dicts averaged, lists joined)."""
+        if rows is not None and self.world_size == 1:
             return getattr(self.workers[0], method)(rows, **kwargs)
-        shards = _shard(rows, self.world_size)
-        return _gather(
-            [getattr(w, method)(s, **kwargs) for w, s in zip(self.workers, shards, strict=True)]
-        )
+
+        def invoke_all(calls: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
+            return [
+                getattr(w, method)(*_args(shard), **kw)
+                for w, (shard, kw) in zip(self.workers, calls, strict=True)
+            ]
+
+        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block, self.row_unit)
 
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank with the same arguments; one result per rank."""
         return [getattr(w, method)(**kwargs) for w in self.workers]
 
+    def apply_all(self, fn: Callable[..., Any], /, **kwargs: Any) -> list[Any]:
+        """`fn(worker, **kwargs)` on every rank (a module-level function); one result per rank."""
+        return [fn(w, **kwargs) for w in self.workers]
 
-def _shard(rows: Any, parts: int) -> list[Any]:
-    if isinstance(rows, Batch):
-        return rows.chunk(parts)
-    bounds = [round(i * len(rows) / parts) for i in range(parts + 1)]
-    return [rows[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+def _args(shard: Any) -> tuple[Any, ...]:
+    return () if shard is None else (shard,)
 
 
 def _gather(results: list[Any]) -> Any:
     first = results[0]
     if isinstance(first, Batch):
-        return Batch.concat(results)
+        if first.input_ids is not None and first.response_mask is not None:
+            out = concat_rollouts(results)
+        else:
+            out = Batch.concat(results)
+        if all("reward_errors" in r.meta for r in results):
+            out.meta["reward_errors"] = sum(r.meta["reward_errors"] for r in results)
+        return out
+    if isinstance(first, torch.Tensor):  # one value per row, e.g. scores [B]
+        return torch.cat(results)
     if isinstance(first, Mapping):
         return {k: sum(float(r[k]) for r in results) / len(results) for k in first}
     if isinstance(first, list):
         return [x for r in results for x in r]
     return first if len(results) == 1 else results
+
+
+class WeightPush:
+    """After each policy update: the actor's full weights (gathered on its rank 0) into every
+    separate rollout worker, with their version. Returns the push's metrics."""
+
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup):
+        self.actor = actor
+        self.rollout = rollout
+
+    def __call__(self) -> dict[str, float]:
+        start = time.perf_counter()
+        state, version = self.actor.call_all("export_weights")[0]
+        self.rollout.call_all("load_weights", state=state, version=version)
+        return {
+            "rollout/weight_push_s": time.perf_counter() - start,
+            "rollout/weight_version": float(version),
+        }

@@ -14,6 +14,7 @@ import torch
 from keel.algo.normalization import RunningMoments
 from keel.algo.preference import bradley_terry_loss
 from keel.data.preference import encode_scored
+from keel.engine.distributed import global_count
 from keel.engine.forward import head_forward
 from keel.rewards.scoring import RewardScorer
 from keel.types import Batch
@@ -35,7 +36,7 @@ class RewardModelTrainer(TrainableWorker):
         """One optimizer update per mini-batch of pairs; rm/* metrics averaged over updates."""
         history = []
         for mini in batch.split(2 * self.mini_batch_size):
-            num_pairs = len(mini) // 2
+            num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
                 scores = sequence_scores(self.model, micro)

@@ -1,9 +1,11 @@
-"""RolloutWorker: generates responses with its rollout engine."""
+"""RolloutWorker: generates responses with its rollout engine, stamped with a weight version."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from keel.data.examples import Example
 from keel.rollout.hf import SamplingParams
@@ -11,10 +13,30 @@ from keel.types import Batch
 
 
 class RolloutWorker:
-    def __init__(self, engine: Any):
+    """`weights_from`: the colocated actor worker whose module the engine generates with (its
+    weights are always current); None for a separate rollout worker, which holds its own copy
+    of the policy and receives new weights through `load_weights` after each update."""
+
+    def __init__(self, engine: Any, weights_from: Any = None):
         self.engine = engine
+        self.weights_from = weights_from
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """How many policy updates the weights this worker generates with have seen."""
+        return self.weights_from.weight_version if self.weights_from else self._version
 
     def generate(
         self, examples: Sequence[Example], *, sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
-        return self.engine.generate(examples, sampling, group_offset=group_offset)
+        batch = self.engine.generate(examples, sampling, group_offset=group_offset)
+        batch.meta["weight_version"] = self.weight_version
+        return batch
+
+    def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        """New policy weights (a full state dict) and their version."""
+        if state is None:
+            raise ValueError("load_weights got no weights (the actor's rank 0 exports them)")
+        self.engine.model.load_state_dict(state)
+        self._version = int(version)

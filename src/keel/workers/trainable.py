@@ -9,6 +9,13 @@ from typing import Any
 
 import torch
 
+from keel.engine.distributed import (
+    full_state_dict,
+    load_full_state_dict,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+    save_hf_folder,
+)
 from keel.engine.update import GradientStep
 
 
@@ -33,15 +40,16 @@ class TrainableWorker:
         self.lr_scale = 1.0
 
     def save_pretrained(self, path: str | Path) -> None:
-        """The model as an HF folder (safetensors + tokenizer), loadable by transformers."""
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        """The model as an HF folder (safetensors + tokenizer), loadable by transformers. In a
+        data-parallel group rank 0 writes it (FSDP2: after gathering the shards)."""
+        save_hf_folder(self.model, self.tokenizer, path)
 
     def state_dict(self) -> dict[str, Any]:
-        """model, optimizer and scheduler states and the guard's LR scale (torch.save-able)."""
+        """model, optimizer and scheduler states and the guard's LR scale (torch.save-able).
+        FSDP2: full (unsharded) states, gathered by every rank."""
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.step.optimizer.state_dict(),
+            "model": full_state_dict(self.model),
+            "optimizer": optimizer_state_dict(self.model, self.step.optimizer),
             "scheduler": self.step.scheduler.state_dict(),
             "lr_scale": self.lr_scale,
         }
@@ -49,11 +57,11 @@ class TrainableWorker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output. The model's weights may omit parameters tied to
         another one (an HF folder stores a tied lm_head once)."""
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = load_full_state_dict(self.model, state["model"])
         untied = [k for k in missing if not _is_tied(self.model, k)]
         if untied or unexpected:
             raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
-        self.step.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state_dict(self.model, self.step.optimizer, state["optimizer"])
         self.step.scheduler.load_state_dict(state["scheduler"])
         self.lr_scale = float(state.get("lr_scale", 1.0))
 

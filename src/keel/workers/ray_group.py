@@ -1,0 +1,277 @@
+"""Roles as Ray actors: the only module that imports Ray.
+
+Each colocation group of `resources.groups` becomes one Ray placement group with one bundle per
+worker and one `RoleHost` actor per bundle. The hosts of a group form one torch.distributed
+process group (gloo on CPU, nccl on GPU) and build the workers of the group's roles, so every
+role hosted there gets a `RayWorkerGroup` over the same actors. Roles in no group run in the
+driver. Ray errors that mean a dead worker become `WorkerLostError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from keel.algo.spec import AlgorithmSpec
+from keel.config.derived import batch_plan
+from keel.config.schema import KeelConfig, RayConfig, WorkerGroupConfig
+from keel.controller.assembly import (
+    PAIR_STAGES,
+    Roles,
+    build_reward,
+    build_workers,
+    role_names,
+)
+from keel.engine.distributed import shard_fsdp2
+from keel.models import load_tokenizer, resolve_model_path
+from keel.workers.group import LocalWorkerGroup, WeightPush, WorkerLostError, dispatch
+
+FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+TRAINED = ("actor", "critic")
+PG_TIMEOUT_S = 120
+
+
+def worker_env(ray_cfg: RayConfig) -> dict[str, str]:
+    """Environment of every worker process: Keel's and HF's variables of this process, the
+    socket interfaces, then `resources.ray.env_vars` (which win)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+    if ray_cfg.nccl_socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = ray_cfg.nccl_socket_ifname
+    if ray_cfg.gloo_socket_ifname:
+        env["GLOO_SOCKET_IFNAME"] = ray_cfg.gloo_socket_ifname
+    return {**env, **ray_cfg.env_vars}
+
+
+def start_ray(ray_cfg: RayConfig) -> None:
+    """Connect to `resources.ray.address`, or start a local Ray (reused when already up)."""
+    if ray.is_initialized():
+        return
+    ray.init(
+        address=ray_cfg.address,
+        num_cpus=None if ray_cfg.address else ray_cfg.num_cpus,
+        num_gpus=None if ray_cfg.address else ray_cfg.num_gpus,
+        namespace=ray_cfg.namespace,
+        include_dashboard=False,
+        log_to_driver=True,
+    )
+
+
+class RoleHost:
+    """One rank of a colocation group: joins the group's process group, builds the workers of
+    the group's roles, and runs their methods."""
+
+    def __init__(self, rank: int, world: int, seed: int):
+        self.rank, self.world, self.seed = rank, world, seed
+        self.workers: dict[str, Any] = {}
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's address, a free port) for rank 0 to host the rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, address: str, port: int, backend: str) -> None:
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(minutes=10),
+        )
+
+    def build(self, cfg: KeelConfig, roles: list[str], config_dir: str, fsdp: bool) -> list[str]:
+        """Every rank builds with the same seed (a new value head starts identical on all
+        replicas), then samples with its own (seed + rank)."""
+        from keel.controller.runner import seed_everything
+        from keel.recipes import build_spec
+
+        seed_everything(self.seed)
+        spec = build_spec(cfg)
+        scorer = build_reward(cfg, Path(config_dir)) if "reward" in roles else None
+        shard = shard_fsdp2 if fsdp and self.world > 1 else None
+        self.workers = build_workers(cfg, spec, roles, scorer, world=self.world, shard=shard)
+        if torch.cuda.is_available():
+            for w in self.workers.values():
+                if hasattr(w, "model"):
+                    w.model.cuda()
+        seed_everything(self.seed + self.rank)
+        return sorted(self.workers)
+
+    def run(self, role: str, method: str, rows: Any, kwargs: dict[str, Any]) -> Any:
+        args = () if rows is None else (rows,)
+        return getattr(self.workers[role], method)(*args, **kwargs)
+
+    def apply(self, role: str, fn: Any, kwargs: dict[str, Any]) -> Any:
+        return fn(self.workers[role], **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayWorkerGroup:
+    """The WorkerGroup interface over the Ray actors hosting `role` (one per rank)."""
+
+    def __init__(
+        self, role: str, hosts: Sequence[Any], row_block: int | None = None, row_unit: int = 1
+    ):
+        self.role = role
+        self.hosts = list(hosts)
+        self.row_block, self.row_unit = row_block, row_unit
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
+
+    def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any:
+        def invoke_all(calls: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
+            return self._get(
+                [
+                    h.run.remote(self.role, method, shard, kw)
+                    for h, (shard, kw) in zip(self.hosts, calls, strict=True)
+                ]
+            )
+
+        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block, self.row_unit)
+
+    def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
+        """Same arguments on every rank; they are put in Ray's object store once."""
+        ref = ray.put(kwargs)
+        return self._get([h.run.remote(self.role, method, None, ref) for h in self.hosts])
+
+    def apply_all(self, fn: Any, /, **kwargs: Any) -> list[Any]:
+        """`fn(worker, **kwargs)` on every rank; `fn` must be importable there (module-level)."""
+        ref = ray.put(kwargs)
+        return self._get([h.apply.remote(self.role, fn, ref) for h in self.hosts])
+
+    def _get(self, refs: list[Any]) -> list[Any]:
+        try:
+            return ray.get(refs)
+        except RayActorError as e:
+            raise WorkerLostError(f"a worker of role {self.role!r} died: {e}") from e
+
+
+def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> Roles:
+    """Start (or join) Ray, place every colocation group and build its workers there; roles in
+    no group are built here. Separate rollout workers get a WeightPush from the actor."""
+    start_ray(cfg.resources.ray)
+    cfg = with_resolved_models(cfg)
+    names = role_names(spec)
+    groups: dict[str, Any] = {}
+    hosts_all: list[Any] = []
+    pgs: list[Any] = []
+    try:
+        for gcfg in cfg.resources.groups:
+            roles_here = [r for r in gcfg.roles if r in names]
+            if not roles_here:
+                continue
+            pg, hosts = place_group(cfg, gcfg, roles_here, config_dir)
+            pgs.append(pg)
+            hosts_all.extend(hosts)
+            unit = 2 if spec.stage in PAIR_STAGES else 1  # rows of one pair stay on one rank
+            block = batch_plan(cfg).mini_batch_size * unit
+            for role in roles_here:
+                groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None, unit)
+        local = [n for n in names if n not in groups]
+        scorer = build_reward(cfg, config_dir) if "reward" in local else None
+        for name, worker in build_workers(cfg, spec, local, scorer).items():
+            groups[name] = LocalWorkerGroup(name, [worker])
+    except BaseException:
+        release(hosts_all, pgs)
+        raise
+    return Roles(
+        actor=groups["actor"],
+        rollout=groups.get("rollout"),
+        reward=groups.get("reward"),
+        reference=groups.get("reference"),
+        tokenizer=load_tokenizer(resolve_model_path(cfg.models.actor)),
+        critic=groups.get("critic"),
+        push_weights=weight_push(cfg, groups),
+        close=lambda: release(hosts_all, pgs),
+    )
+
+
+def weight_push(cfg: KeelConfig, groups: dict[str, Any]) -> Any:
+    """A WeightPush when the rollout role is not hosted with the actor, else a no-op."""
+    rollout = groups.get("rollout")
+    actor_group = cfg.resources.group_of("actor")
+    if rollout is None or (actor_group is not None and "rollout" in actor_group.roles):
+        return lambda: {}
+    return WeightPush(groups["actor"], rollout)
+
+
+def place_group(
+    cfg: KeelConfig, gcfg: WorkerGroupConfig, roles: list[str], config_dir: Path
+) -> tuple[Any, list[Any]]:
+    """A placement group of `workers` bundles, one RoleHost per bundle, joined and built."""
+    bundle = {"CPU": gcfg.cpus_per_worker}
+    if gcfg.gpus_per_worker:
+        bundle["GPU"] = gcfg.gpus_per_worker
+    pg = placement_group([dict(bundle)] * gcfg.workers, strategy=gcfg.strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=PG_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"resources.groups ({', '.join(roles)}): Ray could not reserve {gcfg.workers} × "
+            f"{bundle} within {PG_TIMEOUT_S} s; cluster resources: {ray.cluster_resources()}"
+        )
+    host_cls = ray.remote(RoleHost)
+    tag = f"keel-{'+'.join(roles)}-{uuid.uuid4().hex[:8]}"  # `ray list actors` shows the roles
+    hosts = [
+        host_cls.options(
+            name=f"{tag}-rank{i}",
+            num_cpus=gcfg.cpus_per_worker,
+            num_gpus=gcfg.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
+            runtime_env={"env_vars": worker_env(cfg.resources.ray)},
+            max_restarts=0,
+        ).remote(i, gcfg.workers, cfg.seed)
+        for i in range(gcfg.workers)
+    ]
+    try:
+        if gcfg.workers > 1:
+            address, port = ray.get(hosts[0].rendezvous.remote())
+            backend = "nccl" if gcfg.gpus_per_worker else "gloo"
+            ray.get([h.join.remote(address, port, backend) for h in hosts])
+        ray.get([h.build.remote(cfg, roles, str(config_dir), gcfg.fsdp) for h in hosts])
+    except BaseException:
+        release(hosts, [pg])
+        raise
+    return pg, hosts
+
+
+def with_resolved_models(cfg: KeelConfig) -> KeelConfig:
+    """`builtin:` model names resolved to folders here, so that workers load the same files."""
+    m = cfg.models
+    update = {
+        k: str(resolve_model_path(getattr(m, k)))
+        for k in ("actor", "reference", "critic", "reward")
+        if getattr(m, k) is not None
+    }
+    return cfg.model_copy(update={"models": m.model_copy(update=update)})
+
+
+def release(hosts: list[Any], pgs: list[Any]) -> None:
+    """Kill the hosts and free their placement groups (idempotent, dead actors are fine)."""
+    for h in hosts:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(h, no_restart=True)
+    for pg in pgs:
+        with contextlib.suppress(Exception):  # already removed
+            remove_placement_group(pg)

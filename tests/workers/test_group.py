@@ -1,0 +1,105 @@
+"""Data-parallel dispatch of LocalWorkerGroup (the same code RayWorkerGroup uses): mini-batch
+aware sharding, row order restored, group offsets, rollout layouts, the weight push."""
+
+import torch
+
+from keel.types import Batch
+from keel.workers.group import LocalWorkerGroup, WeightPush, shard_index
+
+
+class Echo:
+    def __init__(self, rank):
+        self.rank = rank
+        self.seen = []
+
+    def tag(self, batch):
+        self.seen.append(batch.scores.tolist())
+        return batch.replace(values=torch.full((len(batch), 1), float(self.rank)))
+
+    def offsets(self, rows, *, group_offset):
+        self.seen.append(list(rows))
+        return [(row, group_offset) for row in rows]
+
+
+def test_each_rank_gets_its_share_of_every_mini_batch():
+    assert shard_index(8, 2, 4) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert shard_index(6, 3, 6) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_results_come_back_in_the_original_row_order():
+    workers = [Echo(0), Echo(1)]
+    batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
+    out = LocalWorkerGroup("actor", workers, row_block=4).call("tag", batch)
+    assert out.scores.tolist() == list(range(8))
+    assert out.values[:, 0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert workers[1].seen == [[2.0, 3.0, 6.0, 7.0]]
+
+
+def test_a_list_is_split_in_pieces_and_group_offsets_follow():
+    group = LocalWorkerGroup("rollout", [Echo(0), Echo(1)])
+    out = group.call("offsets", ["a", "b", "c", "d"], group_offset=10)
+    assert out == [("a", 10), ("b", 10), ("c", 12), ("d", 12)]
+
+
+def test_rollouts_of_different_widths_are_gathered_in_one_layout():
+    def rollout(prompt, response):
+        ids = torch.tensor([[7] * prompt + [5] * response])
+        return Batch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                     response_mask=torch.ones(1, response))  # fmt: skip
+
+    class Gen:
+        def __init__(self, shape):
+            self.shape = shape
+
+        def generate(self, rows):
+            return rollout(*self.shape)
+
+    out = LocalWorkerGroup("rollout", [Gen((2, 3)), Gen((4, 1))]).call("generate", ["x", "y"])
+    assert out.prompt_length == 4 and out.response_length == 3
+    assert out.input_ids.tolist() == [[0, 0, 7, 7, 5, 5, 5], [7, 7, 7, 7, 5, 0, 0]]
+
+
+class Actor:
+    def __init__(self):
+        self.model = torch.nn.Linear(2, 2)
+        self.weight_version = 0
+
+    def export_weights(self):
+        return self.model.state_dict(), self.weight_version
+
+
+class Engine:
+    def __init__(self):
+        self.model = torch.nn.Linear(2, 2)
+
+
+def test_the_weight_push_copies_the_actors_weights_and_version():
+    from keel.workers.rollout import RolloutWorker
+
+    actor, rollout = Actor(), RolloutWorker(Engine())
+    actor.weight_version = 3
+    push = WeightPush(LocalWorkerGroup("actor", [actor]), LocalWorkerGroup("rollout", [rollout]))
+    metrics = push()
+    assert metrics["rollout/weight_version"] == 3 and metrics["rollout/weight_push_s"] >= 0
+    assert rollout.weight_version == 3
+    assert torch.equal(rollout.engine.model.weight, actor.model.weight)
+
+
+def test_fewer_rows_than_ranks_still_call_every_rank_and_keep_one_result_per_row():
+    workers = [Echo(0), Echo(1), Echo(2)]
+    out = LocalWorkerGroup("rollout", workers).call("offsets", ["a", "b"], group_offset=5)
+    assert out == [("a", 5), ("b", 6)]  # rank 2 ran too (a repeat of "a"), its result dropped
+    assert [len(w.seen) for w in workers] == [1, 1, 1]
+
+
+def test_preference_pairs_stay_on_one_rank_and_per_row_tensors_come_back_in_order():
+    assert shard_index(8, 2, 8, unit=2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shard_index(12, 2, 12, unit=2) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+
+    class Scorer:
+        def score(self, batch):
+            return batch.scores * 10
+
+    batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
+    group = LocalWorkerGroup("actor", [Scorer(), Scorer()], row_block=4, row_unit=2)
+    assert group.call("score", batch).tolist() == [10.0 * i for i in range(8)]

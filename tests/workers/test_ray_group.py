@@ -1,0 +1,135 @@
+"""The Ray backend against the local one, on a real local Ray (num_cpus=2, gloo on CPU).
+
+One Ray session serves every test of this module (starting Ray takes ~5 s)."""
+
+import json
+import threading
+import time
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from keel.config import validate
+from keel.controller.runner import run_training
+from keel.guard.events import read_events
+
+pytestmark = pytest.mark.ray
+
+TOLERANCE = 1e-6  # max |Δθ| after 3 Adam steps at lr 1e-3 (different float reduction order)
+REWARD = "tests/cli/format_reward.py:digit_fraction"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def tiny_grpo(tiny_dir, run_dir, **resources):
+    """8 prompts x 4 responses, 2 mini-batches of 16 rows, micro-batches of 4: 3 steps."""
+    return validate({
+        "run_dir": str(run_dir), "seed": 0, "models": {"actor": str(tiny_dir)},
+        "algorithm": {"name": "grpo", "kl_loss_coef": 0.01}, "reward": {"fn": REWARD},
+        "data": {"arithmetic": {"eval_size": 4}}, "rollout": {"n": 4, "max_new_tokens": 4},
+        "train": {"batch_size": 8, "mini_batch_size": 16, "micro_batch_size": 4, "lr": 1e-3,
+                  "steps": 3},
+        "eval": {"every": 0}, "resources": resources,
+    })  # fmt: skip
+
+
+def ray_groups(fsdp=False):
+    """Actor and reference on 2 ranks; the rollout on a worker of its own (weights pushed)."""
+    return {"backend": "ray", "groups": [
+        {"roles": ["actor", "reference"], "workers": 2, "cpus_per_worker": 0.5, "fsdp": fsdp},
+        {"roles": ["rollout"], "workers": 1, "cpus_per_worker": 0.5},
+    ]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("local") / "run"
+    run_training(tiny_grpo(tiny_dir, run_dir))
+    return run_dir
+
+
+def weights(run_dir):
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
+def test_two_ray_workers_make_the_same_update_as_one_local_worker(
+    ray_session, local_run, tiny_dir, tmp_path, fsdp
+):
+    run_dir = tmp_path / "ray"
+    run_training(tiny_grpo(tiny_dir, run_dir, **ray_groups(fsdp)))
+    local, dist, start = (
+        weights(local_run),
+        weights(run_dir),
+        load_file(tiny_dir / "model.safetensors"),
+    )
+    assert max((local[k] - start[k]).abs().max().item() for k in local) > 1e-3  # it trained
+    worst = max((local[k] - dist[k]).abs().max().item() for k in local)
+    assert worst <= TOLERANCE, f"max |θ_ray − θ_local| = {worst}"
+    rows = metrics(run_dir)
+    assert [r["actor/pg_loss"] for r in rows[1:]] == pytest.approx(
+        [r["actor/pg_loss"] for r in metrics(local_run)[1:]], abs=1e-6
+    )
+    # the separate rollout worker received every update, and each rollout used the newest
+    assert [r["rollout/weight_version"] for r in rows[1:]] == [1.0, 2.0, 3.0]
+    assert all(r["rollout/weight_version_lag"] == 0 and r["rollout/weight_push_s"] > 0
+               for r in rows[1:])  # fmt: skip
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def kill_when(path, step, name_part):
+    """Background: once metrics.jsonl shows `step`, ray.kill rank 1 of the Ray actors named
+    *name_part* (a real worker process of a 2-rank group)."""
+    killed = []
+
+    def watch():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if path.is_file() and any(r["step"] >= step for r in metrics(path.parent)):
+                names = [a for a in ray.util.list_named_actors() if name_part in a and "rank1" in a]
+                ray.kill(ray.get_actor(names[0]), no_restart=True)
+                killed.append(names[0])
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+def test_a_killed_worker_restarts_the_groups_and_the_run_resumes(
+    ray_session, local_run, tiny_dir, tmp_path
+):
+    run_dir = tmp_path / "killed"
+    resources = {
+        "backend": "ray",
+        "max_restarts": 1,
+        "groups": [
+            {"roles": ["actor", "reference"], "workers": 2, "cpus_per_worker": 0.5},
+        ],
+    }  # fmt: skip   (the rollout runs in the driver: its random stream is checkpointed)
+    cfg = tiny_grpo(tiny_dir, run_dir, **resources)
+    cfg.checkpoint.save_steps = 1
+    thread, killed = kill_when(run_dir / "metrics.jsonl", 1, "actor+reference-")
+    run_training(cfg)
+    thread.join()
+    assert killed and killed[0].endswith("rank1")
+    events = read_events(run_dir / "events.jsonl")
+    restart = [e for e in events if e["event"] == "restart"]
+    assert len(restart) == 1 and restart[0]["reason"] == "worker_lost" and restart[0]["step"] >= 2
+    resumed = [e for e in events if e["event"] == "resume"]
+    assert resumed and resumed[0]["step"] >= 1
+    assert [r["step"] for r in metrics(run_dir)][-1] == 3
+    # resumed from a full-state checkpoint, the run ends where the uninterrupted one does
+    local, dist = weights(local_run), weights(run_dir)
+    assert max((local[k] - dist[k]).abs().max().item() for k in local) <= TOLERANCE
