@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import shutil
 import sys
 import time
@@ -11,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from keel.checkpoint import (
@@ -46,6 +44,7 @@ from keel.controller.resume import (
 )
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
+from keel.engine.seeding import seed_everything
 from keel.guard import EventLog, Guard, Verdict
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
@@ -427,12 +426,6 @@ def set_lr_scale(worker: Any, scale: float) -> None:
 
 def save_policy(roles, target: Path) -> Path:
     return publish_folder(target, lambda tmp: roles.actor.call_all("save_pretrained", path=tmp))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:

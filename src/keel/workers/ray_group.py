@@ -28,15 +28,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig, RayConfig, WorkerGroupConfig
-from keel.controller.assembly import (
+from keel.engine.distributed import shard_fsdp2
+from keel.engine.seeding import seed_everything
+from keel.models import resolve_model_path
+from keel.workers.build import (
     PAIR_STAGES,
     Roles,
     build_reward,
     build_workers,
     role_names,
+    roles_from_groups,
 )
-from keel.engine.distributed import shard_fsdp2
-from keel.models import load_tokenizer, resolve_model_path
 from keel.workers.group import LocalWorkerGroup, WeightPush, WorkerLostError, dispatch
 
 FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -96,14 +98,12 @@ class RoleHost:
             timeout=timedelta(minutes=10),
         )
 
-    def build(self, cfg: KeelConfig, roles: list[str], config_dir: str, fsdp: bool) -> list[str]:
+    def build(
+        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: list[str], config_dir: str, fsdp: bool
+    ) -> list[str]:
         """Every rank builds with the same seed (a new value head starts identical on all
         replicas), then samples with its own (seed + rank)."""
-        from keel.controller.runner import seed_everything
-        from keel.recipes import build_spec
-
         seed_everything(self.seed)
-        spec = build_spec(cfg)
         scorer = build_reward(cfg, Path(config_dir)) if "reward" in roles else None
         shard = shard_fsdp2 if fsdp and self.world > 1 else None
         self.workers = build_workers(cfg, spec, roles, scorer, world=self.world, shard=shard)
@@ -181,7 +181,7 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> R
             roles_here = [r for r in gcfg.roles if r in names]
             if not roles_here:
                 continue
-            pg, hosts = place_group(cfg, gcfg, roles_here, config_dir)
+            pg, hosts = place_group(cfg, spec, gcfg, roles_here, config_dir)
             pgs.append(pg)
             hosts_all.extend(hosts)
             unit = 2 if spec.stage in PAIR_STAGES else 1  # rows of one pair stay on one rank
@@ -195,15 +195,8 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> R
     except BaseException:
         release(hosts_all, pgs)
         raise
-    return Roles(
-        actor=groups["actor"],
-        rollout=groups.get("rollout"),
-        reward=groups.get("reward"),
-        reference=groups.get("reference"),
-        tokenizer=load_tokenizer(resolve_model_path(cfg.models.actor)),
-        critic=groups.get("critic"),
-        push_weights=weight_push(cfg, groups),
-        close=lambda: release(hosts_all, pgs),
+    return roles_from_groups(
+        cfg, groups, push_weights=weight_push(cfg, groups), close=lambda: release(hosts_all, pgs)
     )
 
 
@@ -217,7 +210,11 @@ def weight_push(cfg: KeelConfig, groups: dict[str, Any]) -> Any:
 
 
 def place_group(
-    cfg: KeelConfig, gcfg: WorkerGroupConfig, roles: list[str], config_dir: Path
+    cfg: KeelConfig,
+    spec: AlgorithmSpec,
+    gcfg: WorkerGroupConfig,
+    roles: list[str],
+    config_dir: Path,
 ) -> tuple[Any, list[Any]]:
     """A placement group of `workers` bundles, one RoleHost per bundle, joined and built."""
     bundle = {"CPU": gcfg.cpus_per_worker}
@@ -249,7 +246,7 @@ def place_group(
             address, port = ray.get(hosts[0].rendezvous.remote())
             backend = "nccl" if gcfg.gpus_per_worker else "gloo"
             ray.get([h.join.remote(address, port, backend) for h in hosts])
-        ray.get([h.build.remote(cfg, roles, str(config_dir), gcfg.fsdp) for h in hosts])
+        ray.get([h.build.remote(cfg, spec, roles, str(config_dir), gcfg.fsdp) for h in hosts])
     except BaseException:
         release(hosts, [pg])
         raise

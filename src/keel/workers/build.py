@@ -1,0 +1,247 @@
+"""Building a run's role workers from its config, in one process: load the models, wrap them in
+the worker classes, wire the rollout to the actor. The local backend (keel.controller.assembly)
+and every Ray rank (keel.workers.ray_group) call build_workers; `Roles` holds the groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel.algo.spec import AlgorithmSpec
+from keel.config.derived import batch_plan, rank_batch_sizes
+from keel.config.schema import KeelConfig
+from keel.engine import GradientStep, build_optimizer, build_scheduler
+from keel.engine.distributed import is_sharded
+from keel.models import (
+    check_vocab,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    load_value_model,
+    resolve_model_path,
+)
+from keel.rewards import RewardScorer, load_reward_fn
+from keel.rollout import HFRolloutEngine
+from keel.workers.actor import ActorWorker
+from keel.workers.critic import CriticWorker
+from keel.workers.dpo import DPOWorker
+from keel.workers.group import WorkerGroup
+from keel.workers.reference import ReferenceWorker
+from keel.workers.reward import RewardWorker
+from keel.workers.reward_model import ModelRewardWorker, RewardModelTrainer
+from keel.workers.rollout import RolloutWorker
+
+PAIR_STAGES = ("rm", "dpo")  # stages that train on preference pairs
+
+
+@dataclass
+class Roles:
+    """The worker groups of a run (None where the algorithm has no such role)."""
+
+    actor: WorkerGroup
+    rollout: WorkerGroup | None  # None where nothing generates (rm)
+    reward: WorkerGroup | None
+    reference: WorkerGroup | None
+    tokenizer: Any
+    critic: WorkerGroup | None = None
+    # separate rollout workers: pushes the actor's weights to them ({} metrics when colocated)
+    push_weights: Callable[[], dict[str, float]] = lambda: {}
+    close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
+
+
+def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
+    fn = load_reward_fn(cfg.reward.fn, base_dir=base_dir)
+    return RewardScorer(
+        fn,
+        kwargs=dict(cfg.reward.kwargs),
+        on_error=cfg.reward.on_error,
+        fallback_score=cfg.reward.fallback_score,
+        timeout_s=cfg.reward.timeout_s,
+        max_concurrency=cfg.reward.max_concurrency,
+        max_error_rate=cfg.reward.max_error_rate,
+        name=cfg.reward.fn,
+    )
+
+
+ROLES = ("actor", "rollout", "reference", "critic", "reward")
+
+
+def role_names(spec: AlgorithmSpec) -> tuple[str, ...]:
+    """The roles `spec`'s algorithm has (rm trains a reward model and has only its trainer)."""
+    if spec.stage == "rm":
+        return ("actor",)
+    extra = {"reference": spec.needs_reference, "critic": spec.needs_critic}
+    return tuple(r for r in ROLES if extra.get(r, True))
+
+
+def roles_from_groups(cfg: KeelConfig, groups: dict[str, Any], **hooks: Any) -> Roles:
+    """`Roles` over the role groups by name (absent roles are None); hooks: push_weights, close."""
+    return Roles(
+        actor=groups["actor"],
+        rollout=groups.get("rollout"),
+        reward=groups.get("reward"),
+        reference=groups.get("reference"),
+        tokenizer=load_tokenizer(resolve_model_path(cfg.models.actor)),
+        critic=groups.get("critic"),
+        **hooks,
+    )
+
+
+Shard = Callable[[torch.nn.Module], torch.nn.Module]
+
+
+def build_workers(
+    cfg: KeelConfig,
+    spec: AlgorithmSpec,
+    names: Collection[str],
+    scorer: RewardScorer | None,
+    *,
+    world: int = 1,
+    shard: Shard | None = None,
+) -> dict[str, Any]:
+    """The workers of the roles in `names` that the algorithm has, for one process.
+
+    world: data-parallel ranks of the trained roles (each gets 1/world of a mini-batch).
+    shard: applied to the actor, critic and reference models before their optimizers exist
+    (FSDP2). A rollout role next to the actor generates with the actor's module.
+    """
+    names = [n for n in role_names(spec) if n in names]
+    if spec.stage == "rm":
+        return {"actor": reward_model_trainer(cfg, world, shard)} if names else {}
+    mini, micro = rank_batch_sizes(batch_plan(cfg), world)
+    shard = shard or (lambda m: m)
+    actor_path = resolve_model_path(cfg.models.actor)
+    tokenizer = load_tokenizer(actor_path)
+    temperature = cfg.rollout.temperature if spec.stage == "rl" else 1.0
+    out: dict[str, Any] = {}
+    if "actor" in names:
+        model = shard(_causal_lm(actor_path, tokenizer, cfg))
+        actor_cls = DPOWorker if spec.stage == "dpo" else ActorWorker
+        out["actor"] = actor_cls(
+            model,
+            tokenizer,
+            _gradient_step(model, cfg),
+            temperature=temperature,
+            mini_batch_size=mini,
+            micro_batch_size=micro,
+        )
+    if "rollout" in names:
+        out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
+    if "reference" in names:
+        ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor)
+        ref_model = shard(_causal_lm(ref_path, tokenizer, cfg))
+        out["reference"] = ReferenceWorker(
+            ref_model, temperature=temperature, micro_batch_size=micro
+        )
+    if "critic" in names:
+        out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
+    if "reward" in names:
+        out["reward"] = reward_worker(cfg, scorer)
+    return out
+
+
+def _causal_lm(path: Path, tokenizer: Any, cfg: KeelConfig) -> torch.nn.Module:
+    model = load_causal_lm(path, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    return model
+
+
+def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker:
+    """Colocated (`actor` given): the engine generates with the actor's own module, so the
+    weights are always the latest. Separate: its own copy of models.actor, updated by pushes."""
+    if actor is not None:
+        model = actor.model
+    else:
+        model = _causal_lm(resolve_model_path(cfg.models.actor), tokenizer, cfg).eval()
+        model.requires_grad_(False)
+    engine = HFRolloutEngine(
+        model,
+        tokenizer,
+        chat=cfg.data.apply_chat_template,
+        max_prompt_length=cfg.data.max_prompt_length,
+        batch_size=cfg.rollout.batch_size,
+        return_logprobs=cfg.rollout.return_logprobs,
+        synced=is_sharded(model),
+    )
+    return RolloutWorker(engine, weights_from=actor)
+
+
+def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
+    """The rule-reward worker, or with models.reward the reward-model worker (reward.model)."""
+    if scorer is None:
+        raise ValueError("the reward role needs its RewardScorer (keel.controller.build_reward)")
+    if cfg.models.reward is None:
+        return RewardWorker(scorer)
+    path = resolve_model_path(cfg.models.reward)
+    tokenizer = load_tokenizer(path)
+    model = load_reward_model(path, pad_token_id=tokenizer.pad_token_id, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    m = cfg.reward.model
+    return ModelRewardWorker(
+        model,
+        tokenizer,
+        rule=scorer,
+        weight=m.weight,
+        fn_weight=m.fn_weight,
+        normalize=m.normalize,
+        clip=m.clip,
+        batch_size=m.batch_size,
+        chat=cfg.data.apply_chat_template,
+    )
+
+
+def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> GradientStep:
+    """AdamW (at `lr`, default train.lr) with the train section's LR schedule and clipping."""
+    plan = batch_plan(cfg)
+    t = cfg.train
+    optimizer = build_optimizer(
+        model, lr=lr or t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=t.warmup_steps,
+        total_steps=plan.total_optimizer_steps,
+        schedule=t.lr_schedule,
+        min_lr_ratio=t.min_lr_ratio,
+    )
+    return GradientStep(model, optimizer, scheduler, t.grad_clip)
+
+
+def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> Any:
+    """rm stage: the trained model (role actor) is a scalar-head classifier on models.actor."""
+    mini, micro = rank_batch_sizes(batch_plan(cfg), world)
+    path = resolve_model_path(cfg.models.actor)
+    tokenizer = load_tokenizer(path)
+    model = load_reward_model(path, pad_token_id=tokenizer.pad_token_id, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    model = shard(model) if shard else model
+    return RewardModelTrainer(
+        model,
+        tokenizer,
+        _gradient_step(model, cfg),
+        mini_batch_size=mini,
+        micro_batch_size=micro,
+    )
+
+
+def build_critic(
+    cfg: KeelConfig, spec: AlgorithmSpec, tokenizer: Any, *, world: int = 1, shard: Shard | None
+) -> CriticWorker:
+    """The critic from `models.critic` (default: the actor's folder, with a new value head),
+    trained by its own AdamW at `spec.critic_lr` with the train section's LR schedule."""
+    mini, micro = rank_batch_sizes(batch_plan(cfg), world)
+    path = resolve_model_path(cfg.models.critic or cfg.models.actor)
+    model = load_value_model(path, dtype=cfg.models.dtype)
+    check_vocab(model, tokenizer, path)
+    model = shard(model) if shard else model
+    return CriticWorker(
+        model,
+        tokenizer,
+        _gradient_step(model, cfg, lr=spec.critic_lr),
+        mini_batch_size=mini,
+        micro_batch_size=micro,
+    )
