@@ -38,13 +38,23 @@ def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm, **changes: Any) -> AlgorithmSpec
     roles = {"actor", "rollout", "reward"}
     if algo.kl_loss_coef > 0:
         roles.add("reference")
-    fields: dict[str, Any] = dict(
+    fields = dict(
+        _ppo_clip_fields(cfg, algo, roles),
+        advantage="grpo",
+        advantage_kwargs={"norm_by_std": algo.norm_adv_by_std, "epsilon": algo.adv_epsilon},
+    )
+    return AlgorithmSpec(**{**fields, **changes})
+
+
+def _ppo_clip_fields(
+    cfg: KeelConfig, algo: GRPOAlgorithm | RewardKLAlgorithm, roles: set[str]
+) -> dict[str, Any]:
+    """The spec fields every online algorithm with the PPO-clip actor loss shares."""
+    return dict(
         name=algo.name,
         stage="rl",
         roles=frozenset(roles),
         agg_mode=algo.loss_agg_mode,
-        advantage="grpo",
-        advantage_kwargs={"norm_by_std": algo.norm_adv_by_std, "epsilon": algo.adv_epsilon},
         policy_loss="vanilla",
         policy_loss_kwargs=_clip_kwargs(algo),
         loss_scale_factor=algo.loss_scale_factor,
@@ -53,7 +63,6 @@ def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm, **changes: Any) -> AlgorithmSpec
         entropy_coeff=algo.entropy_coeff,
         ppo_epochs=cfg.train.ppo_epochs,
     )
-    return AlgorithmSpec(**{**fields, **changes})
 
 
 def _clip_kwargs(algo: GRPOAlgorithm | RewardKLAlgorithm) -> dict[str, float]:
@@ -107,19 +116,9 @@ def _reward_kl_spec(
     kl_in_reward = algo.use_kl_in_reward and (ctrl.kl_coef > 0 or ctrl.type == "adaptive")
     if kl_in_reward or algo.kl_loss_coef > 0:
         roles.add("reference")
-    fields: dict[str, Any] = dict(
-        name=algo.name,
-        stage="rl",
-        roles=frozenset(roles),
-        agg_mode=algo.loss_agg_mode,
+    fields = dict(
+        _ppo_clip_fields(cfg, algo, roles),
         advantage=advantage,
-        policy_loss="vanilla",
-        policy_loss_kwargs=_clip_kwargs(algo),
-        loss_scale_factor=algo.loss_scale_factor,
-        kl_loss_coef=algo.kl_loss_coef,
-        kl_loss_type=algo.kl_loss_type,
-        entropy_coeff=algo.entropy_coeff,
-        ppo_epochs=cfg.train.ppo_epochs,
         kl_reward_type=algo.kl_penalty if kl_in_reward else None,
         kl_ctrl={
             "kind": ctrl.type,
