@@ -26,6 +26,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
+from bench.run import timed_steps
 from keel.config import validate
 from keel.controller.assembly import assemble_roles, build_reward, load_datasets
 from keel.controller.rl import RLController
@@ -57,12 +58,7 @@ def step_seconds(model_dir: Path, groups: list | None, steps: int = 10, warmup: 
     roles = assemble_roles(cfg, spec, build_reward(cfg, Path(".")), Path("."))
     try:
         ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec, Path(".")))
-        times = []
-        for step in range(1, steps + warmup + 1):
-            start = time.perf_counter()
-            ctl.step(step)
-            if step > warmup:
-                times.append(time.perf_counter() - start)
+        times = timed_steps(ctl, steps, warmup)
         pushes = []
         if groups is RAY_2:
             for _ in range(20):

@@ -42,14 +42,18 @@ def step_seconds(model_dir: Path, case: dict, steps: int = 30, warmup: int = 5) 
     spec = build_spec(cfg)
     data = load_datasets(cfg, spec, Path("."))
     roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
-    ctl = RLController(cfg, spec, roles, data)
+    return statistics.median(timed_steps(RLController(cfg, spec, roles, data), steps, warmup))
+
+
+def timed_steps(controller, steps: int, warmup: int) -> list[float]:
+    """Seconds of each of `steps` controller steps, after `warmup` untimed ones."""
     times = []
     for step in range(1, steps + warmup + 1):
         start = time.perf_counter()
-        ctl.step(step)
+        controller.step(step)
         if step > warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def main() -> None:
