@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint format bench clean install
+.PHONY: demo test test-tools lint format bench clean install mutants golden learning
 
 install: $(STAMP)
 
@@ -18,8 +18,26 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/keel demo
 
-test: $(STAMP)
+# The programs the tests run besides Python (Prometheus): installed here when missing, never
+# skipped (scripts/install-test-tools; apt-get, as root or with sudo).
+test-tools:
+	@scripts/install-test-tools
+
+test: $(STAMP) test-tools
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/pytest -q
+
+# The mutation check: every wrong-math mutation must make the learning tests fail
+# (tests/learning/mutants.py; the suite runs a subset). A few minutes.
+mutants: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m tests.learning.mutants
+
+# Regenerate the golden curves (tests/learning/golden/); commit the diff saying why.
+golden: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m tests.learning.golden --write
+
+# Every learning case on three seeds, each change printed against its margin.
+learning: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m tests.learning.cases --seeds 0,1,2
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
