@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from keel.algo import masked_mean, masked_sum, masked_whiten
+from keel.algo import masked_explained_variance, masked_mean, masked_sum, masked_whiten
 
 assert_close = functools.partial(torch.testing.assert_close, atol=1e-5, rtol=1e-4)
 NAN = float("nan")
@@ -70,3 +70,24 @@ def test_masked_whiten_with_fewer_than_two_valid_values_raises(n_valid):
     mask.view(-1)[:n_valid] = 1
     with pytest.raises(ValueError):
         masked_whiten(torch.randn(2, 3), mask)
+
+
+def test_explained_variance_by_hand_and_masked_positions_ignored():
+    targets = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 5.0, 6.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    preds = torch.tensor([[1.5, 2.0, 2.5, -7.0], [4.0, 5.5, 6.0, float("nan")]])
+    # valid targets 1..6: biased var 35/12; residuals -.5 0 .5 0 -.5 0: mean -1/12
+    res = [-0.5, 0.0, 0.5, 0.0, -0.5, 0.0]
+    mu = sum(res) / 6
+    var_res = sum((r - mu) ** 2 for r in res) / 6
+    expected = 1 - var_res / (35 / 12)
+    got = masked_explained_variance(preds, targets, mask)
+    assert math.isclose(float(got), expected, rel_tol=1e-6)
+    assert float(masked_explained_variance(targets, targets, mask)) == 1.0
+    mean_pred = torch.full_like(targets, 3.5)
+    assert abs(float(masked_explained_variance(mean_pred, targets, mask))) < 1e-6
+
+
+def test_explained_variance_of_constant_targets_is_nan():
+    t = torch.ones(2, 3)
+    assert math.isnan(float(masked_explained_variance(torch.zeros(2, 3), t, torch.ones(2, 3))))

@@ -16,7 +16,7 @@ from keel.algo.aggregation import AGG_MODES, agg_loss, loss_denominators
 from keel.algo.kl import KL_ESTIMATORS, kl_penalty
 from keel.algo.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
-from keel.algo.masked import masked_mean, masked_sum, masked_whiten
+from keel.algo.masked import masked_explained_variance, masked_mean, masked_sum, masked_whiten
 from keel.algo.policy_loss import POLICY_LOSSES, PolicyLossOutput, gspo_loss, ppo_clip_loss
 from keel.algo.shaping import overlong_penalty, varied_groups
 from keel.algo.supervised import sft_loss
@@ -41,6 +41,7 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "loss_denominators",
+    "masked_explained_variance",
     "masked_mean",
     "masked_sum",
     "masked_whiten",

@@ -32,3 +32,24 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     centered = torch.where(m, values - mean, torch.zeros_like(values))
     var = (centered**2).sum() / (n - 1)
     return torch.where(m, centered * torch.rsqrt(var + 1e-8), torch.zeros_like(values))
+
+
+def masked_explained_variance(
+    predictions: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """1 − Var(targets − predictions) / Var(targets) over valid positions (biased variances;
+    verl's `critic/vf_explained_var`). predictions, targets, mask: [B, R] → 0-dim tensor.
+
+    1: the predictions explain the targets; 0: no better than their mean; below 0: worse. NaN
+    when the targets have no variance (nothing to explain) or nothing is valid."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1).to(targets.dtype)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = masked_sum(x, m) / n
+        return masked_sum((x - mean) ** 2, m) / n
+
+    target_var = var(targets)
+    if not bool(m.any()) or float(target_var) == 0.0:
+        return torch.tensor(float("nan"))
+    return 1.0 - var(targets - predictions) / target_var

@@ -13,6 +13,7 @@ from keel.algo import (
     ADVANTAGE_ESTIMATORS,
     build_kl_controller,
     kl_penalty,
+    masked_explained_variance,
     masked_mean,
     overlong_penalty,
     token_level_rewards,
@@ -242,6 +243,9 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "advantage/mean": masked_mean(batch.advantages, mask).item(),
         "advantage/abs_mean": masked_mean(batch.advantages.abs(), mask).item(),
     }
+    if batch.values is not None and batch.returns is not None:  # how well V_old predicted
+        ev = masked_explained_variance(batch.values, batch.returns, mask)  # the fresh returns
+        metrics["critic/vf_explained_var"] = ev.item()
     if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
         gap = (batch.rollout_logprobs - batch.old_logprobs).abs()
         metrics["rollout/logprob_abs_diff"] = masked_mean(gap, mask).item()
