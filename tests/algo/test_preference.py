@@ -8,6 +8,7 @@ from keel.algo.preference import (
     bradley_terry_loss,
     dpo_loss,
     dpo_pair_losses,
+    per_token_logps,
     sequence_logps,
 )
 
@@ -92,7 +93,7 @@ def test_unknown_loss_and_bad_smoothing_are_errors():
         dpo_pair_losses(h, loss_type="kto", beta=0.1)
     with pytest.raises(ValueError, match=r"\[0, 0\.5\)"):
         dpo_pair_losses(h, loss_type="robust", beta=0.1, label_smoothing=0.5)
-    assert set(DPO_LOSSES) == {"sigmoid", "cdpo", "robust", "ipo", "hinge"}
+    assert set(DPO_LOSSES) == {"sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge"}
 
 
 def test_bradley_terry_by_hand():
@@ -121,11 +122,73 @@ def test_padding_never_changes_a_preference_loss():
     seq = sequence_logps(padded, padded_mask)
     torch.testing.assert_close(seq, base)
     ref = torch.tensor([-1.0, -1.2])
+    n = padded_mask.sum(dim=1)
+    lengths = {"chosen_lengths": n[0::2], "rejected_lengths": n[1::2]}
     for loss_type in DPO_LOSSES:
-        want = dpo_loss(base[0::2], base[1::2], ref, ref, loss_type=loss_type, beta=0.3).loss
-        got = dpo_loss(seq[0::2], seq[1::2], ref, ref, loss_type=loss_type, beta=0.3).loss
+        want = dpo_loss(base[0::2], base[1::2], ref, ref, loss_type=loss_type, beta=0.3,
+                        **lengths).loss  # fmt: skip
+        got = dpo_loss(seq[0::2], seq[1::2], ref, ref, loss_type=loss_type, beta=0.3,
+                       **lengths).loss  # fmt: skip
         torch.testing.assert_close(got, want)
     got.backward()
     assert torch.isfinite(padded.grad).all()
     assert (padded.grad[:, 3:] == 0).all()
     assert (padded.grad[:, :3][mask == 0] == 0).all()
+
+
+# ipo_mean (TRL's IPO) on two pairs, β = 0.5 so 1/(2β) = 1. Completion lengths: chosen [2, 4],
+# rejected [3, 2]. Per-token log-probs: policy_w / n_w = [−1, −0.25], ref_w / n_w = [−2, −0.25]
+# ⇒ chosen log-ratios [1, 0]; policy_l / n_l = [−1, −1], ref_l / n_l = [−0.5, −0.5] ⇒ rejected
+# log-ratios [−0.5, −0.5]; h = [1.5, 0.5]; losses (h − 1)² = [0.25, 0.25].
+# The summed form (ipo): h = [2 − (−1.5), 0 − (−1)] = [3.5, 1]; losses [6.25, 0].
+MEAN_W, MEAN_L = torch.tensor([-2.0, -1.0]), torch.tensor([-3.0, -2.0])
+MEAN_REF_W, MEAN_REF_L = torch.tensor([-4.0, -1.0]), torch.tensor([-1.5, -1.0])
+LEN_W, LEN_L = torch.tensor([2.0, 4.0]), torch.tensor([3.0, 2.0])
+
+
+def test_ipo_mean_by_hand():
+    pw, pl = MEAN_W.clone().requires_grad_(), MEAN_L.clone().requires_grad_()
+    out = dpo_loss(pw, pl, MEAN_REF_W, MEAN_REF_L, loss_type="ipo_mean", beta=BETA,
+                   chosen_lengths=LEN_W, rejected_lengths=LEN_L)  # fmt: skip
+    assert out.loss.item() == pytest.approx(0.25, abs=1e-7)
+    out.loss.backward()
+    # d/dpw (h − 1)² / N = 2(h − 1) / (n_w N); d/dpl = −2(h − 1) / (n_l N)
+    torch.testing.assert_close(pw.grad, torch.tensor([2 * 0.5 / 4, 2 * -0.5 / 8]))
+    torch.testing.assert_close(pl.grad, torch.tensor([-2 * 0.5 / 6, -2 * -0.5 / 4]))
+    m = out.metrics  # on the per-token scale, as TRL logs them
+    assert m["dpo/loss"] == pytest.approx(0.25, abs=1e-7)
+    assert m["rewards/chosen"] == pytest.approx(BETA * 0.5)
+    assert m["rewards/rejected"] == pytest.approx(BETA * -0.5)
+    assert m["rewards/margins"] == pytest.approx(0.5)
+    assert m["rewards/accuracies"] == 1.0
+    assert m["logps/chosen"] == pytest.approx(-0.625)
+    assert m["logps/rejected"] == pytest.approx(-1.0)
+    summed = dpo_loss(MEAN_W, MEAN_L, MEAN_REF_W, MEAN_REF_L, loss_type="ipo", beta=BETA,
+                      chosen_lengths=LEN_W, rejected_lengths=LEN_L)  # fmt: skip
+    assert summed.loss.item() == pytest.approx((6.25 + 0.0) / 2)  # lengths are ignored
+
+
+def test_ipo_mean_equals_ipo_when_both_completions_have_one_token():
+    ones = torch.ones(3)
+    ipo = dpo_loss(POLICY_W, POLICY_L, REF, REF, loss_type="ipo", beta=BETA)
+    mean = dpo_loss(POLICY_W, POLICY_L, REF, REF, loss_type="ipo_mean", beta=BETA,
+                    chosen_lengths=ones, rejected_lengths=ones)  # fmt: skip
+    assert torch.equal(mean.loss, ipo.loss)
+    assert mean.metrics == ipo.metrics
+    torch.testing.assert_close(mean.loss, torch.tensor(HAND[("ipo", 0.0)]).mean())
+
+
+def test_ipo_mean_needs_lengths_and_adds_up_over_micro_batches():
+    with pytest.raises(ValueError, match="chosen_lengths and rejected_lengths"):
+        dpo_loss(MEAN_W, MEAN_L, MEAN_REF_W, MEAN_REF_L, loss_type="ipo_mean", beta=BETA)
+    kw = {"loss_type": "ipo_mean", "beta": BETA, "num_pairs": 2}
+    parts = []
+    for s in (slice(0, 1), slice(1, 2)):
+        lengths = {"chosen_lengths": LEN_W[s], "rejected_lengths": LEN_L[s]}
+        parts.append(dpo_loss(MEAN_W[s], MEAN_L[s], MEAN_REF_W[s], MEAN_REF_L[s], **kw, **lengths))
+    assert (parts[0].loss + parts[1].loss).item() == pytest.approx(0.25, abs=1e-7)
+
+
+def test_per_token_logps_counts_an_empty_completion_as_one_token():
+    got = per_token_logps(torch.tensor([-3.0, 0.0]), torch.tensor([3, 0]))
+    assert got.tolist() == [-1.0, 0.0]

@@ -72,6 +72,16 @@ def test_dpo_evaluation_starts_at_ties_and_state_round_trips(tiny_dir, tmp_path)
     assert other.state_dict() == ctl.state_dict()
 
 
+def test_ipo_mean_evaluates_on_per_token_log_probs(tiny_dir, tmp_path):
+    ctl = controller(config(tiny_dir, tmp_path, name="dpo", loss="ipo_mean", beta=0.5), tmp_path)
+    metrics = ctl.evaluate()
+    assert metrics["eval/dpo/loss"] == pytest.approx(1.0, rel=1e-5)  # h = 0: (0 − 1/(2β))²
+    batch = ctl.encode(ctl.eval_pairs)
+    mean = ctl.roles.actor.call("sequence_logps", batch) / batch.response_mask.sum(dim=1)
+    assert metrics["eval/logps/chosen"] == pytest.approx(mean[0::2].mean().item(), rel=1e-5)
+    assert metrics["eval/logps/rejected"] == pytest.approx(mean[1::2].mean().item(), rel=1e-5)
+
+
 def test_pair_stages_need_preference_data(tiny_dir, tmp_path):
     cfg = config(tiny_dir, tmp_path, name="dpo")
     cfg.data.train = "builtin:arithmetic"

@@ -8,7 +8,13 @@ import torch
 
 from keel.config import validate
 from keel.controller.assembly import build_reward, build_roles, load_datasets
-from keel.controller.rl import RLController, mask_truncated, truncated_rows
+from keel.controller.rl import (
+    RLController,
+    batch_eos_ids,
+    batch_metrics,
+    mask_truncated,
+    truncated_rows,
+)
 from keel.recipes import build_spec
 from keel.types import Batch
 
@@ -82,11 +88,27 @@ def test_truncated_rows_lose_their_loss_mask_only():
     ids = torch.tensor([[5, 7, eos, 0], [5, 7, 8, 9], [5, eos, 0, 0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                  meta={"eos_token_id": eos})  # fmt: skip
+                  meta={"eos_token_ids": [eos]})  # fmt: skip
     assert truncated_rows(batch).tolist() == [False, True, False]
     out, frac = mask_truncated(batch)
     assert out.response_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
     assert frac == pytest.approx(1 / 3)
+
+
+def test_a_row_ending_on_any_eos_id_is_not_truncated():
+    # EOS ids 2 and 3: row 0 ends on 2, row 1 on 3, row 2 is cut, row 3 has 3 inside but is cut.
+    ids = torch.tensor([[5, 7, 2, 0], [5, 7, 3, 0], [5, 7, 8, 9], [5, 3, 8, 9]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
+                  meta={"eos_token_ids": [2, 3]})  # fmt: skip
+    assert truncated_rows(batch).tolist() == [False, False, True, True]
+    full = batch.replace(scores=torch.zeros(4), group_ids=torch.arange(4),
+                         advantages=torch.zeros(4, 3))  # fmt: skip
+    assert batch_metrics(full)["response/clip_ratio"] == 0.5
+    # a batch from an older producer names one id; without any, no row counts as truncated
+    legacy = batch.replace(meta={"eos_token_id": 3})
+    assert truncated_rows(legacy).tolist() == [True, False, True, True]
+    assert batch_eos_ids({}) == [] and not truncated_rows(batch.replace(meta={})).any()
 
 
 def test_a_ppo_run_writes_the_critic_as_an_hf_folder_next_to_the_policy(tiny_dir, tmp_path):

@@ -51,6 +51,7 @@ def test_dpo_spec_carries_loss_beta_and_smoothing():
     assert spec.preference_loss == "robust"
     assert spec.preference_loss_kwargs == {"beta": 0.3, "label_smoothing": 0.2}
     assert not spec.precompute_ref_logps and spec.generate_eval
+    assert build_spec(cfg(name="dpo", loss="ipo_mean")).preference_loss == "ipo_mean"
 
 
 def test_label_smoothing_only_where_it_means_something():
@@ -58,6 +59,8 @@ def test_label_smoothing_only_where_it_means_something():
 
     with pytest.raises(ValueError, match="label_smoothing applies to sigmoid, cdpo and robust"):
         cfg(name="dpo", loss="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="label_smoothing applies to sigmoid, cdpo and robust"):
+        cfg(name="dpo", loss="ipo_mean", label_smoothing=0.1)
     with pytest.raises(ValueError, match="label_smoothing"):
         cfg(name="dpo", label_smoothing=0.5)
 

@@ -7,7 +7,13 @@ from keel.algo.spec import AlgorithmSpec
 from keel.data import Example
 from keel.data.encoding import encode_sft
 from keel.engine import GradientStep, build_optimizer, build_scheduler
-from keel.models import load_causal_lm, load_tokenizer
+from keel.models import (
+    TinyModelSpec,
+    build_char_tokenizer,
+    build_tiny_model,
+    load_causal_lm,
+    load_tokenizer,
+)
 from keel.rollout import HFRolloutEngine, SamplingParams
 from keel.workers import ActorWorker
 
@@ -49,6 +55,58 @@ def test_generation_stops_at_eos_and_mask_includes_it(eos_model):
     assert r == 6
     assert batch.response_mask[1].sum() == 6
     assert batch.responses == ["7", "777777"]
+
+
+BIGRAMS = {"=": "7", "7": "#", "+": "8", "8": "<eos>", "-": "9", "9": "9"}
+
+
+@pytest.fixture(scope="module")
+def two_eos_dir(tmp_path_factory):
+    """A saved tiny model whose generation config stops on [<eos>, '#'] and which greedily
+    follows BIGRAMS: attention and MLP outputs are zero, so the last hidden state is the (one-hot)
+    embedding of the current token and the untied lm_head is the bigram table."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelSpec(hidden_size=128, tie_word_embeddings=False))
+    ids = {c: tok.convert_tokens_to_ids(c) for c in {*BIGRAMS, *BIGRAMS.values()}}
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(len(tok), 128))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for cur, nxt in BIGRAMS.items():
+            model.lm_head.weight[ids[nxt], ids[cur]] = 1.0
+    model.generation_config.eos_token_id = [tok.eos_token_id, ids["#"]]
+    path = tmp_path_factory.mktemp("two-eos") / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_generation_stops_at_any_eos_id_of_the_generation_config(two_eos_dir):
+    tok, model = load_tokenizer(two_eos_dir), load_causal_lm(two_eos_dir)
+    hash_id = tok.convert_tokens_to_ids("#")
+    assert list(model.generation_config.eos_token_id) == [tok.eos_token_id, hash_id]
+    engine = HFRolloutEngine(model, tok)
+    examples = [Example(prompt="b3="), Example(prompt="b3+"), Example(prompt="b3-")]
+    batch = engine.generate(examples, SamplingParams(n=1, temperature=0, max_new_tokens=4))
+    response = batch.input_ids[:, -batch.response_length :]
+    seven, eight = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("8")
+    # Row 0 ends on the generation config's '#', row 1 on the tokenizer's EOS: each stops there,
+    # the mask includes the EOS, padding follows. Row 2 never ends: all 4 tokens are valid.
+    assert response[0].tolist() == [seven, hash_id, tok.pad_token_id, tok.pad_token_id]
+    assert response[1].tolist() == [eight, tok.eos_token_id, tok.pad_token_id, tok.pad_token_id]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert batch.attention_mask[:, -4:].tolist() == batch.response_mask.long().tolist()
+    assert batch.responses == ["7", "8", "9999"]  # the closing EOS is no part of the text
+    assert batch.meta["eos_token_ids"] == [tok.eos_token_id, hash_id]
+
+
+def test_the_tokenizer_eos_alone_is_the_one_eos_id(eos_model):
+    model, tok = eos_model
+    engine = HFRolloutEngine(model, tok)
+    batch = engine.generate([Example(prompt="b1=")], SamplingParams(temperature=0))
+    assert batch.meta["eos_token_ids"] == [tok.eos_token_id]
 
 
 def test_prompts_are_left_padded(eos_model):

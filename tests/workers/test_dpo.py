@@ -30,7 +30,7 @@ def worker(model, tok, micro: int) -> DPOWorker:
     return DPOWorker(model, tok, step, temperature=1.0, mini_batch_size=4, micro_batch_size=micro)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "ipo_mean"])
 def test_one_micro_batch_equals_four(tiny_dir, loss):
     tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = encode_pairs(tok, PAIRS, chat=False, max_prompt_length=16)
@@ -57,3 +57,23 @@ def test_padding_never_changes_sequence_logps(tiny_dir):
     padded = w.sequence_logps(encode_pairs(tok, [LONGER, PAIRS[0]], chat=False,
                                            max_prompt_length=16))  # fmt: skip
     torch.testing.assert_close(padded[2:], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_ipo_mean_divides_each_log_prob_by_its_completion_length(tiny_dir):
+    """The worker hands dpo_loss each row's completion length (response + EOS): with a zero
+    reference, h = logp(y_w)/|y_w| − logp(y_l)/|y_l| and the loss is the mean (h − 1/(2β))²."""
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = encode_pairs(tok, [LONGER, *PAIRS[:3]], chat=False, max_prompt_length=16)
+    batch = batch.replace(ref_logprobs=torch.zeros_like(batch.response_mask))
+    w = worker(model, tok, 4)
+    logps = w.sequence_logps(batch)  # eval mode, before the update
+    lengths = batch.response_mask.sum(dim=1)
+    assert lengths[:2].tolist() == [7.0, 8.0]  # "579000" + EOS, "5791234" + EOS
+    mean = logps / lengths
+    h = mean[0::2] - mean[1::2]
+    metrics = w.update_pairs(batch, spec("ipo_mean"))
+    assert metrics["dpo/loss"] == pytest.approx(((h - 1.0) ** 2).mean().item(), rel=1e-4)
+    assert metrics["logps/chosen"] == pytest.approx(mean[0::2].mean().item(), rel=1e-4)
+    assert metrics["logps/rejected"] == pytest.approx(mean[1::2].mean().item(), rel=1e-4)
+    summed = ((logps[0::2] - logps[1::2] - 1.0) ** 2).mean().item()
+    assert metrics["dpo/loss"] != pytest.approx(summed, rel=1e-2)

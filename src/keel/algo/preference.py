@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from keel.algo.masked import masked_sum
 
-DPO_LOSSES = ("sigmoid", "cdpo", "robust", "ipo", "hinge")
+DPO_LOSSES = ("sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge")
+# Losses on per-token mean log-probs: dpo_loss divides every sequence log-prob by its length.
+LENGTH_AVERAGED_LOSSES = frozenset({"ipo_mean"})
 
 
 def sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -23,6 +25,13 @@ def sequence_logps(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch
     Prompt tokens and padding never enter: the caller passes response log-probs only and the
     mask selects (not multiplies), so garbage outside it cannot leak."""
     return masked_sum(logprobs, response_mask, dim=1)
+
+
+def per_token_logps(logps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean log-prob per completion token: logps [N] / lengths [N] → [N] float.
+
+    A length below 1 (an empty completion, whose logp is 0) counts as 1, so the result is 0."""
+    return logps.float() / lengths.to(torch.float32).clamp(min=1)
 
 
 @dataclass
@@ -65,6 +74,8 @@ def dpo_pair_losses(
     sigmoid / cdpo: −(1−ε)·log σ(βh) − ε·log σ(−βh)      (ε = 0: DPO)
     robust:         [−(1−ε)·log σ(βh) + ε·log σ(−βh)] / (1 − 2ε),  ε ∈ [0, 0.5)
     ipo:            (h − 1/(2β))²                        (τ = β; summed log-ratios)
+    ipo_mean:       the same, h formed from per-token mean log-probs (TRL's ipo; `dpo_loss`
+                    divides by the completion lengths before h reaches this function)
     hinge:          max(0, 1 − βh)                        (SLiC)
     """
     eps = label_smoothing
@@ -74,7 +85,7 @@ def dpo_pair_losses(
         if not 0 <= eps < 0.5:
             raise ValueError(f"robust DPO needs label_smoothing in [0, 0.5), got {eps}")
         return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
-    if loss_type == "ipo":
+    if loss_type in ("ipo", "ipo_mean"):
         return (h - 1 / (2 * beta)) ** 2
     if loss_type == "hinge":
         return torch.relu(1 - beta * h)
@@ -91,14 +102,26 @@ def dpo_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     num_pairs: int | None = None,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
 ) -> PairLossOutput:
     """DPO-family loss and TRL-named metrics from sequence log-probs [N] each.
 
     policy_*: logp_θ (with grad); ref_*: logp_ref (no grad, detached here anyway).
+    chosen_lengths, rejected_lengths [N]: completion token counts, needed by the losses in
+    LENGTH_AVERAGED_LOSSES (ipo_mean), which replace every logp by logp / length (TRL's IPO);
+    the metrics are then on that per-token scale too.
     Metrics (means over pairs): rewards/chosen = β(logp_θ(y_w) − logp_ref(y_w)), rewards/rejected
     likewise for y_l, rewards/accuracies = [chosen > rejected] (strict), rewards/margins =
     chosen − rejected, logps/chosen, logps/rejected = policy sequence log-probs, dpo/loss."""
     n = policy_chosen.shape[0] if num_pairs is None else num_pairs
+    if loss_type in LENGTH_AVERAGED_LOSSES:
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"DPO loss {loss_type!r} needs chosen_lengths and rejected_lengths")
+        policy_chosen = per_token_logps(policy_chosen, chosen_lengths)
+        ref_chosen = per_token_logps(ref_chosen, chosen_lengths)
+        policy_rejected = per_token_logps(policy_rejected, rejected_lengths)
+        ref_rejected = per_token_logps(ref_rejected, rejected_lengths)
     chosen_logratio = policy_chosen.float() - ref_chosen.detach().float()
     rejected_logratio = policy_rejected.float() - ref_rejected.detach().float()
     h = chosen_logratio - rejected_logratio

@@ -1,7 +1,7 @@
 """AlgorithmSpec: the plain description of an algorithm that the controller and workers read.
 
-Recipes (`keel.recipes`) build it from the config; nothing below the recipes layer needs to know
-an algorithm's name.
+Recipes (`keel.recipes`) build it from the config; nothing else reads the algorithm's config
+section or branches on its name.
 """
 
 from __future__ import annotations

@@ -258,7 +258,8 @@ class RMAlgorithm(Section):
     name: Literal["rm"]
 
 
-DPOLossType = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
+# ipo: summed log-ratios (IPO paper, OpenRLHF); ipo_mean: per-token mean log-probs (TRL's ipo)
+DPOLossType = Literal["sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge"]
 
 
 class DPOAlgorithm(Section):
@@ -281,7 +282,7 @@ class DPOAlgorithm(Section):
 
     @model_validator(mode="after")
     def _smoothing_applies(self) -> DPOAlgorithm:
-        if self.label_smoothing > 0 and self.loss in ("ipo", "hinge"):
+        if self.label_smoothing > 0 and self.loss in ("ipo", "ipo_mean", "hinge"):
             raise ValueError(
                 f"algorithm.label_smoothing applies to sigmoid, cdpo and robust, not {self.loss}"
             )

@@ -148,17 +148,19 @@ class DPOController(PairController):
         """eval/ + the DPO metrics (rewards/*, logps/*, dpo/loss) on the held-out pairs."""
         if not self.eval_pairs:
             return {}
-        policy, ref = [], []
+        policy, ref, lengths = [], [], []
         for s in range(0, len(self.eval_pairs), EVAL_CHUNK):
             ids = list(range(s, min(s + EVAL_CHUNK, len(self.eval_pairs))))
             batch = self.encode([self.eval_pairs[i] for i in ids])
             batch = self._with_reference(batch, ids, self.eval_ref)
             policy.append(self.roles.actor.call("sequence_logps", batch))
             ref.append(sequence_logps(batch.ref_logprobs, batch.response_mask))
-        p, r = torch.cat(policy), torch.cat(ref)
+            lengths.append(batch.response_mask.sum(dim=1))
+        p, r, n = torch.cat(policy), torch.cat(ref), torch.cat(lengths)
         out = dpo_loss(
             p[0::2], p[1::2], r[0::2], r[1::2],
             loss_type=self.spec.preference_loss, **self.spec.preference_loss_kwargs,
+            chosen_lengths=n[0::2], rejected_lengths=n[1::2],
         )  # fmt: skip
         metrics = {f"eval/{k}": v for k, v in out.metrics.items()}
         if self.spec.generate_eval:

@@ -203,16 +203,25 @@ class RLController:
             self.sampler.load_state_dict(state["sampler"])
 
 
+def batch_eos_ids(meta: dict[str, Any]) -> list[int]:
+    """The EOS ids a batch was generated with: meta["eos_token_ids"] (a list, set by the rollout
+    engine), else the single meta["eos_token_id"] of older producers, else none."""
+    ids = meta.get("eos_token_ids")
+    if ids is None:
+        ids = [] if meta.get("eos_token_id") is None else [meta["eos_token_id"]]
+    return [int(i) for i in ids]
+
+
 def truncated_rows(batch: Batch) -> torch.Tensor:
-    """[B] bool: rows whose last valid token is not EOS (cut at the length budget)."""
-    eos = batch.meta.get("eos_token_id")
-    if eos is None:
+    """[B] bool: rows whose last valid token is none of the EOS ids (cut at the length budget)."""
+    eos = batch_eos_ids(batch.meta)
+    if not eos:
         return torch.zeros(len(batch), dtype=torch.bool)
     lengths = batch.response_mask.sum(dim=1).long()
     last = batch.input_ids[:, -batch.response_length :].gather(
         1, (lengths - 1).clamp(min=0)[:, None]
     )
-    return last.squeeze(1) != eos
+    return ~torch.isin(last.squeeze(1), torch.tensor(eos, dtype=last.dtype, device=last.device))
 
 
 def mask_truncated(batch: Batch) -> tuple[Batch, float]:

@@ -1,5 +1,6 @@
 """Models and tokenizers: the built-in char tokenizer, tiny Llama factory and local HF loading."""
 
+from keel.models.eos import eos_token_ids
 from keel.models.factory import (
     TinyModelSpec,
     build_tiny_model,
@@ -30,6 +31,7 @@ __all__ = [
     "check_vocab",
     "count_parameters",
     "create_tiny_model",
+    "eos_token_ids",
     "keel_cache_dir",
     "load_causal_lm",
     "load_reward_model",

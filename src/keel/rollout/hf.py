@@ -11,6 +11,7 @@ import torch
 from keel.algo.logits import logprobs_from_logits
 from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
+from keel.models.eos import eos_token_ids
 from keel.types import Batch
 
 
@@ -26,7 +27,10 @@ class SamplingParams:
 
 class HFRolloutEngine:
     """Generates with the model it is given (colocated: the actor's own module, so the weights
-    are always the latest). Rows of one prompt are adjacent and share a group id."""
+    are always the latest). Rows of one prompt are adjacent and share a group id.
+
+    A response ends at the first of any EOS id (`eos_token_ids`: the tokenizer's and those of
+    the model's generation config); its response_mask includes that token."""
 
     def __init__(
         self,
@@ -46,8 +50,9 @@ class HFRolloutEngine:
         self.batch_size = batch_size
         self.return_logprobs = return_logprobs
         self.synced = synced  # FSDP2: all ranks keep decoding until every rank is done
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        first_eos = self.eos_ids[0] if self.eos_ids else None  # the tokenizer's, when it has one
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
 
     @torch.no_grad()
     def generate(
@@ -74,19 +79,22 @@ class HFRolloutEngine:
         batch.group_ids = torch.arange(len(examples)).repeat_interleave(sampling.n) + group_offset
         batch.prompts = [ex.prompt for ex in examples for _ in range(sampling.n)]
         batch.answers = [ex.answer for ex in examples for _ in range(sampling.n)]
-        batch.responses = [
-            self.tokenizer.decode(r[: lengths[i]], skip_special_tokens=True)
-            for i, r in enumerate(responses)
-        ]
-        batch.meta["eos_token_id"] = self.eos_id
+        batch.responses = [self._text(r[: lengths[i]]) for i, r in enumerate(responses)]
+        batch.meta["eos_token_ids"] = list(self.eos_ids)
         return batch
 
     def _valid_length(self, ids: Sequence[int]) -> int:
-        """Tokens up to and including the first EOS; all of them when there is no EOS."""
+        """Tokens up to and including the first EOS (any EOS id); all of them without one."""
         for i, tok in enumerate(ids):
-            if tok == self.eos_id:
+            if tok in self.eos_ids:
                 return i + 1
         return len(ids)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        """The decoded response without its closing EOS (also one that is no special token)."""
+        if ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams
@@ -114,7 +122,7 @@ class HFRolloutEngine:
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=self.eos_id,
+                eos_token_id=list(self.eos_ids) or None,
                 pad_token_id=self.pad_id,
                 use_cache=True,
                 return_dict_in_generate=True,

@@ -17,7 +17,8 @@ class DPOWorker(ActorWorker):
 
     Batches hold interleaved pairs (row 2i chosen, row 2i+1 rejected; `encode_pairs`) with
     `ref_logprobs` [2N, R] filled; mini_batch_size / micro_batch_size count pairs. Sequence
-    log-probs are Σ over completion tokens (response + EOS) at temperature 1."""
+    log-probs are Σ over completion tokens (response + EOS) at temperature 1; the completion
+    lengths (response_mask row sums) go with them for the length-averaged losses (ipo_mean)."""
 
     def update_pairs(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
         """One optimizer update per mini-batch of pairs; metrics averaged over updates."""
@@ -28,9 +29,11 @@ class DPOWorker(ActorWorker):
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
                 logps = sequence_logps(response_forward(self.model, micro)[0], micro.response_mask)
                 ref = sequence_logps(micro.ref_logprobs, micro.response_mask)
+                lengths = micro.response_mask.sum(dim=1)
                 out = dpo_loss(
                     logps[0::2], logps[1::2], ref[0::2], ref[1::2],
                     loss_type=spec.preference_loss, num_pairs=num_pairs,
+                    chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2],
                     **spec.preference_loss_kwargs,
                 )  # fmt: skip
                 return out.loss, out.metrics
