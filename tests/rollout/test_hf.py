@@ -3,10 +3,7 @@
 import pytest
 import torch
 
-from keel.algo.spec import AlgorithmSpec
 from keel.data import Example
-from keel.data.encoding import encode_sft
-from keel.engine import GradientStep, build_optimizer, build_scheduler
 from keel.models import (
     TinyModelSpec,
     build_char_tokenizer,
@@ -17,32 +14,38 @@ from keel.models import (
 from keel.rollout import HFRolloutEngine, SamplingParams
 from keel.workers import ActorWorker
 
-SFT = AlgorithmSpec(name="sft", stage="sft", roles=frozenset({"actor"}), agg_mode="token-mean")
+BIGRAMS = {"=": "7", "7": "#", "+": "8", "8": "<eos>", "-": "9", "9": "9"}
+
+
+def bigram_model(bigrams: dict[str, str]):
+    """(model, tokenizer): a tiny model that greedily follows `bigrams` (next token of each
+    token): attention and MLP outputs are zero, so the last hidden state is the (one-hot)
+    embedding of the current token and the untied lm_head is the bigram table. Deterministic
+    on any machine, unlike a model trained for the test."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelSpec(hidden_size=128, tie_word_embeddings=False))
+    ids = {c: tok.convert_tokens_to_ids(c) for c in {*bigrams, *bigrams.values()}}
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(len(tok), 128))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for cur, nxt in bigrams.items():
+            model.lm_head.weight[ids[nxt], ids[cur]] = 1.0
+    return model.eval(), tok
 
 
 @pytest.fixture(scope="module")
-def eos_model(tiny_dir):
-    """A tiny model taught: prompts 'b…' → '7' EOS; prompts 'a…' → a run of 7s past any limit."""
-    torch.manual_seed(0)
-    tok = load_tokenizer(tiny_dir)
-    model = load_causal_lm(tiny_dir)
-    opt = build_optimizer(model, lr=1e-2)
-    sched = build_scheduler(opt, warmup_steps=0, total_steps=100, schedule="constant",
-                            min_lr_ratio=0.0)  # fmt: skip
-    actor = ActorWorker(model, tok, GradientStep(model, opt, sched, 1.0), temperature=1.0,
-                        mini_batch_size=16, micro_batch_size=16)  # fmt: skip
-    data = [Example(prompt=f"b{i}=", response="7") for i in range(8)]
-    data += [Example(prompt=f"a{i}=", response="7" * 24) for i in range(8)]
-    batch = encode_sft(tok, data, chat=False, max_prompt_length=8)
-    for _ in range(120):
-        actor.sft_update(batch, SFT)
-    return model.eval(), tok
+def eos_model():
+    """Prompts ending in '=' → '7' EOS; prompts ending in '-' → a run of 9s past any limit."""
+    return bigram_model({"=": "7", "7": "<eos>", "-": "9", "9": "9"})
 
 
 def test_generation_stops_at_eos_and_mask_includes_it(eos_model):
     model, tok = eos_model
     engine = HFRolloutEngine(model, tok)
-    examples = [Example(prompt="b3="), Example(prompt="a3=")]
+    examples = [Example(prompt="b3="), Example(prompt="a3-")]
     batch = engine.generate(examples, SamplingParams(n=1, temperature=0, max_new_tokens=6))
     r = batch.response_length
     response = batch.input_ids[:, -r:]
@@ -54,29 +57,14 @@ def test_generation_stops_at_eos_and_mask_includes_it(eos_model):
     # Row 1 never emitted EOS: all max_new_tokens are valid, nothing more was generated.
     assert r == 6
     assert batch.response_mask[1].sum() == 6
-    assert batch.responses == ["7", "777777"]
-
-
-BIGRAMS = {"=": "7", "7": "#", "+": "8", "8": "<eos>", "-": "9", "9": "9"}
+    assert batch.responses == ["7", "999999"]
 
 
 @pytest.fixture(scope="module")
 def two_eos_dir(tmp_path_factory):
-    """A saved tiny model whose generation config stops on [<eos>, '#'] and which greedily
-    follows BIGRAMS: attention and MLP outputs are zero, so the last hidden state is the (one-hot)
-    embedding of the current token and the untied lm_head is the bigram table."""
-    tok = build_char_tokenizer()
-    model = build_tiny_model(tok, TinyModelSpec(hidden_size=128, tie_word_embeddings=False))
-    ids = {c: tok.convert_tokens_to_ids(c) for c in {*BIGRAMS, *BIGRAMS.values()}}
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(torch.eye(len(tok), 128))
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.lm_head.weight.zero_()
-        for cur, nxt in BIGRAMS.items():
-            model.lm_head.weight[ids[nxt], ids[cur]] = 1.0
-    model.generation_config.eos_token_id = [tok.eos_token_id, ids["#"]]
+    """A saved bigram model (BIGRAMS) whose generation config stops on [<eos>, '#']."""
+    model, tok = bigram_model(BIGRAMS)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("#")]
     path = tmp_path_factory.mktemp("two-eos") / "model"
     model.save_pretrained(path)
     tok.save_pretrained(path)
