@@ -17,8 +17,10 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_keel_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Built-in models go to a temporary cache, never to the user's ~/.cache/keel."""
-    path = tmp_path_factory.mktemp("keel-cache")
+    """Built-in models go to a temporary cache, never to the user's ~/.cache/keel (or to the
+    cache KEEL_TEST_CACHE names: the mutation check's children share their parent's)."""
+    given = os.environ.get("KEEL_TEST_CACHE")
+    path = given or tmp_path_factory.mktemp("keel-cache")
     old = os.environ.get("KEEL_CACHE")
     os.environ["KEEL_CACHE"] = str(path)
     yield path

@@ -1,0 +1,218 @@
+"""Learning cases: fixed-seed CPU runs that must move a held-out metric by a stated margin.
+
+Each case is an example YAML from examples/ run as written except for the overrides below (a
+shorter budget, a shared warm start, a private run directory). A case passes when its metric
+moves in the right direction by at least `margin` between the first and the last measurement:
+
+- eval metrics (`eval/...`) are measured on held-out data at step 0, then every `eval_every`
+  steps; the end value is the mean of the last `window` evaluations (one evaluation moves by a
+  few points between neighbouring steps on this small model; the mean of three does not);
+- training metrics (KL, the critic's explained variance) are averaged over the first and the
+  last `window` logged steps.
+
+`reach`, when set, is a level the end value must also attain (the reward model's held-out
+accuracy starts anywhere between 30% and 85% depending on its random head, so a rise alone
+says little).
+
+Thresholds come from measured runs on three seeds (`python -m tests.learning.cases --seeds
+0,1,2`, which prints every case's change next to its margin); docs/testing.md has the table.
+The warm start of the RL cases is the policy that the SFT case trains (`sft`), so every RL case
+starts from the same ~40% accurate policy, where a group of 8 answers usually mixes right and
+wrong ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+CONSTANT_REWARD = f"{Path(__file__).with_name('rewards.py')}:constant"
+LEADING_DIGIT_REWARD = f"{Path(__file__).with_name('rewards.py')}:leading_digit_high"
+
+# Every case: no checkpoints, no console, no side files; warm-up off (short budgets).
+COMMON = (
+    "checkpoint.save_steps=0", "monitor.progress=false", "monitor.tensorboard=false",
+    "monitor.samples.every=0", "train.warmup_steps=0",
+)  # fmt: skip
+WARM = "<warm>"  # replaced by the SFT case's exported policy
+
+
+@dataclass(frozen=True)
+class LearningCase:
+    """One run and what it must achieve. direction +1: the metric must rise by `margin`;
+    -1: fall by `margin` (relative=False: absolute change; True: as a fraction of its start)."""
+
+    name: str
+    example: str
+    steps: int
+    metric: str
+    margin: float
+    overrides: tuple[str, ...] = ()
+    direction: int = 1
+    relative: bool = False
+    window: int = 1
+    eval_every: int = 0
+    reach: float | None = None
+    needs_warm_start: bool = True
+
+    def config_overrides(self, warm: Path | None, run_dir: Path, seed: int) -> list[str]:
+        extra = [o.replace(WARM, str(warm)) for o in self.overrides]
+        actor = [f"models.actor={warm}"] if self.needs_warm_start and warm is not None else []
+        return [*COMMON, *actor, f"train.steps={self.steps}", f"eval.every={self.eval_every}",
+                f"seed={seed}", f"run_dir={run_dir}", *extra]  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    case: LearningCase
+    before: float
+    after: float
+    rows: list[dict] = field(default_factory=list)
+    model_dir: Path | None = None
+
+    @property
+    def change(self) -> float:
+        """The metric's movement in the case's direction (relative to its start if asked)."""
+        delta = (self.after - self.before) * self.case.direction
+        return delta / abs(self.before) if self.case.relative else delta
+
+    @property
+    def passed(self) -> bool:
+        reach = self.case.reach
+        reached = reach is None or (self.after - reach) * self.case.direction >= 0
+        return math.isfinite(self.change) and self.change >= self.case.margin and reached
+
+    def describe(self) -> str:
+        c = self.case
+        kind = "relative " if c.relative else ""
+        word = "rise" if c.direction > 0 else "fall"
+        reach = f" and an end value of {c.reach:.3g}" if c.reach is not None else ""
+        return (
+            f"{c.name}: {c.metric} {self.before:.4g} -> {self.after:.4g} in {c.steps} steps; "
+            f"{kind}{word} {self.change:+.3f}, needed {c.margin:+.3f}{reach}"
+        )
+
+
+RL = "eval/accuracy"
+RL_BUDGET = {"steps": 30, "eval_every": 5, "window": 3, "margin": 0.03}  # 32 prompts × 8 a step
+CASES: dict[str, LearningCase] = {
+    c.name: c
+    for c in [
+        # SFT from builtin:tiny-arith (a short SFT, ~8% here): 50 more steps.
+        LearningCase("sft", "sft_arith_tiny.yaml", 50, RL, 0.15,
+                     ("models.actor=builtin:tiny-arith",), needs_warm_start=False),
+        # The online RL family from the SFT case's policy.
+        LearningCase("grpo", "grpo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
+        LearningCase("drgrpo", "drgrpo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
+        LearningCase("dapo", "dapo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
+        LearningCase("gspo", "gspo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
+        LearningCase("gspo_token", "gspo_arith_tiny.yaml", metric=RL, **RL_BUDGET,
+                     overrides=("algorithm.importance_level=token",)),
+        LearningCase("rloo", "rloo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
+        LearningCase("reinforce_pp", "reinforce_pp_arith_tiny.yaml", metric=RL, **RL_BUDGET),
+        LearningCase("reinforce_pp_baseline", "reinforce_pp_baseline_arith_tiny.yaml", metric=RL,
+                     **RL_BUDGET),
+        LearningCase("ppo", "ppo_arith_tiny.yaml", metric=RL, **RL_BUDGET,
+                     overrides=("algorithm.critic_warmup_steps=2",)),
+        # The critic alone (its warm-up covers every step) on a reward decided by the first
+        # response token: its values, computed before it trains on each new batch, must come to
+        # explain the returns (wrong value targets leave it where it started).
+        LearningCase("ppo_critic", "ppo_arith_tiny.yaml", 10, "critic/vf_explained_var", 0.35,
+                     ("algorithm.critic_warmup_steps=10", f"reward.fn={LEADING_DIGIT_REWARD}"),
+                     window=3),
+        # KL as a loss, and KL in the reward: with a constant reward the KL term is the only
+        # signal, and it must pull the policy towards a different reference.
+        LearningCase("kl_loss", "grpo_arith_tiny.yaml", 10, "actor/kl", 0.3,
+                     (f"reward.fn={CONSTANT_REWARD}", "models.reference=builtin:tiny-arith",
+                      "algorithm.kl_loss_coef=1.0", "algorithm.kl_loss_type=k3"),
+                     direction=-1, relative=True, window=2),
+        LearningCase("kl_reward", "rloo_arith_tiny.yaml", 10, "kl_ctrl/reward_kl", 0.3,
+                     (f"reward.fn={CONSTANT_REWARD}", "models.reference=builtin:tiny-arith",
+                      "algorithm.kl_ctrl.kl_coef=0.5"),
+                     direction=-1, relative=True, window=2),
+        # Reward model (Bradley–Terry) from the random tiny model: held-out pairwise accuracy.
+        LearningCase("rm", "rm_pref_tiny.yaml", 15, "eval/rm/accuracy", 0.1, reach=0.95,
+                     needs_warm_start=False),
+        # The DPO family from builtin:tiny-arith: held-out preference accuracy starts at 0
+        # (policy = reference: every margin is a tie).
+        *[
+            LearningCase(f"dpo_{loss}", "dpo_pref_tiny.yaml", 10, "eval/rewards/accuracies", 0.7,
+                         (f"algorithm.loss={loss}", "algorithm.eval_generate=false",
+                          *(("algorithm.label_smoothing=0.1",) if loss in ("cdpo", "robust")
+                            else ())),
+                         needs_warm_start=False)
+            for loss in ("sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge")
+        ],
+    ]
+}  # fmt: skip
+
+
+def run_case(case: LearningCase, run_dir: Path, *, warm: Path | None, seed: int = 0) -> Outcome:
+    """Train `case` into `run_dir` and measure its metric."""
+    from keel.config.loading import load_config
+    from keel.controller import run_training
+    from keel.monitor.jsonl import read_metrics
+
+    cfg = load_config(EXAMPLES / case.example, case.config_overrides(warm, run_dir, seed))
+    result = run_training(cfg, config_dir=EXAMPLES)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    before, after = measure(case, rows)
+    return Outcome(case, before, after, rows, result.model_dir)
+
+
+def measure(case: LearningCase, rows: list[dict]) -> tuple[float, float]:
+    """(start, end) of the case's metric: eval metrics at step 0 and at the last evaluation;
+    training metrics averaged over the first and last `window` steps that logged them."""
+    have = [r for r in rows if case.metric in r]
+    last_row = {r["step"]: r for r in have}  # a replayed step's last row counts
+    values = [float(last_row[s][case.metric]) for s in sorted(last_row)]
+    if case.metric.startswith("eval/"):
+        if 0 not in last_row:
+            raise AssertionError(f"{case.name}: {case.metric} was not measured at step 0")
+        if len(values) < 1 + case.window:
+            raise AssertionError(f"{case.name}: {case.metric} measured {len(values)} times")
+        return values[0], mean(values[-case.window :])
+    if len(values) < 2 * case.window:
+        raise AssertionError(f"{case.name}: {case.metric} logged on {len(values)} steps only")
+    return mean(values[: case.window]), mean(values[-case.window :])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run cases on several seeds and print each change against its margin."""
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="keel-learning-") as tmp:
+        for seed in seeds:
+            warm = run_case(CASES["sft"], Path(tmp) / f"sft-{seed}", warm=None, seed=seed)
+            for name in args.cases.split(","):
+                run_dir = Path(tmp) / f"{name}-{seed}"
+                outcome = (
+                    warm
+                    if name == "sft"
+                    else run_case(CASES[name], run_dir, warm=warm.model_dir, seed=seed)
+                )
+                failed += not outcome.passed
+                mark = "ok  " if outcome.passed else "FAIL"
+                print(f"{mark} seed {seed} {outcome.describe()}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

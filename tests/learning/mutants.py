@@ -1,0 +1,232 @@
+"""The mutation check: wrong math must make the learning tests fail.
+
+Each mutation is one exact text replacement in Keel's source: a sign flipped, a ratio inverted,
+a target swapped. `run_mutant` copies `src/keel` to a temporary folder, applies the mutation
+there (the original tree is never touched), and runs the learning tests that must catch it in
+a subprocess whose PYTHONPATH puts the mutated copy first. The mutant is *killed* when pytest
+reports failed tests (exit status 1); it *survived* when they pass. Any other exit status
+(collection error, crash) is reported as an error, not as a kill.
+
+`make mutants` runs every mutation (`python -m tests.learning.mutants`); the suite runs a small
+subset (tests/learning/test_mutants.py). docs/testing.md lists each mutation and its catcher.
+A mutation whose text is no longer found exactly once fails loudly: update the table with the
+code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+LEARNING = "tests/learning/test_learning.py::test_learns"
+ENV_WARM_START = "KEEL_TEST_WARM_START"  # a warm-start policy folder the children reuse
+ENV_CACHE = "KEEL_TEST_CACHE"  # a Keel cache (builtin models) the children reuse
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace `old` (which must occur exactly once in src/keel/`path`) by `new`."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    wrong: str  # the wrong math, in words
+    caught_by: tuple[str, ...]  # learning cases (test ids of test_learns) that must fail
+
+    def apply(self, src_root: Path) -> None:
+        file = src_root / "keel" / self.path
+        text = file.read_text(encoding="utf-8")
+        count = text.count(self.old)
+        if count != 1:
+            raise MutationError(
+                f"mutation {self.name}: {self.old!r} occurs {count} times in src/keel/"
+                f"{self.path} (expected once); update tests/learning/mutants.py with the code"
+            )
+        file.write_text(text.replace(self.old, self.new), encoding="utf-8")
+
+    def test_ids(self) -> list[str]:
+        return [f"{LEARNING}[{case}]" for case in self.caught_by]
+
+
+class MutationError(RuntimeError):
+    """A mutation that cannot be applied to the current source."""
+
+
+MUTATIONS: dict[str, Mutation] = {
+    m.name: m
+    for m in [
+        Mutation(
+            "advantage_sign",
+            "workers/actor.py",
+            "            micro.advantages,\n",
+            "            -micro.advantages,\n",
+            "the advantage's sign flipped in the actor's policy loss",
+            ("grpo", "rloo", "ppo"),
+        ),
+        Mutation(
+            "ratio_inverted",
+            "algo/policy_loss.py",
+            "ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))",
+            "ratio = torch.exp(torch.clamp(-log_ratio, -20.0, 20.0))",
+            "PPO-clip's importance ratio inverted: π_old/π_θ instead of π_θ/π_old",
+            ("grpo",),
+        ),
+        Mutation(
+            "gspo_ratio_inverted",
+            "algo/policy_loss.py",
+            "ratio = torch.exp(torch.clamp(log_seq, max=10.0))",
+            "ratio = torch.exp(torch.clamp(-log_seq, max=10.0))",
+            "GSPO's sequence importance ratio inverted",
+            ("gspo",),
+        ),
+        Mutation(
+            "kl_loss_sign",
+            "workers/actor.py",
+            "loss = loss + kl_coef * kl",
+            "loss = loss - kl_coef * kl",
+            "the KL loss term's sign flipped: the policy is pushed away from the reference",
+            ("kl_loss",),
+        ),
+        Mutation(
+            "kl_reward_sign",
+            "algo/advantages.py",
+            "torch.where(m, -kl_coef * kl.float(), zero)",
+            "torch.where(m, kl_coef * kl.float(), zero)",
+            "the KL penalty in the reward flipped into a KL bonus",
+            ("kl_reward",),
+        ),
+        Mutation(
+            "reward_ignored",
+            "controller/rl.py",
+            "rewards = token_level_rewards(batch.scores, mask, kl, beta)",
+            "rewards = token_level_rewards(torch.zeros_like(batch.scores), mask, kl, beta)",
+            "the reward ignored by training (a constant score; evaluation still scores)",
+            ("grpo", "ppo"),
+        ),
+        Mutation(
+            "value_target_swapped",
+            "algo/value_loss.py",
+            "ret = torch.where(m, returns, zero)",
+            "ret = torch.where(m, old_values, zero)",
+            "the value loss regresses on the old values instead of the returns",
+            ("ppo_critic",),
+        ),
+        Mutation(
+            "sft_sign",
+            "algo/supervised.py",
+            "agg_loss(-logprobs, response_mask",
+            "agg_loss(logprobs, response_mask",
+            "SFT maximises the NLL of the targets instead of minimising it",
+            ("sft",),
+        ),
+        Mutation(
+            "rm_pair_swapped",
+            "algo/preference.py",
+            "diff = chosen_scores.float() - rejected_scores.float()",
+            "diff = rejected_scores.float() - chosen_scores.float()",
+            "the reward model is taught to prefer the rejected response",
+            ("rm",),
+        ),
+        Mutation(
+            "dpo_pair_swapped",
+            "algo/preference.py",
+            "h = chosen_logratio - rejected_logratio",
+            "h = rejected_logratio - chosen_logratio",
+            "DPO's margin taken the wrong way round (rejected over chosen)",
+            ("dpo_sigmoid", "dpo_ipo"),
+        ),
+    ]
+}
+
+
+@dataclass
+class MutantResult:
+    mutation: Mutation
+    status: str  # killed | survived | error
+    returncode: int
+    seconds: float
+    output: str
+
+
+def run_mutant(
+    mutation: Mutation,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    tests: list[str] | None = None,
+) -> MutantResult:
+    """Apply `mutation` to a copy of src/ and run its catching tests against that copy."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"keel-mutant-{mutation.name}-") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(SRC / "keel", src / "keel", ignore=shutil.ignore_patterns("__pycache__"))
+        mutation.apply(src)
+        child_env = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": os.pathsep.join([str(src), str(ROOT)]),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+               *(tests or mutation.test_ids())]  # fmt: skip
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=timeout
+        )
+    status = {0: "survived", 1: "killed"}.get(proc.returncode, "error")
+    return MutantResult(
+        mutation, status, proc.returncode, time.perf_counter() - start, proc.stdout + proc.stderr
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run mutations (all by default); exit 1 unless every one is killed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"mutations (default all: {', '.join(MUTATIONS)})")
+    args = parser.parse_args(argv)
+    names = args.names or list(MUTATIONS)
+    unknown = [n for n in names if n not in MUTATIONS]
+    if unknown:
+        parser.error(f"unknown mutation(s) {unknown}; known: {', '.join(MUTATIONS)}")
+    env = prepare_shared_fixtures()
+    bad = 0
+    for name in names:
+        result = run_mutant(MUTATIONS[name], env=env)
+        bad += result.status != "killed"
+        print(f"{result.status:8s} {name:22s} {result.seconds:6.1f}s  "
+              f"{result.mutation.wrong}; caught by {', '.join(result.mutation.caught_by)}",
+              flush=True)  # fmt: skip
+        if result.status != "killed":
+            print(result.output[-3000:])
+    print(f"{len(names) - bad} of {len(names)} mutants killed")
+    return 1 if bad else 0
+
+
+def prepare_shared_fixtures() -> dict[str, str]:
+    """Build the warm start once, from the unmutated code, for every child to reuse: a mutant
+    is judged by the learning cases, not by how it would have built their starting point."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from tests.learning.cases import CASES, run_case
+
+    root = Path(tempfile.mkdtemp(prefix="keel-mutants-"))
+    os.environ.setdefault("KEEL_CACHE", str(root / "cache"))
+    outcome = run_case(CASES["sft"], root / "sft", warm=None)
+    return {ENV_WARM_START: str(outcome.model_dir), ENV_CACHE: os.environ["KEEL_CACHE"]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
