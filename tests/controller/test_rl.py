@@ -1,8 +1,6 @@
 """The RL step for the new algorithms: PPO's critic warm-up and adaptive KL in the reward, DAPO's
 overlong shaping and filtering, and the controller's own state (C1)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,8 +19,8 @@ def controller(tiny_dir, algorithm, **sections):
         "train": {"batch_size": 4, "lr": 1e-3, "steps": 4}, **sections,
     })  # fmt: skip
     spec = build_spec(cfg)
-    roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
-    return RLController(cfg, spec, roles, load_datasets(cfg, spec, Path(".")))
+    roles = build_roles(cfg, spec, build_reward(cfg))
+    return RLController(cfg, spec, roles, load_datasets(cfg, spec))
 
 
 def params(group):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from keel.config.paths import missing_hint
 from keel.data.examples import Example
 
 
@@ -49,7 +50,7 @@ def read_rows(
     that is not a JSON object raises, or with on_bad_row="skip" is left out (see load_examples)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"dataset not found: {path}")
+        raise DataError(f"dataset not found: {path}{missing_hint(path)}")
     if path.suffix == ".parquet":
         rows = _parquet_rows(path)
     elif path.suffix in (".jsonl", ".json", ".ndjson"):

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from keel.config.paths import missing_hint
 from keel.rewards.verifiers import even_answer, exact_match, numeric_match
 
 RewardFn = Callable[..., float]
@@ -23,9 +24,9 @@ class RewardLoadError(ValueError):
     """The reward named in the config cannot be found; the message says where it looked."""
 
 
-def load_reward_fn(spec: str, base_dir: Path | None = None) -> RewardFn:
-    """The callable named by `spec`. Relative file paths resolve against `base_dir` first
-    (the config file's folder), then the working directory."""
+def load_reward_fn(spec: str) -> RewardFn:
+    """The callable named by `spec`. A config's relative file path was already resolved against
+    the config file's folder (keel.config.paths); here it is relative to the working directory."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_REWARDS:
@@ -38,7 +39,7 @@ def load_reward_fn(spec: str, base_dir: Path | None = None) -> RewardFn:
             f"reward.fn: {spec!r} must be builtin:NAME, package.module:function "
             "or path/to/file.py:function"
         )
-    module = _load_file(target, base_dir) if target.endswith(".py") else _load_module(target)
+    module = _load_file(target) if target.endswith(".py") else _load_module(target)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardLoadError(f"reward.fn: {target} has no function named {attr!r}")
@@ -55,15 +56,10 @@ def _load_module(name: str):
         raise RewardLoadError(f"reward.fn: module {name!r} failed to import: {exc!r}") from exc
 
 
-def _load_file(target: str, base_dir: Path | None):
-    candidates = [Path(target)] if Path(target).is_absolute() else []
-    if base_dir is not None and not Path(target).is_absolute():
-        candidates.append(base_dir / target)
-    candidates.append(Path(target))
-    path = next((p for p in candidates if p.is_file()), None)
-    if path is None:
-        looked = ", ".join(str(p) for p in candidates)
-        raise RewardLoadError(f"reward.fn: file not found: {target} (looked at {looked})")
+def _load_file(target: str):
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise RewardLoadError(f"reward.fn: file not found: {target}{missing_hint(target)}")
     name = f"keel_user_reward_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

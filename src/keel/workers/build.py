@@ -53,8 +53,8 @@ class Roles:
     close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
 
 
-def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
-    fn = load_reward_fn(cfg.reward.fn, base_dir=base_dir)
+def build_reward(cfg: KeelConfig) -> RewardScorer:
+    fn = load_reward_fn(cfg.reward.fn)
     return RewardScorer(
         fn,
         kwargs=dict(cfg.reward.kwargs),
