@@ -9,6 +9,7 @@ are not paths. Outputs (`run_dir`) are not resolved: they are relative to the wo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,7 @@ def resolve_input(text: str, config_dir: str | Path) -> str:
     for base in (Path(config_dir), Path.cwd()):
         candidate = base / path
         if candidate.exists():
-            return str(candidate.resolve())
+            return os.path.abspath(candidate)  # symlinks kept as named
     return text
 
 

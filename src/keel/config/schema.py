@@ -67,6 +67,11 @@ class DataConfig(Section):
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     response_key: str = "response"
+    messages_key: str = Field(
+        "messages",
+        description="a row without a prompt field: chat messages; before the last assistant "
+        "message = the prompt, that message = the response",
+    )
     chosen_key: str = Field("chosen", description="preference pairs: the preferred response")
     rejected_key: str = Field("rejected", description="preference pairs: the other response")
     apply_chat_template: bool = False

@@ -78,6 +78,7 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec) -> Datasets:
             prompt_key=d.prompt_key,
             answer_key=d.answer_key,
             response_key=d.response_key,
+            messages_key=d.messages_key,
             require=need,
             on_bad_row=d.on_bad_row,
             bad_rows=bad_rows,
