@@ -17,6 +17,7 @@ from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, Example, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts
 from keel.data.preference import load_preference_pairs, preference_splits
+from keel.data.saved import choose_split
 from keel.rewards import RewardScorer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
@@ -106,7 +107,7 @@ def _load_sources(
             raise DataError(
                 f"data: unknown built-in dataset {source!r} for this algorithm (known: {task})"
             )
-        return load_file(Path(source))
+        return load_file(choose_split(Path(source), ("train", "eval")[split]))
 
     eval_source = d.eval or (task if d.train == task else None)
     return Datasets(train=load(d.train, 0), eval=load(eval_source, 1) if eval_source else [])

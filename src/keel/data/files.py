@@ -49,19 +49,30 @@ def load_examples(
 def read_rows(
     path: str | Path, on_bad_row: str = "raise", bad_rows: list[str] | None = None
 ) -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) for every row of a .jsonl/.json/.ndjson or .parquet file; `where` is
-    "file:line" or "file: row i". A missing, unsupported or empty file is a DataError; a line
-    that is not a JSON object raises, or with on_bad_row="skip" is left out (see load_examples)."""
+    """(where, row) for every row of a .jsonl/.json/.ndjson or .parquet file, or of a folder
+    saved by HF `datasets` (keel.data.saved); `where` is "file:line" or "file: row i". A
+    missing, unsupported or empty file is a DataError; a line that is not a JSON object raises,
+    or with on_bad_row="skip" is left out (see load_examples)."""
+    from keel.data.saved import is_saved, saved_rows
+
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"dataset not found: {path}{missing_hint(path)}")
-    if path.suffix == ".parquet":
+    if path.is_dir():
+        if not is_saved(path):
+            raise DataError(
+                f"{path}: a folder, but not a dataset saved by Hugging Face datasets' "
+                "save_to_disk (no state.json or dataset_dict.json)"
+            )
+        rows = saved_rows(path)
+    elif path.suffix == ".parquet":
         rows = _parquet_rows(path)
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows = _jsonl_rows(path, on_bad_row, bad_rows)
     else:
         raise DataError(
-            f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)"
+            f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl, .parquet or a "
+            "folder saved by datasets' save_to_disk)"
         )
     if not rows:
         raise DataError(f"{path}: the dataset has no rows")
