@@ -100,3 +100,24 @@ def test_file_that_fails_to_import_names_file(tmp_path):
     msg = load_error(f"{path}:score")
     assert str(path) in msg
     assert "boom" in msg
+
+
+TRL_SOURCE = """
+def accuracy(completions, solution, **kwargs):
+    return [float(c == s) for c, s in zip(completions, solution)]
+"""
+
+
+def test_trl_signature_needs_the_columns_keel_passes(tmp_path):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_SOURCE)
+    fn = load_reward_fn(f"{path}:accuracy", signature="trl", keywords=["solution"])
+    assert fn(completions=["1", "2"], solution=["1", "3"], prompts=["a", "b"]) == [1.0, 0.0]
+    with pytest.raises(
+        RewardLoadError,
+        match=r"must accept the keywords completions, prompts, "
+        r"answer \(or \*\*kwargs\): missing a required argument: 'solution'",
+    ):
+        load_reward_fn(f"{path}:accuracy", signature="trl", keywords=["answer"])
+    with pytest.raises(RewardLoadError, match="has the row signature"):
+        load_reward_fn("builtin:numeric_match", signature="trl")

@@ -98,6 +98,11 @@ class RewardConfig(Section):
     """The reward: a built-in verifier or a user function `module:fn` / `path/file.py:fn`."""
 
     fn: str = Field("builtin:numeric_match", description="builtin:NAME, module:fn or file.py:fn")
+    signature: Literal["row", "trl"] = Field(
+        "row",
+        description="row: fn(prompt, response, answer, **kwargs) -> float per row; trl: "
+        "fn(prompts=, completions=, <data.answer_key>=, **kwargs) -> list[float] per batch",
+    )
     kwargs: dict[str, object] = Field(default_factory=dict)
     on_error: Literal["raise", "fallback"] = "raise"
     fallback_score: float = 0.0

@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from keel.config.paths import missing_hint
@@ -24,9 +24,19 @@ class RewardLoadError(ValueError):
     """The reward named in the config cannot be found; the message says where it looked."""
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(
+    spec: str, *, signature: str = "row", keywords: Collection[str] = ()
+) -> RewardFn:
     """The callable named by `spec`. A config's relative file path was already resolved against
-    the config file's folder (keel.config.paths); here it is relative to the working directory."""
+    the config file's folder (keel.config.paths); here it is relative to the working directory.
+
+    signature "row": fn(prompt, response, answer, **kwargs) is checked; "trl": fn must accept
+    `completions`, `prompts` and `keywords` (the answer column, reward.kwargs) as keywords."""
+    if spec.startswith("builtin:") and signature != "row":
+        raise RewardLoadError(
+            f"reward.fn: {spec} has the row signature; reward.signature: {signature} needs a "
+            "function of your own"
+        )
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_REWARDS:
@@ -43,7 +53,10 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardLoadError(f"reward.fn: {target} has no function named {attr!r}")
-    _check_signature(fn, spec)
+    if signature == "trl":
+        _check_trl_signature(fn, spec, keywords)
+    else:
+        _check_signature(fn, spec)
     return fn
 
 
@@ -80,4 +93,17 @@ def _check_signature(fn: RewardFn, spec: str) -> None:
             f"reward.fn: {spec} must accept (prompt, response, answer, **kwargs)"
         ) from None
     except ValueError:  # builtins without a signature: trust them
+        return
+
+
+def _check_trl_signature(fn: RewardFn, spec: str, keywords: Collection[str]) -> None:
+    names = ["completions", "prompts", *keywords]
+    try:
+        inspect.signature(fn).bind(**{name: [] for name in names})
+    except TypeError as exc:
+        raise RewardLoadError(
+            f"reward.fn: {spec} (reward.signature: trl) must accept the keywords "
+            f"{', '.join(names)} (or **kwargs): {exc}"
+        ) from None
+    except ValueError:
         return
