@@ -219,6 +219,8 @@ class TrainingLoop:
         except RewardError as exc:
             self.events.emit(step, "stop", str(exc), rule="reward_errors", action="stop")
             raise
+        for rule, message in getattr(self.controller, "pop_warnings", list)():
+            self.events.emit(step, "warning", message, rule=rule)
         every, evaluated = self.cfg.eval.every, {}
         if step == self.cfg.train.steps or (every and step % every == 0):
             evaluated = self.controller.evaluate()
