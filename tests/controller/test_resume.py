@@ -94,3 +94,30 @@ def test_skipped_bad_rows_are_counted(tiny_grpo, tmp_path):
     run_training(cfg)
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert rows[0]["data/skipped_rows"] == 1.0
+
+
+def test_a_default_run_resumes_after_a_crash(tmp_path, tiny_dir, monkeypatch):
+    """checkpoint.save_steps defaults to 50: a run that dies at step 52 goes on from step 50."""
+    from keel.config import validate
+    from keel.controller.sft import SFTController
+
+    cfg = validate({
+        "run_dir": str(tmp_path / "run"), "models": {"actor": str(tiny_dir)},
+        "algorithm": {"name": "sft"}, "data": {"arithmetic": {"eval_size": 2}},
+        "train": {"steps": 53, "batch_size": 2}, "eval": {"every": 0},
+        "monitor": {"progress": False},
+    })  # fmt: skip
+    original = SFTController.step
+
+    def crash_at_52(self, step):
+        if step == 52:
+            raise RuntimeError("the machine went away")
+        return original(self, step)
+
+    monkeypatch.setattr(SFTController, "step", crash_at_52)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(cfg)
+    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [50]
+    monkeypatch.setattr(SFTController, "step", original)
+    assert run_training(cfg).resumed_from == 50
+    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [50, 53]

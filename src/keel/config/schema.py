@@ -166,7 +166,9 @@ class CheckpointConfig(Section):
     """Full-state checkpoints (weights, optimizer, scheduler, RNG, data position, controller and
     guard state, config) under RUN_DIR/checkpoints, published atomically."""
 
-    save_steps: int = Field(0, ge=0, description="save every N steps; 0: none during the run")
+    save_steps: int = Field(
+        50, ge=0, description="save every N steps and at the last; 0: none during the run"
+    )
     keep: int = Field(2, ge=1, description="step folders to keep (the newest healthy one stays)")
     upload_to: str | None = Field(
         None, description="fsspec URL (s3://bucket/prefix, file://…) to copy each checkpoint to"
