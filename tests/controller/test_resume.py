@@ -121,3 +121,24 @@ def test_a_default_run_resumes_after_a_crash(tmp_path, tiny_dir, monkeypatch):
     monkeypatch.setattr(SFTController, "step", original)
     assert run_training(cfg).resumed_from == 50
     assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [50, 53]
+
+
+def test_a_checkpoint_config_from_before_new_keys_and_resolved_paths_still_matches(
+    tiny_grpo, tmp_path, monkeypatch
+):
+    """config.yaml of an older run: no data.messages_key, a data path relative to the working
+    directory. Resuming it with today's config (the same run) sees no change."""
+    import yaml
+
+    from keel.config.loading import dump_config
+    from keel.controller.resume import config_changes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    current = tiny_grpo(f"data.train={tmp_path / 'train.jsonl'}")
+    old = yaml.safe_load(dump_config(current))
+    del old["data"]["messages_key"]
+    old["data"]["train"] = "train.jsonl"
+    assert config_changes(yaml.safe_dump(old), dump_config(current)) == []
+    old["data"]["prompt_key"] = "question"
+    assert config_changes(yaml.safe_dump(old), dump_config(current)) == ["data.prompt_key"]
