@@ -55,9 +55,9 @@ def config(model_dir: Path, groups: list | None, steps: int):
 def step_seconds(model_dir: Path, groups: list | None, steps: int = 10, warmup: int = 3):
     cfg = config(model_dir, groups, steps + warmup)
     spec = build_spec(cfg)
-    roles = assemble_roles(cfg, spec, build_reward(cfg, Path(".")), Path("."))
+    roles = assemble_roles(cfg, spec, build_reward(cfg))
     try:
-        ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec, Path(".")))
+        ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec))
         times = timed_steps(ctl, steps, warmup)
         pushes = []
         if groups is RAY_2:

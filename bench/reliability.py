@@ -42,8 +42,8 @@ def tiny_run(model_dir: Path, steps: int = 12) -> tuple[object, RLController, ob
         }
     )
     spec = build_spec(cfg)
-    roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
-    return cfg, RLController(cfg, spec, roles, load_datasets(cfg, spec, Path("."))), roles
+    roles = build_roles(cfg, spec, build_reward(cfg))
+    return cfg, RLController(cfg, spec, roles, load_datasets(cfg, spec)), roles
 
 
 def checkpoint_costs(model_dir: Path, root: Path) -> dict:

@@ -40,8 +40,8 @@ def step_seconds(model_dir: Path, case: dict, steps: int = 30, warmup: int = 5) 
         }
     )
     spec = build_spec(cfg)
-    data = load_datasets(cfg, spec, Path("."))
-    roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
+    data = load_datasets(cfg, spec)
+    roles = build_roles(cfg, spec, build_reward(cfg))
     return statistics.median(timed_steps(RLController(cfg, spec, roles, data), steps, warmup))
 
 

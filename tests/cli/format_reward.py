@@ -7,3 +7,8 @@ def digit_fraction(prompt, response, answer, **kwargs):
 
 def explode(prompt, response, answer, **kwargs):
     raise RuntimeError("reward service unavailable")
+
+
+def digit_fraction_trl(completions, answer, **kwargs):
+    """digit_fraction with TRL's signature (reward.signature: trl): the batch in, a list out."""
+    return [digit_fraction(None, c, a) for c, a in zip(completions, answer, strict=True)]

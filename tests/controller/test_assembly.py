@@ -1,7 +1,5 @@
 """Assembling a run: which roles exist, and which held-out data is used."""
 
-from pathlib import Path
-
 from keel.config import validate
 from keel.controller.assembly import build_reward, build_roles, load_datasets
 from keel.recipes import build_spec
@@ -11,7 +9,7 @@ def assemble(tiny_dir, **algorithm):
     cfg = validate({"models": {"actor": str(tiny_dir)}, "algorithm": algorithm,
                     "data": {"arithmetic": {"eval_size": 10}}})  # fmt: skip
     spec = build_spec(cfg)
-    return cfg, spec, build_roles(cfg, spec, build_reward(cfg, Path(".")))
+    return cfg, spec, build_roles(cfg, spec, build_reward(cfg))
 
 
 def test_kl_coefficient_zero_loads_no_reference_model(tiny_dir):
@@ -37,6 +35,6 @@ def test_eval_defaults_to_the_arithmetic_held_out_split_only_for_arithmetic(tmp_
     data.write_text('{"prompt": "a", "answer": "1"}\n')
     base = {"models": {"actor": "x"}, "algorithm": {"name": "grpo"}}
     own = validate({**base, "data": {"train": str(data)}})
-    assert load_datasets(own, build_spec(own), tmp_path).eval == []
+    assert load_datasets(own, build_spec(own)).eval == []
     arith = validate({**base, "data": {"arithmetic": {"eval_size": 7}}})
-    assert len(load_datasets(arith, build_spec(arith), tmp_path).eval) == 7
+    assert len(load_datasets(arith, build_spec(arith)).eval) == 7

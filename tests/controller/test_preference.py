@@ -29,8 +29,8 @@ def config(tiny_dir, tmp_path, **algorithm):
 
 def controller(cfg, tmp_path):
     spec = build_spec(cfg)
-    data = load_datasets(cfg, spec, tmp_path)
-    roles = build_roles(cfg, spec, build_reward(cfg, tmp_path))
+    data = load_datasets(cfg, spec)
+    roles = build_roles(cfg, spec, build_reward(cfg))
     cls = {"rm": RewardModelController, "dpo": DPOController}[spec.stage]
     return cls(cfg, spec, roles, data)
 
@@ -86,9 +86,9 @@ def test_pair_stages_need_preference_data(tiny_dir, tmp_path):
     cfg = config(tiny_dir, tmp_path, name="dpo")
     cfg.data.train = "builtin:arithmetic"
     with pytest.raises(DataError, match=r"unknown built-in dataset .*builtin:preference"):
-        load_datasets(cfg, build_spec(cfg), tmp_path)
+        load_datasets(cfg, build_spec(cfg))
     rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg.data.train = "p.jsonl"
-    data = load_datasets(cfg, build_spec(cfg), tmp_path)
+    cfg.data.train = str(tmp_path / "p.jsonl")
+    data = load_datasets(cfg, build_spec(cfg))
     assert [p.chosen for p in data.train] == ["2"] and data.eval == []

@@ -94,3 +94,51 @@ def test_skipped_bad_rows_are_counted(tiny_grpo, tmp_path):
     run_training(cfg)
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert rows[0]["data/skipped_rows"] == 1.0
+
+
+def test_a_default_run_resumes_after_a_crash(tmp_path, tiny_dir, monkeypatch):
+    """checkpoint.save_steps defaults to 50: a run that dies at step 52 goes on from step 50."""
+    from keel.config import validate
+    from keel.controller.sft import SFTController
+
+    cfg = validate({
+        "run_dir": str(tmp_path / "run"), "models": {"actor": str(tiny_dir)},
+        "algorithm": {"name": "sft"}, "data": {"arithmetic": {"eval_size": 2}},
+        "train": {"steps": 53, "batch_size": 2}, "eval": {"every": 0},
+        "monitor": {"progress": False},
+    })  # fmt: skip
+    original = SFTController.step
+
+    def crash_at_52(self, step):
+        if step == 52:
+            raise RuntimeError("the machine went away")
+        return original(self, step)
+
+    monkeypatch.setattr(SFTController, "step", crash_at_52)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(cfg)
+    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [50]
+    monkeypatch.setattr(SFTController, "step", original)
+    assert run_training(cfg).resumed_from == 50
+    assert [c.step for c in list_checkpoints(tmp_path / "run" / "checkpoints")] == [50, 53]
+
+
+def test_a_checkpoint_config_from_before_new_keys_and_resolved_paths_still_matches(
+    tiny_grpo, tmp_path, monkeypatch
+):
+    """config.yaml of an older run: no data.messages_key, a data path relative to the working
+    directory. Resuming it with today's config (the same run) sees no change."""
+    import yaml
+
+    from keel.config.loading import dump_config
+    from keel.controller.resume import config_changes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    current = tiny_grpo(f"data.train={tmp_path / 'train.jsonl'}")
+    old = yaml.safe_load(dump_config(current))
+    del old["data"]["messages_key"]
+    old["data"]["train"] = "train.jsonl"
+    assert config_changes(yaml.safe_dump(old), dump_config(current)) == []
+    old["data"]["prompt_key"] = "question"
+    assert config_changes(yaml.safe_dump(old), dump_config(current)) == ["data.prompt_key"]

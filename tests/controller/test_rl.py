@@ -1,8 +1,6 @@
 """The RL step for the new algorithms: PPO's critic warm-up and adaptive KL in the reward, DAPO's
 overlong shaping and filtering, and the controller's own state (C1)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,8 +25,8 @@ def controller(tiny_dir, algorithm, **sections):
         "train": {"batch_size": 4, "lr": 1e-3, "steps": 4}, **sections,
     })  # fmt: skip
     spec = build_spec(cfg)
-    roles = build_roles(cfg, spec, build_reward(cfg, Path(".")))
-    return RLController(cfg, spec, roles, load_datasets(cfg, spec, Path(".")))
+    roles = build_roles(cfg, spec, build_reward(cfg))
+    return RLController(cfg, spec, roles, load_datasets(cfg, spec))
 
 
 def params(group):
@@ -147,3 +145,17 @@ def test_a_separate_rollout_that_missed_a_weight_push_stops_the_run(tiny_dir):
     ctl.step(3)
     with pytest.raises(RuntimeError, match="weight version 2, expected 3"):
         ctl.step(4)
+
+
+def test_a_trl_style_reward_scores_the_rollouts_through_the_config(tiny_dir):
+    from pathlib import Path
+
+    from tests.cli.format_reward import digit_fraction
+
+    fn = f"{Path(__file__).parents[1] / 'cli/format_reward.py'}:digit_fraction_trl"
+    ctl = controller(tiny_dir, {"name": "grpo"}, reward={"fn": fn, "signature": "trl"})
+    metrics = ctl.step(1)
+    batch = ctl.last_batch
+    expected = [digit_fraction(None, r, None) for r in batch.responses]
+    assert batch.scores.tolist() == pytest.approx(expected)
+    assert metrics["reward/mean"] == pytest.approx(sum(expected) / len(expected))

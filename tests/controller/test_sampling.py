@@ -61,3 +61,37 @@ def test_round_cap_stops_with_a_partial_batch_or_the_last_batch_when_nothing_var
     restored = DynamicSampler(target_groups=4, max_rounds=3)
     restored.load_state_dict(sampler.state_dict())
     assert restored.totals == {"rounds": 3, "dropped_groups": 3}
+
+
+def test_short_steps_warn_at_the_first_then_at_most_every_50_steps():
+    same = lambda gid: rollout([1, 1], [1, 1], [1.0, 1.0], [gid, gid], p=1, r=1)  # noqa: E731
+    varied = lambda gid: rollout([1, 1], [1, 1], [0.0, 1.0], [gid, gid], p=1, r=1)  # noqa: E731
+    calls = iter(range(10_000))
+    sampler = DynamicSampler(target_groups=2, max_rounds=2)
+    warnings = {}
+    for step in range(1, 121):
+        make = varied if step % 2 else same  # odd steps fill the batch, even ones keep nothing
+        sampler.sample(lambda make=make: make(next(calls)))
+        if message := sampler.short_warning(step):
+            warnings[step] = message
+    assert list(warnings) == [2, 52, 102]
+    assert "kept 0 of 2 groups (train.batch_size) after 2 generation rounds" in warnings[2]
+    assert "trained on the last round, whose advantages are all 0" in warnings[2]
+    assert "since step" not in warnings[2]
+    assert "25 of the 50 steps since step 2 were short." in warnings[52]
+    assert "sampling/score_mean_all" in warnings[52]
+
+
+def test_a_short_dapo_run_warns_in_events_jsonl_and_on_stderr(tiny_grpo, capsys):
+    from keel.controller import run_training
+    from keel.guard import read_events
+
+    cfg = tiny_grpo(
+        "algorithm.name=dapo", "algorithm.max_num_gen_batches=2", "train.steps=3",
+        "reward.fn=builtin:exact_match", "checkpoint.save_steps=0",
+    )  # fmt: skip  # the untrained model never answers exactly: every group scores all 0
+    run_training(cfg)
+    events = [e for e in read_events(cfg.run_dir + "/events.jsonl") if e["event"] == "warning"]
+    assert [(e["step"], e["rule"]) for e in events] == [(1, "dynamic_sampling")]
+    assert "kept 0 of 4 groups" in events[0]["message"]
+    assert "keel: [warning] step 1: dynamic sampling kept 0 of 4" in capsys.readouterr().err

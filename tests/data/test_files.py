@@ -96,3 +96,59 @@ def test_bad_rows_are_skipped_and_reported_when_asked(tmp_path):
     assert [line.split(":")[1] for line in bad] == ["2", "3", "4"]
     with pytest.raises(DataError, match=rf"{path}:2"):
         load_examples(path)
+
+
+# ----------------------------------------------------- a new user's rows (issue 10)
+def test_sft_on_prompt_answer_rows_says_which_key_reads_them(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    msg = data_error(path, require=("prompt", "response"))
+    assert msg == (
+        f"{path}:1: missing field 'response' (fields present: answer, prompt); "
+        "set data.response_key: answer to use the 'answer' field"
+    )
+    examples = load_examples(path, response_key="answer", require=("prompt", "response"))
+    assert (examples[0].response, examples[0].answer) == ("2", "2")
+
+
+def test_missing_field_without_a_likely_field_names_the_setting(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", "zz": "2"}])
+    msg = data_error(path, require=("prompt", "response"))
+    assert "missing field 'prompt' (fields present: question, zz)" in msg
+    assert "set data.prompt_key: question" in msg
+    path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "1+1=", "zz": "2"}])
+    assert data_error(path, require=("prompt", "response")).endswith(
+        "name the field that holds the response with data.response_key"
+    )
+
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def test_messages_rows_split_into_prompt_and_response(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
+    sft_error = data_error(path, require=("prompt", "response"))
+    assert f"{path}:2: the last message of 'messages' must have role 'assistant'" in sft_error
+    first, second = load_examples(path)  # RL: a conversation without a reply is a prompt
+    assert (first.prompt, first.response) == (CHAT[:2], "4")
+    assert (second.prompt, second.response) == (CHAT[:2], None)
+    path = write_jsonl(tmp_path / "c.jsonl", [{"conv": CHAT, "answer": 4}])
+    (ex,) = load_examples(path, messages_key="conv", require=("prompt", "response"))
+    assert (ex.prompt, ex.response, ex.answer) == (CHAT[:2], "4", "4")
+
+
+@pytest.mark.parametrize("bad", [[], "hi", [{"role": "user"}], [CHAT[2]]])
+def test_malformed_messages_are_errors_naming_the_line(tmp_path, bad):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": bad}])
+    assert f"{path}:1: field 'messages'" in data_error(path, require=("prompt", "response"))
+
+
+def test_missing_relative_dataset_says_where_relative_paths_are_looked_up(tmp_path):
+    msg = data_error("nowhere/train.jsonl")
+    assert msg == (
+        "dataset not found: nowhere/train.jsonl (a relative path is looked up in the config "
+        "file's folder, then the working directory)"
+    )

@@ -33,14 +33,16 @@ def test_report_of_a_real_run_via_the_cli(scraped_run, tmp_path, capsys):
     assert f"report: {run_dir / 'report' / 'report.html'}" in capsys.readouterr().err
     out = run_dir / "report"
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == sorted(f"{p.name}.png" for p in PLOTS)  # a GRPO run has data for all
+    grpo_plots = [p for p in PLOTS if not p.optional]  # a GRPO run has data for all of them
+    assert pngs == sorted(f"{p.name}.png" for p in grpo_plots)
     for name in pngs:
         with Image.open(out / name) as img:
             assert img.size[0] > 300 and img.getextrema() != ((255, 255),) * 4
     page = (out / "report.html").read_text()
-    for plot in PLOTS:
+    for plot in grpo_plots:
         assert f"{plot.name}.png" in page and plot.title in page
-    assert len(re.findall(r'src="data:image/png;base64,', page)) == len(PLOTS)
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == len(grpo_plots)
+    assert "No data for" not in page  # the dynamic-sampling plot is optional
     assert "<img" in page and 'src="http' not in page  # self-contained
     assert "kl 3.1 &gt; 1.0" in page and "rolled back to step 1" in page
     assert "sample" in page.lower()
@@ -86,3 +88,27 @@ def test_cli_error_for_a_missing_run(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("keel: error:") and "no metrics.jsonl" in err
+
+
+def write_run(path, rows):
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_run(path)
+
+
+def test_dynamic_sampling_runs_are_compared_on_the_mean_over_every_generated_group(tmp_path):
+    """DAPO's reward/mean covers the kept groups only: 0.9 here, while the policy scores 0.2 over
+    everything it generated; the GRPO run (0.5 over everything) must not look worse."""
+    grpo = write_run(tmp_path / "grpo", [{"step": s, "reward/mean": 0.5} for s in (1, 2)])
+    dapo = write_run(tmp_path / "dapo", [
+        {"step": s, "reward/mean": 0.9, "sampling/score_mean_all": 0.2,
+         "sampling/kept_groups": 2.0} for s in (1, 2)
+    ])  # fmt: skip
+    reward, sampling = PLOTS[0], next(p for p in PLOTS if p.name == "dynamic_sampling")
+    assert reward.run_keys(dapo) == ("sampling/score_mean_all",)
+    assert reward.run_keys(grpo) == ("reward/mean",)
+    page = write_report([grpo, dapo], tmp_path / "out").read_text()
+    assert "<td>0.5</td>" in page and "<td>0.2 (all generated groups)</td>" in page
+    assert "0.9" not in page
+    assert (tmp_path / "out" / "dynamic_sampling.png").is_file()
+    assert draw(sampling, [grpo], tmp_path) is None

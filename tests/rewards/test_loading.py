@@ -33,18 +33,17 @@ def test_file_path_spec(reward_file):
     assert load_reward_fn(f"{reward_file}:score")("p", "r", "a") == 0.25
 
 
-def test_relative_file_resolves_against_base_dir(reward_file, tmp_path, monkeypatch):
-    elsewhere = tmp_path / "cwd"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
-    fn = load_reward_fn("rewards/my_reward.py:score", base_dir=tmp_path)
-    assert fn("p", "r", "a") == 0.25
-
-
-def test_relative_file_falls_back_to_working_directory(reward_file, tmp_path, monkeypatch):
+def test_relative_file_is_relative_to_the_working_directory(reward_file, tmp_path, monkeypatch):
+    """A config's relative paths are resolved by keel.config.paths; the loader takes the rest
+    as relative to the working directory."""
     monkeypatch.chdir(tmp_path)
-    fn = load_reward_fn("rewards/my_reward.py:score", base_dir=tmp_path / "other")
+    fn = load_reward_fn("rewards/my_reward.py:score")
     assert fn("p", "r", "a") == 0.25
+
+
+def test_missing_relative_file_says_where_relative_paths_are_looked_up():
+    msg = load_error("nowhere/missing.py:score")
+    assert "config file's folder, then the working directory" in msg
 
 
 def test_module_spec(tmp_path, monkeypatch):
@@ -101,3 +100,24 @@ def test_file_that_fails_to_import_names_file(tmp_path):
     msg = load_error(f"{path}:score")
     assert str(path) in msg
     assert "boom" in msg
+
+
+TRL_SOURCE = """
+def accuracy(completions, solution, **kwargs):
+    return [float(c == s) for c, s in zip(completions, solution)]
+"""
+
+
+def test_trl_signature_needs_the_columns_keel_passes(tmp_path):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_SOURCE)
+    fn = load_reward_fn(f"{path}:accuracy", signature="trl", keywords=["solution"])
+    assert fn(completions=["1", "2"], solution=["1", "3"], prompts=["a", "b"]) == [1.0, 0.0]
+    with pytest.raises(
+        RewardLoadError,
+        match=r"must accept the keywords completions, prompts, "
+        r"answer \(or \*\*kwargs\): missing a required argument: 'solution'",
+    ):
+        load_reward_fn(f"{path}:accuracy", signature="trl", keywords=["answer"])
+    with pytest.raises(RewardLoadError, match="has the row signature"):
+        load_reward_fn("builtin:numeric_match", signature="trl")

@@ -92,3 +92,73 @@ def test_error_rate_past_the_threshold_stops():
     assert scorer.score(["p"] * 3, ["a", "b", "c"], [None] * 3)[1] == 1  # 1/3 ≤ 0.4
     with pytest.raises(RewardError, match=r"failed on 2 of 3 rows, above reward\.max_error_rate"):
         scorer.score(["p"] * 3, ["b", "b", "c"], [None] * 3)
+
+
+# ------------------------------------------------ reward.signature: trl (one call per batch)
+def trl_len(completions, solution, **kwargs):
+    """A TRL-style reward: the batch in, one score per completion out."""
+    trl_len.calls.append({"completions": completions, "solution": solution, **kwargs})
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    scale = kwargs.get("scale", 1.0)
+    return [float(len(t) == len(s)) * scale for t, s in zip(texts, solution, strict=True)]
+
+
+def test_trl_scorer_makes_one_call_with_the_batch_as_columns():
+    from keel.rewards import BatchRewardScorer
+
+    trl_len.calls = []
+    chat = [{"role": "user", "content": "hi"}]
+    scorer = BatchRewardScorer(trl_len, answer_key="solution", kwargs={"scale": 2.0})
+    scores = scorer.score(["p", chat, "q"], ["12", "7", "1"], ["34", "8", "22"])
+    assert scores == ([2.0, 2.0, 0.0], 0)
+    (call,) = trl_len.calls
+    assert call == {
+        "prompts": ["p", chat, "q"],
+        "completions": ["12", [{"role": "assistant", "content": "7"}], "1"],
+        "solution": ["34", "8", "22"],
+        "scale": 2.0,
+    }
+
+
+def trl_values(values):
+    return lambda completions, **kwargs: values
+
+
+@pytest.mark.parametrize("bad", [None, math.nan, "x"])
+def test_trl_bad_row_values_fail_their_rows_under_the_same_policy(bad):
+    from keel.rewards import BatchRewardScorer
+
+    fallback = BatchRewardScorer(trl_values([1.0, bad]), on_error="fallback", fallback_score=-1)
+    assert fallback.score(["p", "q"], ["a", "b"], [None, None]) == ([1.0, -1.0], 1)
+    strict = BatchRewardScorer(trl_values([1.0, bad]), name="t.py:f")
+    with pytest.raises(RewardError, match=r"t\.py:f failed on row 1 \(prompt 'q'"):
+        strict.score(["p", "q"], ["a", "b"], [None, None])
+    capped = BatchRewardScorer(trl_values([bad, bad]), on_error="fallback", max_error_rate=0.5)
+    with pytest.raises(RewardError, match="failed on 2 of 2 rows"):
+        capped.score(["p", "q"], ["a", "b"], [None, None])
+
+
+@pytest.mark.parametrize("fn", [trl_values([1.0]), trl_values(3.0), fails_on_b])
+def test_trl_a_failed_call_fails_every_row(fn):
+    from keel.rewards import BatchRewardScorer
+
+    strict = BatchRewardScorer(fn, name="t.py:f")
+    with pytest.raises(RewardError, match=r"t\.py:f \(reward.signature: trl\) failed on a batch"):
+        strict.score(["p", "q"], ["a", "b"], [None, None])
+    fallback = BatchRewardScorer(fn, on_error="fallback", fallback_score=0.5)
+    assert fallback.score(["p", "q"], ["a", "b"], [None, None]) == ([0.5, 0.5], 2)
+
+
+def test_trl_timeout_covers_the_whole_call():
+    import time
+
+    from keel.rewards import BatchRewardScorer
+
+    def slow(completions, **kwargs):
+        time.sleep(5)
+        return [1.0] * len(completions)
+
+    scorer = BatchRewardScorer(slow, timeout_s=0.1, on_error="fallback", fallback_score=-1)
+    start = time.monotonic()
+    assert scorer.score(["p"] * 2, ["a", "b"], [None] * 2) == ([-1.0, -1.0], 2)
+    assert time.monotonic() - start < 2

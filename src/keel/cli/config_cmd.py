@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from keel.config import batch_plan, dump_config, load_config
+import yaml
+
+from keel.config import batch_plan, load_config
 from keel.recipes import build_spec
+from keel.recipes.relevance import unused_settings
 
 
 def validate_file(path: Path, overrides: Sequence[str]) -> int:
@@ -21,9 +25,21 @@ def validate_file(path: Path, overrides: Sequence[str]) -> int:
 
 
 def show(path: Path, overrides: Sequence[str]) -> int:
+    """The resolved config without the settings the algorithm does not use (listed after it as
+    comments), then the derived batch numbers."""
     cfg = load_config(path, overrides)
+    spec = build_spec(cfg)
     plan = batch_plan(cfg)
-    print(dump_config(cfg), end="")
+    unused = unused_settings(cfg, spec)
+    tree = cfg.model_dump(mode="json")
+    for keys, _ in unused:
+        for key in keys:
+            _drop(tree, key.split("."))
+    print(yaml.safe_dump(tree, sort_keys=False), end="")
+    if unused:
+        print(f"# not used by {cfg.algorithm.name} (RUN_DIR/config.yaml keeps them):")
+        for keys, why in unused:
+            print(f"#   {', '.join(keys)}: {why}")
     print("# derived")
     descriptions = {
         "sequences_per_step": "train.batch_size × rollout.n (SFT: × 1; RM, DPO: pairs)",
@@ -37,3 +53,14 @@ def show(path: Path, overrides: Sequence[str]) -> int:
     for key, value in plan.as_dict().items():
         print(f"#   {key}: {value}    ({descriptions[key]})")
     return 0
+
+
+def _drop(tree: dict[str, Any], parts: list[str]) -> None:
+    """Delete tree[a][b]… for parts [a, b, …]; a section left empty goes too."""
+    node = tree.get(parts[0])
+    if len(parts) == 1:
+        tree.pop(parts[0], None)
+    elif isinstance(node, dict):
+        _drop(node, parts[1:])
+        if not node:
+            tree.pop(parts[0])

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from keel.config.paths import resolve_input_paths
 from keel.config.schema import ALGORITHMS, KeelConfig
 
 ENV_PREFIX = "KEEL__"
@@ -33,7 +34,8 @@ def load_config(
     overrides: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> KeelConfig:
-    """Load, override and validate the config in `path`."""
+    """Load, override and validate the config in `path`; its input paths are resolved against
+    the file's folder (keel.config.paths)."""
     path = Path(path)
     raw = read_yaml(path)
     env = os.environ if environ is None else environ
@@ -42,7 +44,7 @@ def load_config(
     for item in overrides:
         key, value = parse_override(item)
         set_path(raw, key, value, source=f"--set {item}")
-    return validate(raw, source=str(path))
+    return resolve_input_paths(validate(raw, source=str(path)), path.parent)
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

@@ -67,6 +67,11 @@ class DataConfig(Section):
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     response_key: str = "response"
+    messages_key: str = Field(
+        "messages",
+        description="a row without a prompt field: chat messages; before the last assistant "
+        "message = the prompt, that message = the response",
+    )
     chosen_key: str = Field("chosen", description="preference pairs: the preferred response")
     rejected_key: str = Field("rejected", description="preference pairs: the other response")
     apply_chat_template: bool = False
@@ -93,6 +98,11 @@ class RewardConfig(Section):
     """The reward: a built-in verifier or a user function `module:fn` / `path/file.py:fn`."""
 
     fn: str = Field("builtin:numeric_match", description="builtin:NAME, module:fn or file.py:fn")
+    signature: Literal["row", "trl"] = Field(
+        "row",
+        description="row: fn(prompt, response, answer, **kwargs) -> float per row; trl: "
+        "fn(prompts=, completions=, <data.answer_key>=, **kwargs) -> list[float] per batch",
+    )
     kwargs: dict[str, object] = Field(default_factory=dict)
     on_error: Literal["raise", "fallback"] = "raise"
     fallback_score: float = 0.0
@@ -156,7 +166,9 @@ class CheckpointConfig(Section):
     """Full-state checkpoints (weights, optimizer, scheduler, RNG, data position, controller and
     guard state, config) under RUN_DIR/checkpoints, published atomically."""
 
-    save_steps: int = Field(0, ge=0, description="save every N steps; 0: none during the run")
+    save_steps: int = Field(
+        50, ge=0, description="save every N steps and at the last; 0: none during the run"
+    )
     keep: int = Field(2, ge=1, description="step folders to keep (the newest healthy one stays)")
     upload_to: str | None = Field(
         None, description="fsspec URL (s3://bucket/prefix, file://…) to copy each checkpoint to"

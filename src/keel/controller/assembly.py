@@ -17,6 +17,7 @@ from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, Example, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts
 from keel.data.preference import load_preference_pairs, preference_splits
+from keel.data.saved import choose_split
 from keel.rewards import RewardScorer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
@@ -49,14 +50,14 @@ class Datasets:
     bad_rows: list[str] = field(default_factory=list)
 
 
-def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datasets:
+def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec) -> Datasets:
     """Train and eval examples. SFT rows need a response; RL rows need a prompt (and usually an
-    answer for the verifier); rm and dpo rows are preference pairs."""
+    answer for the verifier); rm and dpo rows are preference pairs. Relative paths were resolved
+    with the config (keel.config.paths)."""
     d, a = cfg.data, cfg.data.arithmetic
     if spec.stage in PAIR_STAGES:
         return _load_sources(
             d,
-            base_dir,
             PREFERENCE_TASK,
             lambda: preference_splits(a.max_operand, a.ops, a.eval_size, a.seed),
             lambda path: load_preference_pairs(
@@ -71,7 +72,6 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
     bad_rows: list[str] = []
     data = _load_sources(
         d,
-        base_dir,
         BUILTIN_TASK,
         lambda: arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed),
         lambda path: load_examples(
@@ -79,6 +79,7 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
             prompt_key=d.prompt_key,
             answer_key=d.answer_key,
             response_key=d.response_key,
+            messages_key=d.messages_key,
             require=need,
             on_bad_row=d.on_bad_row,
             bad_rows=bad_rows,
@@ -90,7 +91,6 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec, base_dir: Path) -> Datas
 
 def _load_sources(
     d: DataConfig,
-    base_dir: Path,
     task: str,
     splits: Callable[[], tuple[list[Any], list[Any]]],
     load_file: Callable[[Path], list[Any]],
@@ -107,10 +107,7 @@ def _load_sources(
             raise DataError(
                 f"data: unknown built-in dataset {source!r} for this algorithm (known: {task})"
             )
-        path = Path(source)
-        if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
-            path = base_dir / path
-        return load_file(path)
+        return load_file(choose_split(Path(source), ("train", "eval")[split]))
 
     eval_source = d.eval or (task if d.train == task else None)
     return Datasets(train=load(d.train, 0), eval=load(eval_source, 1) if eval_source else [])
@@ -128,14 +125,12 @@ def check_prompt_lengths(tokenizer: Any, examples: list[Example], data: DataConf
         )
 
 
-def assemble_roles(
-    cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer, config_dir: Path
-) -> Roles:
+def assemble_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> Roles:
     """The run's roles on `resources.backend`: in this process, or as Ray actors."""
     if cfg.resources.backend == "ray":
         from keel.workers.ray_group import build_ray_roles  # the one module importing Ray
 
-        return build_ray_roles(cfg, spec, config_dir)
+        return build_ray_roles(cfg, spec)
     return build_roles(cfg, spec, scorer)
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 
 from keel.checkpoint import resume_candidates
+from keel.config.loading import ConfigError, validate
+from keel.config.paths import resolve_input_paths
 
 # Config keys a resumed run may change; every other difference is refused.
 MAY_CHANGE = ("run_dir", "train.steps", "eval.", "checkpoint.", "guard.", "monitor.", "reward.")
@@ -76,13 +78,25 @@ def check_run_dir(run_dir: Path, overwrite: bool) -> None:
 
 def config_changes(saved_yaml: str, current_yaml: str) -> list[str]:
     """Dotted keys whose values differ between two resolved configs and may not change."""
-    old, new = _flatten(yaml.safe_load(saved_yaml)), _flatten(yaml.safe_load(current_yaml))
+    old, new = _flatten(as_read_today(saved_yaml)), _flatten(yaml.safe_load(current_yaml))
     keys = sorted(set(old) | set(new))
     return [
         k
         for k in keys
         if old.get(k) != new.get(k) and not any(k == p or k.startswith(p) for p in MAY_CHANGE)
     ]
+
+
+def as_read_today(saved_yaml: str) -> Any:
+    """A checkpoint's config as the current schema reads it: keys added since it was written
+    take their defaults, and relative input paths (written before paths were resolved at load)
+    resolve by today's rule from the working directory. As written if it no longer validates."""
+    raw = yaml.safe_load(saved_yaml)
+    try:
+        cfg = validate(raw, source="checkpoint config")
+    except ConfigError:
+        return raw
+    return resolve_input_paths(cfg, Path.cwd()).model_dump(mode="json")
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -53,6 +53,7 @@ class RLController:
             else None
         )
         self.last_batch: Batch | None = None
+        self.warnings: list[tuple[str, str]] = []  # (rule, message), emitted by the run loop
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
         self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
         self.kl_scale = 1.0  # the guard raises it after a rollback; scales both
@@ -68,6 +69,11 @@ class RLController:
         relative to their unguarded values."""
         self.kl_scale = scale
 
+    def pop_warnings(self) -> list[tuple[str, str]]:
+        """(rule, message) of the warnings raised since the last call (events.jsonl)."""
+        out, self.warnings = self.warnings, []
+        return out
+
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
         return evaluate_policy(self.roles, self.eval_examples, self.cfg)
@@ -80,6 +86,8 @@ class RLController:
             batch, extra = self.generate(), {}
         else:
             batch, extra = self.sampler.sample(self.generate)
+            if message := self.sampler.short_warning(step):
+                self.warnings.append(("dynamic_sampling", message))
         batch, shaping = self.shape_rewards(batch)
         with t("old_logprobs"):
             batch = roles.actor.call("compute_logprobs", batch)

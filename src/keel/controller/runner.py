@@ -26,6 +26,7 @@ from keel.checkpoint import (
 from keel.checkpoint.remote import download_checkpoint, upload_checkpoint
 from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
 from keel.config.loading import dump_config
+from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
     assemble_roles,
@@ -90,19 +91,21 @@ def run_training(
     stop_after: int | None = None,
 ) -> RunResult:
     """Train as `cfg` says. Inputs are all loaded and checked before RUN_DIR is written.
+    config_dir: the folder relative input paths are looked up in first (keel.config.paths).
 
     resume: auto | never | a checkpoint folder or URL (keel.controller.resume). stop_after: act
     as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted)."""
+    cfg = resolve_input_paths(cfg, config_dir)  # a no-op for a config from load_config
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
     plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
     check_monitor_config(cfg)
     seed_everything(cfg.seed)
-    data = load_datasets(cfg, spec, config_dir)
-    scorer = build_reward(cfg, config_dir)
+    data = load_datasets(cfg, spec)
+    scorer = build_reward(cfg)
     restarts, note = 0, None
     while True:
-        roles = assemble_roles(cfg, spec, scorer, config_dir)
+        roles = assemble_roles(cfg, spec, scorer)
         try:
             return _run(cfg, spec, roles, data, plan, overwrite, title, stop_after, note)
         except WorkerLostError as exc:
@@ -216,6 +219,8 @@ class TrainingLoop:
         except RewardError as exc:
             self.events.emit(step, "stop", str(exc), rule="reward_errors", action="stop")
             raise
+        for rule, message in getattr(self.controller, "pop_warnings", list)():
+            self.events.emit(step, "warning", message, rule=rule)
         every, evaluated = self.cfg.eval.every, {}
         if step == self.cfg.train.steps or (every and step % every == 0):
             evaluated = self.controller.evaluate()

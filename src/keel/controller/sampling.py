@@ -19,6 +19,12 @@ def first_groups(batch: Batch, count: int) -> Batch:
     return batch.select(torch.nonzero(torch.isin(batch.group_ids, keep_ids)).squeeze(1))
 
 
+# A step that keeps fewer than this fraction of train.batch_size groups is "short"; the run
+# warns at the first short step, then at most once every SHORT_WARN_EVERY steps.
+SHORT_FRACTION = 0.5
+SHORT_WARN_EVERY = 50
+
+
 class DynamicSampler:
     """Collects groups with varied scores until `target_groups` are kept or `max_rounds`
     generation rounds have run (0: no cap). `generate()` returns one scored rollout batch.
@@ -31,6 +37,9 @@ class DynamicSampler:
         self.target_groups = target_groups
         self.max_rounds = max_rounds
         self.totals = {"rounds": 0, "dropped_groups": 0}
+        self.last = (target_groups, 0)  # (groups kept, rounds) of the last sample()
+        self.short_steps = 0  # short steps not yet reported
+        self.warned_at: int | None = None
 
     def sample(self, generate: Callable[[], Batch]) -> tuple[Batch, dict[str, float]]:
         kept: list[Batch] = []
@@ -53,6 +62,7 @@ class DynamicSampler:
         out = first_groups(concat_rollouts(kept), self.target_groups) if kept else batch
         self.totals["rounds"] += rounds
         self.totals["dropped_groups"] += dropped
+        self.last = (min(n_kept, self.target_groups), rounds)
         return out, {
             "sampling/gen_rounds": float(rounds),
             "sampling/dropped_groups": float(dropped),
@@ -60,6 +70,33 @@ class DynamicSampler:
             "sampling/dropped_groups_total": float(self.totals["dropped_groups"]),
             "sampling/score_mean_all": torch.cat(scores).float().mean().item(),
         }
+
+    def short_warning(self, step: int) -> str | None:
+        """A warning when the last sample() kept fewer than SHORT_FRACTION of the target groups
+        (the round cap was hit): at the first such step, then at most once every
+        SHORT_WARN_EVERY steps, with the number of short steps since the previous warning."""
+        kept, rounds = self.last
+        if kept >= SHORT_FRACTION * self.target_groups:
+            return None
+        self.short_steps += 1
+        if self.warned_at is not None and step - self.warned_at < SHORT_WARN_EVERY:
+            return None
+        trained = f"{kept} groups" if kept else "the last round, whose advantages are all 0"
+        since = (
+            f" {self.short_steps} of the {step - self.warned_at} steps since step "
+            f"{self.warned_at} were short."
+            if self.warned_at is not None
+            else ""
+        )
+        self.warned_at, self.short_steps = step, 0
+        return (
+            f"dynamic sampling kept {kept} of {self.target_groups} groups (train.batch_size) "
+            f"after {rounds} generation rounds (algorithm.max_num_gen_batches), so the step "
+            f"trained on {trained}: the other groups scored all-equal (every response right, "
+            "or every response wrong)." + since + " Raise max_num_gen_batches or use a reward "
+            "that varies within a group; sampling/score_mean_all is the mean reward over every "
+            "generated group (reward/mean covers the kept groups only)."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.totals)

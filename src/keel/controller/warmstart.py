@@ -32,6 +32,7 @@ WARMSTART_SFT: dict[str, Any] = {
         "weight_decay": 0.0,
     },
     "eval": {"every": 0},
+    "checkpoint": {"save_steps": 0},  # a short build in a temporary folder: nothing to resume
     "monitor": {"progress": True},
 }
 
@@ -63,6 +64,7 @@ PREFERENCE_RM: dict[str, Any] = {
     "data": {"train": "builtin:preference", "arithmetic": {"max_operand": 49}},
     "train": {"steps": 60, "batch_size": 32, "lr": 1e-3, "lr_schedule": "constant"},
     "eval": {"every": 0},
+    "checkpoint": {"save_steps": 0},  # a short build in a temporary folder: nothing to resume
     "monitor": {"progress": True},
 }
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from keel.config.paths import missing_hint
 from keel.data.examples import Example
 
 
@@ -19,6 +20,7 @@ def load_examples(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     response_key: str = "response",
+    messages_key: str = "messages",
     require: tuple[str, ...] = ("prompt",),
     on_bad_row: str = "raise",
     bad_rows: list[str] | None = None,
@@ -26,14 +28,17 @@ def load_examples(
     """Examples from a .jsonl/.json-lines or .parquet file.
 
     `require` names which of "prompt", "answer", "response" every row must have; the key in the
-    file for each is given by the *_key arguments. A malformed row raises DataError naming
-    file:line, or with `on_bad_row="skip"` is left out and its error appended to `bad_rows`.
+    file for each is given by the *_key arguments. A row without a prompt field may hold a chat
+    conversation under `messages_key` instead: the messages before a final assistant message
+    are the prompt, that message's content the response. A malformed row raises DataError
+    naming file:line, or with `on_bad_row="skip"` is left out and its error appended to
+    `bad_rows`.
     """
     keys = {"prompt": prompt_key, "answer": answer_key, "response": response_key}
     examples = []
     for where, row in read_rows(path, on_bad_row, bad_rows):
         try:
-            examples.append(_example(row, where, keys, require))
+            examples.append(_example(row, where, keys, require, messages_key))
         except DataError as exc:
             _bad_row(exc, on_bad_row, bad_rows)
     if not examples:
@@ -44,19 +49,30 @@ def load_examples(
 def read_rows(
     path: str | Path, on_bad_row: str = "raise", bad_rows: list[str] | None = None
 ) -> list[tuple[str, dict[str, Any]]]:
-    """(where, row) for every row of a .jsonl/.json/.ndjson or .parquet file; `where` is
-    "file:line" or "file: row i". A missing, unsupported or empty file is a DataError; a line
-    that is not a JSON object raises, or with on_bad_row="skip" is left out (see load_examples)."""
+    """(where, row) for every row of a .jsonl/.json/.ndjson or .parquet file, or of a folder
+    saved by HF `datasets` (keel.data.saved); `where` is "file:line" or "file: row i". A
+    missing, unsupported or empty file is a DataError; a line that is not a JSON object raises,
+    or with on_bad_row="skip" is left out (see load_examples)."""
+    from keel.data.saved import is_saved, saved_rows
+
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset not found: {path}")
-    if path.suffix == ".parquet":
+    if not path.exists():
+        raise DataError(f"dataset not found: {path}{missing_hint(path)}")
+    if path.is_dir():
+        if not is_saved(path):
+            raise DataError(
+                f"{path}: a folder, but not a dataset saved by Hugging Face datasets' "
+                "save_to_disk (no state.json or dataset_dict.json)"
+            )
+        rows = saved_rows(path)
+    elif path.suffix == ".parquet":
         rows = _parquet_rows(path)
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows = _jsonl_rows(path, on_bad_row, bad_rows)
     else:
         raise DataError(
-            f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)"
+            f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl, .parquet or a "
+            "folder saved by datasets' save_to_disk)"
         )
     if not rows:
         raise DataError(f"{path}: the dataset has no rows")
@@ -103,16 +119,37 @@ def _parquet_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
+# Fields that often hold what Keel calls the prompt / response / answer, for error hints.
+FIELD_SYNONYMS = {
+    "prompt": ("question", "query", "instruction", "input", "problem", "text"),
+    "response": ("answer", "completion", "output", "target", "solution", "label"),
+    "answer": ("solution", "ground_truth", "label", "target", "final_answer", "output"),
+}
+
+
 def _example(
-    row: dict[str, Any], where: str, keys: dict[str, str], require: tuple[str, ...]
+    row: dict[str, Any],
+    where: str,
+    keys: dict[str, str],
+    require: tuple[str, ...],
+    messages_key: str = "messages",
 ) -> Example:
     values: dict[str, Any] = {}
+    if row.get(keys["prompt"]) is None and row.get(messages_key) is not None:
+        prompt, response = _conversation(row[messages_key], where, messages_key)
+        if response is None and "response" in require:
+            raise DataError(
+                f"{where}: the last message of {messages_key!r} must have role 'assistant' "
+                "(its content is the SFT target)"
+            )
+        row = {**row, keys["prompt"]: prompt}
+        if response is not None and row.get(keys["response"]) is None:
+            row[keys["response"]] = response
     for field, key in keys.items():
         value = row.get(key)
         if value is None:
             if field in require:
-                have = ", ".join(sorted(row)) or "none"
-                raise DataError(f"{where}: missing field {key!r} (fields present: {have})")
+                raise DataError(f"{where}: {_missing(row, field, key, keys)}")
             values[field] = None
             continue
         if field == "prompt":
@@ -122,11 +159,42 @@ def _example(
     return Example(**values, source=where)
 
 
+def _missing(row: dict[str, Any], field: str, key: str, keys: dict[str, str]) -> str:
+    """'missing field …' with the fields the row has and the data.*_key setting that would
+    read the row's likely field for `field`."""
+    have = ", ".join(sorted(row)) or "none"
+    text = f"missing field {key!r} (fields present: {have})"
+    others = {k for f, k in keys.items() if f != field} - {"answer"}  # answer may double
+    candidates = [name for name in FIELD_SYNONYMS[field] if name in row and name not in others]
+    if candidates:
+        return text + f"; set data.{field}_key: {candidates[0]} to use the {candidates[0]!r} field"
+    return text + f"; name the field that holds the {field} with data.{field}_key"
+
+
+def _conversation(value: Any, where: str, key: str) -> tuple[list[dict[str, Any]], str | None]:
+    """(prompt messages, response) of a chat conversation: a final assistant message is the
+    response and the messages before it the prompt; without one, all messages are the prompt."""
+    if not is_messages(value) or not value:
+        raise DataError(f"{where}: field {key!r} must be a list of {{role, content}} messages")
+    response = None
+    if value[-1]["role"] == "assistant":
+        value, content = value[:-1], value[-1]["content"]
+        response = content if isinstance(content, str) else json.dumps(content)
+    if not value:
+        raise DataError(f"{where}: field {key!r} has no message before the assistant's reply")
+    return value, response
+
+
+def is_messages(value: Any) -> bool:
+    """A list of {role, content} chat messages."""
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value
+    )
+
+
 def _prompt(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in value
-    ):
+    if is_messages(value):
         return value
     raise DataError(f"{where}: field {key!r} must be text or a list of {{role, content}} messages")

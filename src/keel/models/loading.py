@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from keel.config.paths import missing_hint
 from keel.models.factory import create_tiny_model
 
 BUILTIN_PREFIX = "builtin:"
@@ -131,7 +132,7 @@ def _preserved_rng() -> Iterator[None]:
 
 def _require_folder(path: Path, what: str) -> None:
     if not path.exists():
-        raise ModelLoadError(f"{what} folder not found: {path}")
+        raise ModelLoadError(f"{what} folder not found: {path}{missing_hint(path)}")
     if not path.is_dir():
         raise ModelLoadError(f"{what} path is not a folder: {path}")
 

@@ -31,6 +31,7 @@ class ConsoleSink:
         self.enabled = enabled
         self.console = Console(stderr=True)
         self.last: dict[str, float] = {}
+        self.measured_at: dict[str, int] = {}  # the step each key of `last` was logged at
         self.progress: Progress | None = None
         if enabled and self.console.is_terminal:
             self.progress = Progress(
@@ -46,7 +47,8 @@ class ConsoleSink:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.last.update(metrics)
-        text = headline(self.last)
+        self.measured_at.update(dict.fromkeys(metrics, step))
+        text = headline(self.last, self.measured_at)
         if self.progress is not None:
             self.progress.update(self.task, completed=step, description=text)
         elif self.enabled and (step % self.every == 0 or step == self.total):
@@ -57,10 +59,15 @@ class ConsoleSink:
             self.progress.stop()
 
 
-def headline(metrics: Mapping[str, float]) -> str:
+def headline(metrics: Mapping[str, float], measured_at: Mapping[str, int] | None = None) -> str:
+    """`label=value` for each HEADLINE key present. Evaluation results (`eval/*`, logged only on
+    evaluation steps) carry the step they were measured at: `eval_acc=0.42 (step 40)`."""
     parts = []
     for key, label in HEADLINE:
         if key in metrics:
             v = metrics[key]
-            parts.append(f"{label}={v:.0f}" if abs(v) >= 1000 else f"{label}={v:.3g}")
+            part = f"{label}={v:.0f}" if abs(v) >= 1000 else f"{label}={v:.3g}"
+            if key.startswith("eval/") and measured_at and key in measured_at:
+                part += f" (step {measured_at[key]})"
+            parts.append(part)
     return "  ".join(parts)

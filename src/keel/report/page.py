@@ -6,10 +6,17 @@ import base64
 import html
 from pathlib import Path
 
-from keel.report.plots import PLOTS, draw
+from keel.report.plots import PLOTS, REWARD_KEYS, draw
 from keel.report.runs import RunData
 
-SUMMARY_KEYS = ("reward/mean", "eval/accuracy", "actor/kl", "perf/tokens_per_second")
+# (column, the keys it shows: the first one a run has)
+SUMMARY = (
+    ("reward", REWARD_KEYS),
+    ("eval/accuracy", ("eval/accuracy",)),
+    ("actor/kl", ("actor/kl",)),
+    ("perf/tokens_per_second", ("perf/tokens_per_second",)),
+)
+NOTES = {"sampling/score_mean_all": " (all generated groups)"}
 STYLE = (
     "body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
     "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}"
@@ -28,7 +35,7 @@ def write_report(runs: list[RunData], out_dir: str | Path) -> Path:
         data = base64.b64encode(path.read_bytes()).decode()
         body.append(f'<h2 id="{plot.name}">{html.escape(plot.title)} ({path.name})</h2>')
         body.append(f'<img alt="{plot.name}" src="data:image/png;base64,{data}">')
-    missing = [p.title for p in PLOTS if p not in [d[0] for d in drawn]]
+    missing = [p.title for p in PLOTS if p not in [d[0] for d in drawn] and not p.optional]
     if missing:
         body.append(f"<p>No data for: {html.escape(', '.join(missing))}.</p>")
     body += _events(runs) + _samples(runs)
@@ -42,14 +49,16 @@ def write_report(runs: list[RunData], out_dir: str | Path) -> Path:
 
 
 def _summary(runs: list[RunData]) -> list[str]:
-    head = "".join(f"<th>{k}</th>" for k in ("run", "path", "last step", *SUMMARY_KEYS))
+    columns = ("run", "path", "last step", *(column for column, _ in SUMMARY))
+    head = "".join(f"<th>{k}</th>" for k in columns)
     rows = []
     for run in runs:
         last = run.metrics[-1]["step"] if run.metrics else "-"
         cells = [run.name, str(run.path), str(last)]
-        for key in SUMMARY_KEYS:
+        for _, keys in SUMMARY:
+            key = next((k for k in keys if run.curve(k)[0]), keys[0])
             values = run.curve(key)[1]
-            cells.append(f"{values[-1]:.4g}" if values else "-")
+            cells.append(f"{values[-1]:.4g}{NOTES.get(key, '')}" if values else "-")
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return [f"<table><tr>{head}</tr>{''.join(rows)}</table>"]
 

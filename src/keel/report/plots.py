@@ -15,14 +15,34 @@ from keel.report.runs import RunData
 
 @dataclass(frozen=True)
 class Plot:
+    """keys: curves drawn for every run that has them; with `alternatives`, each run draws
+    only the first of the keys it has. optional: not listed as missing when no run has it."""
+
     name: str
     title: str
     keys: tuple[str, ...]
     ylabel: str
+    alternatives: bool = False
+    optional: bool = False
 
+    def run_keys(self, run: RunData) -> tuple[str, ...]:
+        """The keys drawn for `run`."""
+        present = tuple(key for key in self.keys if run.curve(key)[0])
+        return present[:1] if self.alternatives else present
+
+
+# A dynamic-sampling run's reward/mean covers the kept groups only (biased upwards):
+# sampling/score_mean_all, the mean over every generated response, is what compares with others.
+REWARD_KEYS = ("sampling/score_mean_all", "reward/mean")
 
 PLOTS = (
-    Plot("reward", "Reward (batch mean)", ("reward/mean",), "reward"),
+    Plot(
+        "reward",
+        "Reward (mean over every generated response)",
+        REWARD_KEYS,
+        "reward",
+        alternatives=True,
+    ),
     Plot("eval_accuracy", "Held-out accuracy", ("eval/accuracy",), "accuracy"),
     Plot("kl", "KL to the reference", ("actor/kl",), "nats"),
     Plot("entropy", "Policy entropy", ("actor/entropy",), "nats"),
@@ -34,6 +54,13 @@ PLOTS = (
     ),
     Plot("response_length", "Response length (mean)", ("response/length_mean",), "tokens"),
     Plot("throughput", "Throughput", ("perf/tokens_per_second",), "tokens / s"),
+    Plot(
+        "dynamic_sampling",
+        "Groups kept by dynamic sampling (of train.batch_size)",
+        ("sampling/kept_groups",),
+        "groups",
+        optional=True,
+    ),
 )
 # events.jsonl entries drawn as vertical lines (contract C2); checkpoints are not marked.
 EVENT_STYLE = {
@@ -43,12 +70,13 @@ EVENT_STYLE = {
     "resume": ("tab:green", ":"),
     "restart": ("tab:green", "-."),
     "signal": ("tab:orange", ":"),
+    "warning": ("tab:olive", ":"),
 }
 
 
 def draw(plot: Plot, runs: list[RunData], out_dir: Path) -> Path | None:
     """Writes OUT_DIR/<plot.name>.png; None when no run has any of the plot's keys."""
-    curves = [(run, key, *run.curve(key)) for run in runs for key in plot.keys if run.curve(key)[0]]
+    curves = [(run, key, *run.curve(key)) for run in runs for key in plot.run_keys(run)]
     if not curves:
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
@@ -56,7 +84,7 @@ def draw(plot: Plot, runs: list[RunData], out_dir: Path) -> Path | None:
     several_keys = len({key for _, key, _, _ in curves}) > 1
     for run, key, steps, values in curves:
         color = colors[runs.index(run) % len(colors)]
-        style = "-" if key == plot.keys[0] else (":" if several_keys else "-")
+        style = "-" if key == plot.keys[0] or plot.alternatives or not several_keys else ":"
         label = run.name + (f" {key}" if several_keys else "")
         ax.plot(
             steps, values, style, color=color, label=label, marker="." if len(steps) < 30 else None

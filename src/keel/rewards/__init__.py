@@ -1,11 +1,12 @@
 """Rewards: built-in verifiers, user reward functions named in YAML, and scoring with a policy."""
 
 from keel.rewards.loading import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
-from keel.rewards.scoring import RewardError, RewardScorer
+from keel.rewards.scoring import BatchRewardScorer, RewardError, RewardScorer
 from keel.rewards.verifiers import exact_match, extract_final_number, numeric_match
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "BatchRewardScorer",
     "RewardError",
     "RewardLoadError",
     "RewardScorer",

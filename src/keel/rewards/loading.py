@@ -6,9 +6,10 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
+from keel.config.paths import missing_hint
 from keel.rewards.verifiers import even_answer, exact_match, numeric_match
 
 RewardFn = Callable[..., float]
@@ -23,9 +24,19 @@ class RewardLoadError(ValueError):
     """The reward named in the config cannot be found; the message says where it looked."""
 
 
-def load_reward_fn(spec: str, base_dir: Path | None = None) -> RewardFn:
-    """The callable named by `spec`. Relative file paths resolve against `base_dir` first
-    (the config file's folder), then the working directory."""
+def load_reward_fn(
+    spec: str, *, signature: str = "row", keywords: Collection[str] = ()
+) -> RewardFn:
+    """The callable named by `spec`. A config's relative file path was already resolved against
+    the config file's folder (keel.config.paths); here it is relative to the working directory.
+
+    signature "row": fn(prompt, response, answer, **kwargs) is checked; "trl": fn must accept
+    `completions`, `prompts` and `keywords` (the answer column, reward.kwargs) as keywords."""
+    if spec.startswith("builtin:") and signature != "row":
+        raise RewardLoadError(
+            f"reward.fn: {spec} has the row signature; reward.signature: {signature} needs a "
+            "function of your own"
+        )
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_REWARDS:
@@ -38,11 +49,14 @@ def load_reward_fn(spec: str, base_dir: Path | None = None) -> RewardFn:
             f"reward.fn: {spec!r} must be builtin:NAME, package.module:function "
             "or path/to/file.py:function"
         )
-    module = _load_file(target, base_dir) if target.endswith(".py") else _load_module(target)
+    module = _load_file(target) if target.endswith(".py") else _load_module(target)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardLoadError(f"reward.fn: {target} has no function named {attr!r}")
-    _check_signature(fn, spec)
+    if signature == "trl":
+        _check_trl_signature(fn, spec, keywords)
+    else:
+        _check_signature(fn, spec)
     return fn
 
 
@@ -55,15 +69,10 @@ def _load_module(name: str):
         raise RewardLoadError(f"reward.fn: module {name!r} failed to import: {exc!r}") from exc
 
 
-def _load_file(target: str, base_dir: Path | None):
-    candidates = [Path(target)] if Path(target).is_absolute() else []
-    if base_dir is not None and not Path(target).is_absolute():
-        candidates.append(base_dir / target)
-    candidates.append(Path(target))
-    path = next((p for p in candidates if p.is_file()), None)
-    if path is None:
-        looked = ", ".join(str(p) for p in candidates)
-        raise RewardLoadError(f"reward.fn: file not found: {target} (looked at {looked})")
+def _load_file(target: str):
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise RewardLoadError(f"reward.fn: file not found: {target}{missing_hint(target)}")
     name = f"keel_user_reward_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
@@ -84,4 +93,17 @@ def _check_signature(fn: RewardFn, spec: str) -> None:
             f"reward.fn: {spec} must accept (prompt, response, answer, **kwargs)"
         ) from None
     except ValueError:  # builtins without a signature: trust them
+        return
+
+
+def _check_trl_signature(fn: RewardFn, spec: str, keywords: Collection[str]) -> None:
+    names = ["completions", "prompts", *keywords]
+    try:
+        inspect.signature(fn).bind(**{name: [] for name in names})
+    except TypeError as exc:
+        raise RewardLoadError(
+            f"reward.fn: {spec} (reward.signature: trl) must accept the keywords "
+            f"{', '.join(names)} (or **kwargs): {exc}"
+        ) from None
+    except ValueError:
         return

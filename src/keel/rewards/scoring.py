@@ -81,6 +81,12 @@ class RewardScorer:
         """(one score per row, number of rows that errored)."""
         rows = list(zip(prompts, responses, answers, strict=True))
         outcomes = self._call_all(rows) if self._threaded else [self._plain(*r) for r in rows]
+        return self._apply_policy(rows, outcomes)
+
+    def _apply_policy(
+        self, rows: list[tuple[Any, str, Any]], outcomes: Sequence[float | Exception]
+    ) -> tuple[list[float], int]:
+        """The error policy over one outcome per row: fallback scores, error count, the rate."""
         scores, errors = [], 0
         for i, ((p, r, _), value) in enumerate(zip(rows, outcomes, strict=True)):
             if isinstance(value, Exception):
@@ -105,10 +111,7 @@ class RewardScorer:
             return exc
 
     def _checked(self, prompt: Any, response: str, answer: Any) -> float:
-        value = float(self.fn(prompt, response, answer, **self.kwargs))
-        if not math.isfinite(value):
-            raise ValueError(f"returned a non-finite score {value}")
-        return value
+        return finite_score(self.fn(prompt, response, answer, **self.kwargs))
 
     def _call_all(self, rows: list[tuple[Any, str, Any]]) -> list[float | Exception]:
         """Each row on a daemon thread, at most `max_concurrency` running at once; a call past
@@ -130,3 +133,68 @@ class RewardScorer:
                 "Set reward.on_error: fallback to score such rows with "
                 "reward.fallback_score instead."
             ) from exc
+
+
+def finite_score(value: Any) -> float:
+    """`value` as a finite float; a ValueError/TypeError for anything else (None included)."""
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"returned a non-finite score {score}")
+    return score
+
+
+class BatchRewardScorer(RewardScorer):
+    """TRL's reward-function signature (`reward.signature: trl`): one call per batch,
+    `fn(prompts=[...], completions=[...], <answer_key>=[...], **kwargs) -> list[float]`.
+
+    A completion is the response text, or `[{"role": "assistant", "content": text}]` when its
+    prompt is a conversation (TRL's conversational format). A call that raises, times out
+    (`timeout_s`, for the whole call) or does not return one value per row fails every row; a
+    value that is None, not a number or not finite fails its row. Failed rows go through the
+    same policy as RewardScorer's (on_error, fallback_score, max_error_rate)."""
+
+    def __init__(self, fn: Callable[..., Any], *, answer_key: str = "answer", **options: Any):
+        super().__init__(fn, **options)
+        self.answer_key = answer_key
+
+    def score(
+        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+    ) -> tuple[list[float], int]:
+        rows = list(zip(prompts, responses, answers, strict=True))
+        if not rows:
+            return [], 0
+        outcome: list[float | Exception] | Exception
+        if self.timeout_s is not None:  # on a daemon thread, abandoned past the limit
+            outcome = _Call(lambda: self._call(rows), self.timeout_s).result()
+        else:
+            try:
+                outcome = self._call(rows)
+            except Exception as exc:
+                outcome = exc
+        if isinstance(outcome, Exception):
+            if self.on_error == "raise":
+                raise RewardError(
+                    f"reward function {self.name} (reward.signature: trl) failed on a batch of "
+                    f"{len(rows)} rows: {outcome!r}. Set reward.on_error: fallback to score "
+                    "such rows with reward.fallback_score instead."
+                ) from outcome
+            return self._apply_policy(rows, [outcome] * len(rows))
+        return self._apply_policy(rows, outcome)
+
+    def _call(self, rows: list[tuple[Any, str, Any]]) -> list[float | Exception]:
+        prompts = [p for p, _, _ in rows]
+        completions = [
+            [{"role": "assistant", "content": r}] if isinstance(p, list) else r for p, r, _ in rows
+        ]
+        columns = {self.answer_key: [a for _, _, a in rows]}
+        values = self.fn(prompts=prompts, completions=completions, **columns, **self.kwargs)
+        if not isinstance(values, list | tuple) or len(values) != len(rows):
+            got = len(values) if isinstance(values, list | tuple) else type(values).__name__
+            raise ValueError(f"returned {got} instead of a list of {len(rows)} scores")
+        out: list[float | Exception] = []
+        for value in values:
+            try:
+                out.append(finite_score(value))
+            except (TypeError, ValueError) as exc:
+                out.append(exc)
+        return out

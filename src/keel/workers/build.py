@@ -24,7 +24,7 @@ from keel.models import (
     load_value_model,
     resolve_model_path,
 )
-from keel.rewards import RewardScorer, load_reward_fn
+from keel.rewards import BatchRewardScorer, RewardScorer, load_reward_fn
 from keel.rollout import HFRolloutEngine
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
@@ -53,10 +53,15 @@ class Roles:
     close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
 
 
-def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
-    fn = load_reward_fn(cfg.reward.fn, base_dir=base_dir)
-    return RewardScorer(
+def build_reward(cfg: KeelConfig) -> RewardScorer:
+    """The reward.fn scorer: per row, or with reward.signature: trl one call per batch."""
+    r, answer_key = cfg.reward, cfg.data.answer_key
+    fn = load_reward_fn(r.fn, signature=r.signature, keywords=[answer_key, *r.kwargs])
+    batched = {"answer_key": answer_key} if r.signature == "trl" else {}
+    scorer_cls = BatchRewardScorer if batched else RewardScorer
+    return scorer_cls(
         fn,
+        **batched,
         kwargs=dict(cfg.reward.kwargs),
         on_error=cfg.reward.on_error,
         fallback_score=cfg.reward.fallback_score,

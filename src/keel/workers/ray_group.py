@@ -15,7 +15,6 @@ import socket
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -99,12 +98,12 @@ class RoleHost:
         )
 
     def build(
-        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: list[str], config_dir: str, fsdp: bool
+        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: list[str], fsdp: bool
     ) -> list[str]:
         """Every rank builds with the same seed (a new value head starts identical on all
         replicas), then samples with its own (seed + rank)."""
         seed_everything(self.seed)
-        scorer = build_reward(cfg, Path(config_dir)) if "reward" in roles else None
+        scorer = build_reward(cfg) if "reward" in roles else None
         shard = shard_fsdp2 if fsdp and self.world > 1 else None
         self.workers = build_workers(cfg, spec, roles, scorer, world=self.world, shard=shard)
         if torch.cuda.is_available():
@@ -167,7 +166,7 @@ class RayWorkerGroup:
             raise WorkerLostError(f"a worker of role {self.role!r} died: {e}") from e
 
 
-def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> Roles:
+def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec) -> Roles:
     """Start (or join) Ray, place every colocation group and build its workers there; roles in
     no group are built here. Separate rollout workers get a WeightPush from the actor."""
     start_ray(cfg.resources.ray)
@@ -181,7 +180,7 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> R
             roles_here = [r for r in gcfg.roles if r in names]
             if not roles_here:
                 continue
-            pg, hosts = place_group(cfg, spec, gcfg, roles_here, config_dir)
+            pg, hosts = place_group(cfg, spec, gcfg, roles_here)
             pgs.append(pg)
             hosts_all.extend(hosts)
             unit = 2 if spec.stage in PAIR_STAGES else 1  # rows of one pair stay on one rank
@@ -189,7 +188,7 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, config_dir: Path) -> R
             for role in roles_here:
                 groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None, unit)
         local = [n for n in names if n not in groups]
-        scorer = build_reward(cfg, config_dir) if "reward" in local else None
+        scorer = build_reward(cfg) if "reward" in local else None
         for name, worker in build_workers(cfg, spec, local, scorer).items():
             groups[name] = LocalWorkerGroup(name, [worker])
     except BaseException:
@@ -214,7 +213,6 @@ def place_group(
     spec: AlgorithmSpec,
     gcfg: WorkerGroupConfig,
     roles: list[str],
-    config_dir: Path,
 ) -> tuple[Any, list[Any]]:
     """A placement group of `workers` bundles, one RoleHost per bundle, joined and built."""
     bundle = {"CPU": gcfg.cpus_per_worker}
@@ -246,7 +244,7 @@ def place_group(
             address, port = ray.get(hosts[0].rendezvous.remote())
             backend = "nccl" if gcfg.gpus_per_worker else "gloo"
             ray.get([h.join.remote(address, port, backend) for h in hosts])
-        ray.get([h.build.remote(cfg, spec, roles, str(config_dir), gcfg.fsdp) for h in hosts])
+        ray.get([h.build.remote(cfg, spec, roles, gcfg.fsdp) for h in hosts])
     except BaseException:
         release(hosts, [pg])
         raise

@@ -1,0 +1,72 @@
+"""Where the files a config names are: one rule for every input path of a config.
+
+A relative input path (a model folder, a dataset, a reward function's file) is looked up in the
+folder of the config file that names it, then in the working directory; the first place where
+it exists wins and the path becomes absolute. A path found in neither stays as written, so the
+loader's error names it. `~` is expanded. `builtin:` names and `package.module:function` rewards
+are not paths. Outputs (`run_dir`) are not resolved: they are relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keel.config.schema import KeelConfig
+
+# The config keys that name input files or folders (reward.fn only in its `file.py:fn` form).
+INPUT_PATHS = (
+    "models.actor",
+    "models.reference",
+    "models.critic",
+    "models.reward",
+    "data.train",
+    "data.eval",
+    "reward.fn",
+)
+LOOKUP_RULE = "a relative path is looked up in the config file's folder, then the working directory"
+
+
+def resolve_input(text: str, config_dir: str | Path) -> str:
+    """The absolute path `text` names, by the rule above; `text` itself when it is not a path
+    (`builtin:…`) or exists nowhere."""
+    if text.startswith("builtin:"):
+        return text
+    path = Path(text).expanduser()
+    if path.is_absolute():
+        return str(path)
+    for base in (Path(config_dir), Path.cwd()):
+        candidate = base / path
+        if candidate.exists():
+            return os.path.abspath(candidate)  # symlinks kept as named
+    return text
+
+
+def resolve_reward_spec(spec: str, config_dir: str | Path) -> str:
+    """`file.py:function` with the file resolved; any other reward spec unchanged."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target.endswith(".py"):
+        return spec
+    return f"{resolve_input(target, config_dir)}:{attr}"
+
+
+def resolve_input_paths(cfg: KeelConfig, config_dir: str | Path) -> KeelConfig:
+    """A copy of `cfg` whose INPUT_PATHS are resolved against `config_dir` (the folder of the
+    config file; the working directory for a config built in code). Idempotent."""
+    out = cfg.model_copy(deep=True)
+    for dotted in INPUT_PATHS:
+        section_name, key = dotted.split(".")
+        section = getattr(out, section_name)
+        value = getattr(section, key)
+        if value is None:
+            continue
+        resolve = resolve_reward_spec if dotted == "reward.fn" else resolve_input
+        setattr(section, key, resolve(value, config_dir))
+    return out
+
+
+def missing_hint(text: str | Path) -> str:
+    """' (<the rule>)' for a relative path that was not found, else ''."""
+    return "" if Path(text).expanduser().is_absolute() else f" ({LOOKUP_RULE})"

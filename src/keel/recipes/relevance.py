@@ -1,0 +1,70 @@
+"""Which settings of a config the chosen algorithm does not use, read from its AlgorithmSpec
+(stage, roles, flags), never from its name. `keel config show` leaves them out and says why."""
+
+from __future__ import annotations
+
+from keel.algo.spec import AlgorithmSpec
+from keel.config.schema import KeelConfig
+
+BUILTIN_TASKS = ("builtin:arithmetic", "builtin:preference")
+PAIR_STAGES = ("rm", "dpo")
+COLLAPSE = ("window", "max_drop", "max_drop_frac", "auto_stop_threshold", "collapse_action")
+EVAL_GENERATION = ("temperature", "max_new_tokens", "batch_size", "correct_threshold")
+
+
+def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str], str]]:
+    """[(dotted keys, why they do not apply)] for `cfg` run as `spec`. A key naming a section
+    stands for the whole section."""
+    stage = spec.stage
+    out: list[tuple[list[str], str]] = []
+    generates_eval = stage in ("rl", "sft") or spec.generate_eval
+    if stage != "rl":
+        if generates_eval:
+            out.append((
+                ["rollout.n", "rollout.temperature", "rollout.return_logprobs"],
+                f"the {stage} stage samples no training responses; its evaluation generates one "
+                "response per prompt (eval.temperature) with rollout.max_new_tokens, top_p and "
+                "batch_size",
+            ))  # fmt: skip
+        else:
+            out.append((
+                ["rollout", "reward", *(f"eval.{k}" for k in EVAL_GENERATION)],
+                f"the {stage} stage generates nothing (its evaluation compares pairs)",
+            ))  # fmt: skip
+        out.append((["train.ppo_epochs"], "passes over a rollout batch: RL only"))
+        out.append((["monitor.samples"], f"samples are of RL batches; the {stage} stage has none"))
+        if cfg.guard.monitor_metric.startswith("reward/"):
+            out.append((
+                ["guard.monitor_metric", *(f"guard.{k}" for k in COLLAPSE)],
+                f"the {stage} stage logs no {cfg.guard.monitor_metric}, so the collapse rules "
+                "never trip; set guard.monitor_metric to a metric it logs (docs/metrics.md) to "
+                "use them",
+            ))  # fmt: skip
+    if cfg.models.reward is None and (stage == "rl" or generates_eval):
+        out.append((["reward.model"], "no reward model (models.reward is null)"))
+    if not spec.needs_reference:
+        out.append((["models.reference"], "no reference model (no KL term)"))
+    if not spec.needs_critic:
+        out.append((["models.critic"], "no critic"))
+    if stage != "rl":
+        out.append((["models.reward"], "reward models score RL rollouts only"))
+    out.extend(_data(cfg, spec))
+    if cfg.resources.backend == "local":
+        out.append((
+            ["resources.groups", "resources.ray", "resources.max_restarts"],
+            "resources.backend is local: every role runs in the keel process",
+        ))  # fmt: skip
+    return out
+
+
+def _data(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str], str]]:
+    d, out = cfg.data, []
+    if spec.stage in PAIR_STAGES:
+        out.append((["data.response_key", "data.messages_key"], "preference pairs have none"))
+    else:
+        out.append((["data.chosen_key", "data.rejected_key"], "for preference pairs only"))
+        if spec.stage != "sft":
+            out.append((["data.response_key"], "the SFT target; RL generates its responses"))
+    if d.train not in BUILTIN_TASKS and d.eval not in BUILTIN_TASKS:
+        out.append((["data.arithmetic"], "no built-in task in data.train or data.eval"))
+    return out

@@ -1,0 +1,57 @@
+"""Which settings an algorithm does not use, read from its spec; `keel config show` hides them."""
+
+from pathlib import Path
+
+import yaml
+
+from keel.cli.main import main
+from keel.config import validate
+from keel.recipes import build_spec
+from keel.recipes.relevance import unused_settings
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def unused(**raw) -> dict[str, str]:
+    cfg = validate({"models": {"actor": "builtin:tiny"}, **raw})
+    return {key: why for keys, why in unused_settings(cfg, build_spec(cfg)) for key in keys}
+
+
+def test_sft_uses_the_rollout_only_to_evaluate_and_has_no_reward_to_watch():
+    sft = unused(algorithm={"name": "sft"})
+    for key in ("rollout.n", "rollout.temperature", "train.ppo_epochs", "monitor.samples",
+                "guard.monitor_metric", "guard.max_drop_frac", "models.reference"):  # fmt: skip
+        assert key in sft, key
+    for key in ("rollout.max_new_tokens", "rollout.top_p", "reward", "eval.temperature",
+                "guard.nonfinite_action", "data.response_key"):  # fmt: skip
+        assert key not in sft, key
+    assert "logs no reward/mean" in sft["guard.monitor_metric"]
+    watched = unused(algorithm={"name": "sft"}, guard={"monitor_metric": "eval/accuracy"})
+    assert "guard.monitor_metric" not in watched
+
+
+def test_rl_uses_sampling_and_the_guard_and_pair_stages_without_generation_use_neither():
+    grpo = unused(algorithm={"name": "grpo", "kl_loss_coef": 0.0})
+    assert not {"rollout.n", "train.ppo_epochs", "guard.monitor_metric", "reward"} & set(grpo)
+    assert {"models.reference", "data.response_key", "data.chosen_key"} <= set(grpo)
+    assert "models.reference" not in unused(algorithm={"name": "grpo", "kl_loss_coef": 0.1})
+    dpo = unused(algorithm={"name": "dpo"}, data={"train": "builtin:preference"})
+    assert {"rollout", "reward", "eval.temperature", "data.response_key"} <= set(dpo)
+    assert "models.reference" not in dpo and "data.arithmetic" not in dpo
+    generating = unused(algorithm={"name": "dpo", "eval_generate": True})
+    assert "rollout" not in generating and "rollout.n" in generating
+
+
+def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
+    assert main(["config", "show", str(EXAMPLES / "sft_arith_tiny.yaml")]) == 0
+    out = capsys.readouterr().out
+    shown = yaml.safe_load(out)  # the comments are YAML comments
+    assert set(shown["rollout"]) == {"engine", "top_p", "max_new_tokens", "batch_size"}
+    assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]
+    assert "ppo_epochs" not in shown["train"] and "reference" not in shown["models"]
+    assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
+    assert "#   rollout.n, rollout.temperature, rollout.return_logprobs: " in out
+    assert "# derived" in out
+    assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0
+    grpo = yaml.safe_load(capsys.readouterr().out)
+    assert grpo["rollout"]["n"] == 8 and grpo["guard"]["monitor_metric"] == "reward/mean"
