@@ -3,9 +3,9 @@
 Each mutation is one exact text replacement in Keel's source: a sign flipped, a ratio inverted,
 a target swapped. `run_mutant` copies `src/keel` to a temporary folder, applies the mutation
 there (the original tree is never touched), and runs the learning tests that must catch it in
-a subprocess whose PYTHONPATH puts the mutated copy first. The mutant is *killed* when pytest
-reports failed tests (exit status 1); it *survived* when they pass. Any other exit status
-(collection error, crash) is reported as an error, not as a kill.
+a subprocess whose PYTHONPATH puts the mutated copy first. The mutant is *killed* when every one
+of those tests fails; it *survived* when any of them passes. Any other outcome (a collection
+error, a crash, a time-out) is reported as an error, not as a kill.
 
 `make mutants` runs every mutation (`python -m tests.learning.mutants`); the suite runs a small
 subset (tests/learning/test_mutants.py). docs/testing.md lists each mutation and its catcher.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -132,9 +133,9 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation(
             "rm_pair_swapped",
             "algo/preference.py",
-            "diff = chosen_scores.float() - rejected_scores.float()",
-            "diff = rejected_scores.float() - chosen_scores.float()",
-            "the reward model is taught to prefer the rejected response",
+            "loss = -F.logsigmoid(diff).sum() / max(n, 1)",
+            "loss = -F.logsigmoid(-diff).sum() / max(n, 1)",
+            "the reward model's loss prefers the rejected response (its metrics stay right)",
             ("rm",),
         ),
         Mutation(
@@ -152,10 +153,12 @@ MUTATIONS: dict[str, Mutation] = {
 @dataclass
 class MutantResult:
     mutation: Mutation
-    status: str  # killed | survived | error
+    status: str  # killed (every test failed) | survived (a test passed) | error
     returncode: int
     seconds: float
     output: str
+    failed: int = 0
+    passed: int = 0
 
 
 def run_mutant(
@@ -179,15 +182,29 @@ def run_mutant(
             "OMP_NUM_THREADS": "1",
             "HF_HUB_OFFLINE": "1",
         }
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-               *(tests or mutation.test_ids())]  # fmt: skip
+        tests = tests or mutation.test_ids()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
         proc = subprocess.run(
             cmd, cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=timeout
         )
-    status = {0: "survived", 1: "killed"}.get(proc.returncode, "error")
+    failed, passed = _count(proc.stdout, "failed"), _count(proc.stdout, "passed")
+    if proc.returncode == 1 and failed == len(tests):
+        status = "killed"
+    elif proc.returncode in (0, 1) and passed:
+        status = "survived"
+    else:
+        status = "error"
+    seconds = time.perf_counter() - start
     return MutantResult(
-        mutation, status, proc.returncode, time.perf_counter() - start, proc.stdout + proc.stderr
+        mutation, status, proc.returncode, seconds, proc.stdout + proc.stderr, failed, passed
     )
+
+
+def _count(pytest_output: str, word: str) -> int:
+    """N of pytest's closing 'N failed, M passed in …' line (0 when absent)."""
+    lines = pytest_output.strip().splitlines()
+    found = re.findall(rf"(\d+) {word}\b", lines[-1] if lines else "")
+    return int(found[-1]) if found else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         result = run_mutant(MUTATIONS[name], env=env)
         bad += result.status != "killed"
-        print(f"{result.status:8s} {name:22s} {result.seconds:6.1f}s  "
-              f"{result.mutation.wrong}; caught by {', '.join(result.mutation.caught_by)}",
-              flush=True)  # fmt: skip
+        print(f"{result.status:8s} {name:22s} {result.seconds:6.1f}s  {result.failed} of "
+              f"{len(result.mutation.caught_by)} failed ({', '.join(result.mutation.caught_by)}): "
+              f"{result.mutation.wrong}", flush=True)  # fmt: skip
         if result.status != "killed":
             print(result.output[-3000:])
     print(f"{len(names) - bad} of {len(names)} mutants killed")
