@@ -64,3 +64,11 @@ def test_overlong_prompt_fails_before_the_run_directory_exists(keel, tiny_dir, t
     proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", run_dir, *overrides)
     assert_clean_error(proc, "data.max_prompt_length (4)")
     assert not (tmp_path / "r").exists()
+
+
+def test_infinite_learning_rate_is_refused_before_anything_is_written(keel, tmp_path):
+    run_dir = tmp_path / "r"
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                "--set", "train.lr=.inf")  # fmt: skip
+    assert_clean_error(proc, "train.lr: ", "finite")
+    assert not run_dir.exists()
