@@ -7,3 +7,20 @@ def digit_fraction(prompt, response, answer, **kwargs):
 
 def explode(prompt, response, answer, **kwargs):
     raise RuntimeError("reward service unavailable")
+
+
+def exits(prompt, response, answer, **kwargs):
+    import sys
+
+    sys.exit(0)
+
+
+def interrupts(prompt, response, answer, **kwargs):
+    raise KeyboardInterrupt
+
+
+def never_returns(prompt, response, answer, **kwargs):
+    import time
+
+    time.sleep(3600)
+    return 1.0

@@ -1,5 +1,7 @@
 """Bad input: one clear line on stderr, exit status 2, and nothing in the run dir damaged."""
 
+import pytest
+
 
 def assert_clean_error(proc, *needles):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -72,3 +74,38 @@ def test_infinite_learning_rate_is_refused_before_anything_is_written(keel, tmp_
                 "--set", "train.lr=.inf")  # fmt: skip
     assert_clean_error(proc, "train.lr: ", "finite")
     assert not run_dir.exists()
+
+
+def tiny_run(tiny_dir, run_dir, *sets):
+    args = ["train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir)]
+    for s in [f"models.actor={tiny_dir}", "data.arithmetic.eval_size=8", "train.steps=2",
+              "train.batch_size=4", "train.mini_batch_size=4", "rollout.n=4", *sets]:  # fmt: skip
+        args += ["--set", s]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("fn", "needle"), [("exits", "SystemExit(0)"), ("interrupts", "KeyboardInterrupt()")]
+)
+def test_reward_that_exits_or_interrupts_is_a_reward_error(keel, tiny_dir, tmp_path, fn, needle):
+    run_dir = tmp_path / "r"
+    proc = keel(*tiny_run(tiny_dir, run_dir, f"reward.fn=tests/cli/format_reward.py:{fn}"))
+    assert_clean_error(proc, f"format_reward.py:{fn} failed on row 0", needle)
+    assert not (run_dir / "model").exists()
+
+
+def test_reward_that_never_returns_stops_the_run_at_the_default_hung_call_bound(
+    keel, tiny_dir, tmp_path
+):
+    sets = [
+        "reward.fn=tests/cli/format_reward.py:never_returns", "reward.on_error=fallback",
+        "reward.timeout_s=0.05", "reward.max_concurrency=2",
+    ]  # fmt: skip
+    proc = keel(*tiny_run(tiny_dir, tmp_path / "r", *sets), timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # after the progress and the stop event
+    assert last.startswith("keel: error:")
+    assert "32 calls are still running after timing out" in last
+    assert "reward.max_hung_calls=32" in last
+    assert not (tmp_path / "r" / "model").exists()

@@ -131,9 +131,15 @@ class RewardConfig(Section):
     fallback_score: float = 0.0
     model: RewardModelConfig = RewardModelConfig()
     timeout_s: float | None = Field(
-        None, gt=0, description="per-call time limit; a call past it is an error; null: none"
+        60.0, gt=0, description="per-call time limit; a call past it is an error; null: none"
     )
     max_concurrency: int = Field(1, ge=1, description="reward calls running at once (threads)")
+    max_hung_calls: int = Field(
+        32, ge=1, description="stop the run when this many timed-out calls are still running"
+    )
+    max_abs: float | None = Field(
+        None, gt=0, description="a score with |score| above this is an error; null: no bound"
+    )
     max_error_rate: float = Field(
         1.0, ge=0, le=1, description="stop the run when a step's errored fraction exceeds this"
     )

@@ -63,6 +63,8 @@ def build_reward(cfg: KeelConfig, base_dir: Path) -> RewardScorer:
         timeout_s=cfg.reward.timeout_s,
         max_concurrency=cfg.reward.max_concurrency,
         max_error_rate=cfg.reward.max_error_rate,
+        max_hung_calls=cfg.reward.max_hung_calls,
+        max_abs=cfg.reward.max_abs,
         name=cfg.reward.fn,
     )
 
