@@ -1,5 +1,8 @@
 """Bad input: one clear line on stderr, exit status 2, and nothing in the run dir damaged."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -109,3 +112,41 @@ def test_reward_that_never_returns_stops_the_run_at_the_default_hung_call_bound(
     assert "32 calls are still running after timing out" in last
     assert "reward.max_hung_calls=32" in last
     assert not (tmp_path / "r" / "model").exists()
+
+
+def test_dataset_that_is_not_utf8_names_the_file_and_line(keel, tiny_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff+2=", "answer": "3"}\n')
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+                "--set", f"models.actor={tiny_dir}", "--set", f"data.train={data}")  # fmt: skip
+    assert_clean_error(proc, f"{data}:2: not valid UTF-8")
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_that_is_not_utf8_names_the_file_and_line(keel, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_bytes(b"models: {actor: builtin:tiny}\n# r\xe9sum\xe9\nalgorithm: {name: grpo}\n")
+    for command in (["config", "validate"], ["train"]):
+        assert_clean_error(keel(*command, str(cfg)), f"{cfg}:2: not valid UTF-8")
+
+
+def unusable_run_dirs(tmp_path):
+    """(run_dir, what the error must say) for run directories no run can be written to."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    cases = [(afile, "is not a directory"), (afile / "r", f"{afile} is not a directory"),
+             (Path("/sys/keel-run"), "is not writable")]  # fmt: skip
+    if os.geteuid() != 0:  # root writes in any folder whatever its mode
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        cases.append((locked / "r", "is not writable"))
+    return cases
+
+
+def test_unusable_run_dir_is_an_error_before_models_load(keel, tmp_path):
+    for run_dir, needle in unusable_run_dirs(tmp_path):
+        proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                    "--set", "models.actor=/nonexistent/model")  # fmt: skip
+        assert_clean_error(proc, f"run_dir {run_dir}", needle)
+        assert "/nonexistent/model" not in proc.stderr  # checked before any model loads
+    assert (tmp_path / "afile").read_text() == "not a folder"

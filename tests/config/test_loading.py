@@ -217,3 +217,15 @@ def test_clip_ratio_c_inf_still_disables_the_dual_clip(tmp_path, name):
     cfg = load_config(write_config(tmp_path, algorithm={"name": name}),
                       ["algorithm.clip_ratio_c=.inf"], environ={})  # fmt: skip
     assert cfg.algorithm.clip_ratio_c == float("inf")
+
+
+def test_config_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\nrun_dir: r\xe9s\n")
+    assert f"{path}:3: not valid UTF-8 (byte 0xe9 at column 11)" in load_error(path)
+
+
+def test_config_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"\xef\xbb\xbfmodels: {actor: builtin:tiny}\nalgorithm: {name: grpo}\n")
+    assert load_config(path, environ={}).models.actor == "builtin:tiny"

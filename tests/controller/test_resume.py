@@ -94,3 +94,27 @@ def test_skipped_bad_rows_are_counted(tiny_grpo, tmp_path):
     run_training(cfg)
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert rows[0]["data/skipped_rows"] == 1.0
+
+
+def corrupt(path: Path) -> None:
+    """Replace one byte of `path` with a byte that is not UTF-8, keeping its size."""
+    data = bytearray(path.read_bytes())
+    data[2] = 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_resume_files_that_are_not_utf8_are_clear_errors(tiny_grpo):
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    run_training(cfg)
+    run_dir, longer = Path(cfg.run_dir), tiny_grpo("train.steps=3", "checkpoint.save_steps=1")
+    metrics = run_dir / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    corrupt(metrics)
+    with pytest.raises(RunDirError, match=rf"{metrics} is unreadable .*utf-8"):
+        run_training(longer)
+    metrics.write_bytes(kept)
+    corrupt(run_dir / "checkpoints" / "step_000002" / "config.yaml")
+    with pytest.warns(UserWarning, match="config.yaml is unreadable"):
+        assert run_training(longer).resumed_from == 1  # falls back to the checkpoint before

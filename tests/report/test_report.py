@@ -86,3 +86,9 @@ def test_cli_error_for_a_missing_run(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("keel: error:") and "no metrics.jsonl" in err
+
+
+def test_a_line_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n')
+    with pytest.raises(ReportError, match=r"metrics\.jsonl:2: not valid UTF-8"):
+        load_run(tmp_path)

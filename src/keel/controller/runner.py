@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from keel.checkpoint import (
     CheckpointError,
@@ -39,6 +40,7 @@ from keel.controller.resume import (
     RUN_FILES,
     ResumePlan,
     RunDirError,
+    check_run_dir_usable,
     config_changes,
     plan_resume,
 )
@@ -95,6 +97,7 @@ def run_training(
     as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted)."""
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
+    check_run_dir_usable(run_dir)
     plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
     check_monitor_config(cfg)
     seed_everything(cfg.seed)
@@ -328,7 +331,10 @@ class TrainingLoop:
         saved = path / "config.yaml"
         if not saved.is_file():
             raise CheckpointError(f"checkpoint {path} has no config.yaml")
-        changed = config_changes(saved.read_text(), dump_config(self.cfg))
+        try:
+            changed = config_changes(saved.read_bytes().decode("utf-8"), dump_config(self.cfg))
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # not UTF-8, not YAML…
+            raise CheckpointError(f"checkpoint {path}: config.yaml is unreadable ({exc})") from exc
         if changed:
             raise RunDirError(
                 f"cannot resume from {path}: the config differs in {', '.join(changed)} "
@@ -338,7 +344,12 @@ class TrainingLoop:
     def _restore_metrics_row(self, info: CheckpointInfo) -> None:
         """A kill between the checkpoint and its metrics line loses the line: put it back."""
         path = self.run_dir / "metrics.jsonl"
-        rows = read_metrics(path) if path.is_file() else []
+        try:
+            rows = read_metrics(path) if path.is_file() else []
+        except ValueError as exc:  # not UTF-8, not JSON lines
+            raise RunDirError(
+                f"{path} is unreadable ({exc}); repair or remove it to resume"
+            ) from None
         if not any(r["step"] == info.step for r in rows):
             for sink in self.monitor.sinks:
                 if isinstance(sink, JsonlSink):
