@@ -150,3 +150,12 @@ def test_unusable_run_dir_is_an_error_before_models_load(keel, tmp_path):
         assert_clean_error(proc, f"run_dir {run_dir}", needle)
         assert "/nonexistent/model" not in proc.stderr  # checked before any model loads
     assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+def test_prompts_and_responses_past_the_models_context_are_refused(keel, tiny_dir, tmp_path):
+    proc = keel(*tiny_run(tiny_dir, tmp_path / "r", "data.max_prompt_length=6000"))
+    assert_clean_error(
+        proc, "data.max_prompt_length (6000) + rollout.max_new_tokens (6) = 6006 tokens",
+        f"models.actor ({tiny_dir})", "at most 256 tokens",
+    )  # fmt: skip
+    assert not (tmp_path / "r").exists()

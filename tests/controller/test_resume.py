@@ -3,6 +3,7 @@ and identical per-step metrics (timings aside). Parametrized over the example co
 example (PPO, DPO, …) is covered by adding it to examples/ (and, if it needs them, to
 RESUME_OVERRIDES)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,20 @@ def test_resume_files_that_are_not_utf8_are_clear_errors(tiny_grpo):
     corrupt(run_dir / "checkpoints" / "step_000002" / "config.yaml")
     with pytest.warns(UserWarning, match="config.yaml is unreadable"):
         assert run_training(longer).resumed_from == 1  # falls back to the checkpoint before
+
+
+@pytest.mark.parametrize(
+    ("truncation", "key"), [("left", "data/truncated_prompts"), ("drop", "data/dropped_prompts")]
+)
+def test_prompts_over_the_limit_are_truncated_or_dropped_and_counted(
+    tiny_grpo, tmp_path, truncation, key
+):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1" * 40 + "+2=", "answer": "3"},
+            {"prompt": "2+3=", "answer": "5"}]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_grpo("train.steps=2", f"data.train={data}", "data.max_prompt_length=16",
+                    f"data.truncation={truncation}")  # fmt: skip
+    run_training(cfg)
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert rows[0][key] == 1.0 and rows[-1]["step"] == 2  # the long prompt did not stop it

@@ -104,6 +104,11 @@ class DataConfig(Section):
     rejected_key: str = Field("rejected", description="preference pairs: the other response")
     apply_chat_template: bool = False
     max_prompt_length: int = Field(64, ge=1)
+    truncation: Literal["error", "left", "drop"] = Field(
+        "error",
+        description="a prompt longer than max_prompt_length: error (naming file:line), left "
+        "(keep its last max_prompt_length tokens) or drop (leave it out, counted)",
+    )
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
 

@@ -31,7 +31,8 @@ from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
     assemble_roles,
     build_reward,
-    check_prompt_lengths,
+    check_context_length,
+    fit_prompt_lengths,
     load_datasets,
 )
 from keel.controller.preemption import Preemption
@@ -48,6 +49,7 @@ from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.engine.seeding import seed_everything
 from keel.guard import EventLog, Guard, Verdict
+from keel.models import load_tokenizer, resolve_model_path
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.recipes import build_spec
@@ -100,8 +102,10 @@ def run_training(
     check_run_dir_usable(run_dir)
     plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
     check_monitor_config(cfg)
+    check_context_length(cfg, spec)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
+    data = fit_prompt_lengths(load_tokenizer(resolve_model_path(cfg.models.actor)), data, cfg.data)
     scorer = build_reward(cfg, config_dir)
     restarts, note = 0, None
     while True:
@@ -139,7 +143,6 @@ def _run(
 ) -> RunResult:
     """One attempt of the run on `roles`; `note`: (step, why) when it restarts the run."""
     run_dir = Path(cfg.run_dir)
-    check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite and plan is None)
@@ -151,6 +154,8 @@ def _run(
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         if data.bad_rows:
             loop.note_bad_rows(data.bad_rows)
+        if data.long_prompts:
+            loop.note_long_prompts(data)
         return loop.run(start, stop_after)
     finally:
         loop.close()
@@ -247,6 +252,23 @@ class TrainingLoop:
         shown = "; ".join(bad_rows[:3]) + (" …" if len(bad_rows) > 3 else "")
         print(f"keel: skipped {len(bad_rows)} bad data rows: {shown}", file=sys.stderr)
         self.pending["data/skipped_rows"] = float(len(bad_rows))
+
+    def note_long_prompts(self, data: Any) -> None:
+        """data.truncation left/drop: say how many prompts were over data.max_prompt_length and
+        log the count (data/truncated_prompts or data/dropped_prompts) in the next row."""
+        what, key = (
+            ("dropped", "data/dropped_prompts")
+            if data.dropped_prompts
+            else ("truncated to their last tokens", "data/truncated_prompts")
+        )
+        long = data.long_prompts
+        shown = "; ".join(long[:3]) + (" …" if len(long) > 3 else "")
+        print(
+            f"keel: {len(long)} prompts longer than data.max_prompt_length "
+            f"({self.cfg.data.max_prompt_length}) were {what}: {shown}",
+            file=sys.stderr,
+        )
+        self.pending[key] = float(len(long))
 
     # ------------------------------------------------------------------- checkpoints
     def _components(self) -> dict[str, Any]:

@@ -165,6 +165,7 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
         tokenizer,
         chat=cfg.data.apply_chat_template,
         max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
         batch_size=cfg.rollout.batch_size,
         return_logprobs=cfg.rollout.return_logprobs,
         synced=is_sharded(model),
