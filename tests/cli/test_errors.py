@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.conftest import REPO
+
 
 def assert_clean_error(proc, *needles):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -12,6 +14,25 @@ def assert_clean_error(proc, *needles):
     assert proc.stderr.startswith("keel: error:")
     for needle in needles:
         assert needle in proc.stderr, (needle, proc.stderr)
+
+
+@pytest.fixture
+def keel_main(capsys, monkeypatch):
+    """keel_main(*args) → (returncode, stderr) of `keel.cli.main.main` run in this process from
+    the repository root: the same code as the console script, for errors raised before any
+    model loads (no interpreter start-up per call)."""
+    from types import SimpleNamespace
+
+    from keel.cli.main import main
+
+    monkeypatch.chdir(REPO)
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(list(args))
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+    return run
 
 
 def test_config_typo(keel, tmp_path):
@@ -71,10 +92,10 @@ def test_overlong_prompt_fails_before_the_run_directory_exists(keel, tiny_dir, t
     assert not (tmp_path / "r").exists()
 
 
-def test_infinite_learning_rate_is_refused_before_anything_is_written(keel, tmp_path):
+def test_infinite_learning_rate_is_refused_before_anything_is_written(keel_main, tmp_path):
     run_dir = tmp_path / "r"
-    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
-                "--set", "train.lr=.inf")  # fmt: skip
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                     "--set", "train.lr=.inf")  # fmt: skip
     assert_clean_error(proc, "train.lr: ", "finite")
     assert not run_dir.exists()
 
@@ -123,11 +144,11 @@ def test_dataset_that_is_not_utf8_names_the_file_and_line(keel, tiny_dir, tmp_pa
     assert not (tmp_path / "r").exists()
 
 
-def test_config_that_is_not_utf8_names_the_file_and_line(keel, tmp_path):
+def test_config_that_is_not_utf8_names_the_file_and_line(keel_main, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_bytes(b"models: {actor: builtin:tiny}\n# r\xe9sum\xe9\nalgorithm: {name: grpo}\n")
     for command in (["config", "validate"], ["train"]):
-        assert_clean_error(keel(*command, str(cfg)), f"{cfg}:2: not valid UTF-8")
+        assert_clean_error(keel_main(*command, str(cfg)), f"{cfg}:2: not valid UTF-8")
 
 
 def unusable_run_dirs(tmp_path):
@@ -143,17 +164,17 @@ def unusable_run_dirs(tmp_path):
     return cases
 
 
-def test_unusable_run_dir_is_an_error_before_models_load(keel, tmp_path):
+def test_unusable_run_dir_is_an_error_before_models_load(keel_main, tmp_path):
     for run_dir, needle in unusable_run_dirs(tmp_path):
-        proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
-                    "--set", "models.actor=/nonexistent/model")  # fmt: skip
+        proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                         "--set", "models.actor=/nonexistent/model")  # fmt: skip
         assert_clean_error(proc, f"run_dir {run_dir}", needle)
         assert "/nonexistent/model" not in proc.stderr  # checked before any model loads
     assert (tmp_path / "afile").read_text() == "not a folder"
 
 
-def test_prompts_and_responses_past_the_models_context_are_refused(keel, tiny_dir, tmp_path):
-    proc = keel(*tiny_run(tiny_dir, tmp_path / "r", "data.max_prompt_length=6000"))
+def test_prompts_and_responses_past_the_models_context_are_refused(keel_main, tiny_dir, tmp_path):
+    proc = keel_main(*tiny_run(tiny_dir, tmp_path / "r", "data.max_prompt_length=6000"))
     assert_clean_error(
         proc, "data.max_prompt_length (6000) + rollout.max_new_tokens (6) = 6006 tokens",
         f"models.actor ({tiny_dir})", "at most 256 tokens",
