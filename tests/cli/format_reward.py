@@ -12,3 +12,20 @@ def explode(prompt, response, answer, **kwargs):
 def digit_fraction_trl(completions, answer, **kwargs):
     """digit_fraction with TRL's signature (reward.signature: trl): the batch in, a list out."""
     return [digit_fraction(None, c, a) for c, a in zip(completions, answer, strict=True)]
+
+
+def exits(prompt, response, answer, **kwargs):
+    import sys
+
+    sys.exit(0)
+
+
+def interrupts(prompt, response, answer, **kwargs):
+    raise KeyboardInterrupt
+
+
+def never_returns(prompt, response, answer, **kwargs):
+    import time
+
+    time.sleep(3600)
+    return 1.0

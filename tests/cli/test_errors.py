@@ -1,5 +1,12 @@
 """Bad input: one clear line on stderr, exit status 2, and nothing in the run dir damaged."""
 
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.cli.conftest import REPO
+
 
 def assert_clean_error(proc, *needles):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
@@ -7,6 +14,25 @@ def assert_clean_error(proc, *needles):
     assert proc.stderr.startswith("keel: error:")
     for needle in needles:
         assert needle in proc.stderr, (needle, proc.stderr)
+
+
+@pytest.fixture
+def keel_main(capsys, monkeypatch):
+    """keel_main(*args) → (returncode, stderr) of `keel.cli.main.main` run in this process from
+    the repository root: the same code as the console script, for errors raised before any
+    model loads (no interpreter start-up per call)."""
+    from types import SimpleNamespace
+
+    from keel.cli.main import main
+
+    monkeypatch.chdir(REPO)
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(list(args))
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+    return run
 
 
 def test_config_typo(keel, tmp_path):
@@ -63,4 +89,94 @@ def test_overlong_prompt_fails_before_the_run_directory_exists(keel, tiny_dir, t
     overrides = ["--set", f"models.actor={tiny_dir}", "--set", "data.max_prompt_length=4"]
     proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", run_dir, *overrides)
     assert_clean_error(proc, "data.max_prompt_length (4)")
+    assert not (tmp_path / "r").exists()
+
+
+def test_infinite_learning_rate_is_refused_before_anything_is_written(keel_main, tmp_path):
+    run_dir = tmp_path / "r"
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                     "--set", "train.lr=.inf")  # fmt: skip
+    assert_clean_error(proc, "train.lr: ", "finite")
+    assert not run_dir.exists()
+
+
+def tiny_run(tiny_dir, run_dir, *sets):
+    args = ["train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir)]
+    for s in [f"models.actor={tiny_dir}", "data.arithmetic.eval_size=8", "train.steps=2",
+              "train.batch_size=4", "train.mini_batch_size=4", "rollout.n=4", *sets]:  # fmt: skip
+        args += ["--set", s]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("fn", "needle"), [("exits", "SystemExit(0)"), ("interrupts", "KeyboardInterrupt()")]
+)
+def test_reward_that_exits_or_interrupts_is_a_reward_error(keel, tiny_dir, tmp_path, fn, needle):
+    run_dir = tmp_path / "r"
+    proc = keel(*tiny_run(tiny_dir, run_dir, f"reward.fn=tests/cli/format_reward.py:{fn}"))
+    assert_clean_error(proc, f"format_reward.py:{fn} failed on row 0", needle)
+    assert not (run_dir / "model").exists()
+
+
+def test_reward_that_never_returns_stops_the_run_at_the_default_hung_call_bound(
+    keel, tiny_dir, tmp_path
+):
+    sets = [
+        "reward.fn=tests/cli/format_reward.py:never_returns", "reward.on_error=fallback",
+        "reward.timeout_s=0.05", "reward.max_concurrency=2",
+    ]  # fmt: skip
+    proc = keel(*tiny_run(tiny_dir, tmp_path / "r", *sets), timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # after the progress and the stop event
+    assert last.startswith("keel: error:")
+    assert "32 calls are still running after timing out" in last
+    assert "reward.max_hung_calls=32" in last
+    assert not (tmp_path / "r" / "model").exists()
+
+
+def test_dataset_that_is_not_utf8_names_the_file_and_line(keel, tiny_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff+2=", "answer": "3"}\n')
+    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+                "--set", f"models.actor={tiny_dir}", "--set", f"data.train={data}")  # fmt: skip
+    assert_clean_error(proc, f"{data}:2: not valid UTF-8")
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_that_is_not_utf8_names_the_file_and_line(keel_main, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_bytes(b"models: {actor: builtin:tiny}\n# r\xe9sum\xe9\nalgorithm: {name: grpo}\n")
+    for command in (["config", "validate"], ["train"]):
+        assert_clean_error(keel_main(*command, str(cfg)), f"{cfg}:2: not valid UTF-8")
+
+
+def unusable_run_dirs(tmp_path):
+    """(run_dir, what the error must say) for run directories no run can be written to."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    cases = [(afile, "is not a directory"), (afile / "r", f"{afile} is not a directory"),
+             (Path("/sys/keel-run"), "is not writable")]  # fmt: skip
+    if os.geteuid() != 0:  # root writes in any folder whatever its mode
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        cases.append((locked / "r", "is not writable"))
+    return cases
+
+
+def test_unusable_run_dir_is_an_error_before_models_load(keel_main, tmp_path):
+    for run_dir, needle in unusable_run_dirs(tmp_path):
+        proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
+                         "--set", "models.actor=/nonexistent/model")  # fmt: skip
+        assert_clean_error(proc, f"run_dir {run_dir}", needle)
+        assert "/nonexistent/model" not in proc.stderr  # checked before any model loads
+    assert (tmp_path / "afile").read_text() == "not a folder"
+
+
+def test_prompts_and_responses_past_the_models_context_are_refused(keel_main, tiny_dir, tmp_path):
+    proc = keel_main(*tiny_run(tiny_dir, tmp_path / "r", "data.max_prompt_length=6000"))
+    assert_clean_error(
+        proc, "data.max_prompt_length (6000) + rollout.max_new_tokens (6) = 6006 tokens",
+        f"models.actor ({tiny_dir})", "at most 256 tokens",
+    )  # fmt: skip
     assert not (tmp_path / "r").exists()

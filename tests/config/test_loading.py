@@ -156,3 +156,76 @@ def test_override_numbers_without_a_dot_are_floats_but_quoted_text_stays_text():
     assert parse_override("train.lr=1e-6") == ("train.lr", 1e-6)
     assert parse_override('run_dir="2024"') == ("run_dir", "2024")
     assert parse_override("rollout.n=4") == ("rollout.n", 4)
+
+
+# ------------------------------------------------------------------- finite numbers
+NON_FINITE_OVERRIDES = [
+    ("train.lr=.inf", "train.lr"),
+    ("train.lr=inf", "train.lr"),
+    ("train.lr=.nan", "train.lr"),
+    ("train.lr=NaN", "train.lr"),
+    ("train.lr=1e999", "train.lr"),  # overflows to inf
+    ("train.eps=-.inf", "train.eps"),
+    ("train.betas=[0.9, .nan]", "train.betas.1"),
+    ("reward.fallback_score=.nan", "reward.fallback_score"),
+    ("guard.kl_max=.inf", "guard.kl_max"),
+    ("eval.correct_threshold=-.inf", "eval.correct_threshold"),
+    ("reward.kwargs={scale: .nan}", "reward.kwargs"),
+    ("reward.kwargs={limits: [1, .inf]}", "reward.kwargs"),
+]
+
+
+def problem(msg: str, key: str) -> str:
+    """The line of a ConfigError that reports `key`."""
+    found = [line for line in msg.splitlines() if line.startswith(f"  {key}: ")]
+    assert found, msg
+    return found[0]
+
+
+@pytest.mark.parametrize(("item", "key"), NON_FINITE_OVERRIDES)
+def test_non_finite_number_from_set_is_rejected_naming_the_key(tmp_path, item, key):
+    assert "finite" in problem(load_error(write_config(tmp_path), [item]), key)
+
+
+def test_non_finite_number_in_the_file_is_rejected_naming_the_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\n"
+        "train: {lr: .inf, weight_decay: .nan}\n"
+    )
+    msg = load_error(path)
+    assert str(path) in msg
+    assert "finite" in problem(msg, "train.lr")
+    assert "finite" in problem(msg, "train.weight_decay")
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.Inf", "1e400"])
+def test_non_finite_number_from_the_environment_is_rejected(tmp_path, value):
+    msg = load_error(write_config(tmp_path), environ={"KEEL__TRAIN__LR": value})
+    assert "finite" in problem(msg, "train.lr")
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo"])
+def test_clip_ratio_c_nan_is_rejected(tmp_path, name):
+    path = write_config(tmp_path, algorithm={"name": name})
+    assert "(got nan)" in problem(load_error(path, ["algorithm.clip_ratio_c=.nan"]),
+                                  "algorithm.clip_ratio_c")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "ppo"])
+def test_clip_ratio_c_inf_still_disables_the_dual_clip(tmp_path, name):
+    cfg = load_config(write_config(tmp_path, algorithm={"name": name}),
+                      ["algorithm.clip_ratio_c=.inf"], environ={})  # fmt: skip
+    assert cfg.algorithm.clip_ratio_c == float("inf")
+
+
+def test_config_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\nrun_dir: r\xe9s\n")
+    assert f"{path}:3: not valid UTF-8 (byte 0xe9 at column 11)" in load_error(path)
+
+
+def test_config_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"\xef\xbb\xbfmodels: {actor: builtin:tiny}\nalgorithm: {name: grpo}\n")
+    assert load_config(path, environ={}).models.actor == "builtin:tiny"

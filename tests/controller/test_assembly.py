@@ -1,7 +1,19 @@
 """Assembling a run: which roles exist, and which held-out data is used."""
 
+
+import pytest
+
 from keel.config import validate
-from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.assembly import (
+    Datasets,
+    build_reward,
+    build_roles,
+    check_context_length,
+    fit_prompt_lengths,
+    load_datasets,
+)
+from keel.data import DataError, Example
+from keel.models import ModelLoadError, build_char_tokenizer
 from keel.recipes import build_spec
 
 
@@ -38,3 +50,63 @@ def test_eval_defaults_to_the_arithmetic_held_out_split_only_for_arithmetic(tmp_
     assert load_datasets(own, build_spec(own)).eval == []
     arith = validate({**base, "data": {"arithmetic": {"eval_size": 7}}})
     assert len(load_datasets(arith, build_spec(arith)).eval) == 7
+
+
+# ------------------------------------------------------- prompt lengths and the context
+def long_and_short():
+    train = [Example("1+1=", "2", source="t.jsonl:1"), Example("1" * 20 + "=", source="t.jsonl:2")]
+    return Datasets(train=train, eval=[Example("2" * 30 + "=", source="e.jsonl:5")])
+
+
+def data_cfg(truncation: str):
+    cfg = validate({"models": {"actor": "x"}, "algorithm": {"name": "grpo"},
+                    "data": {"max_prompt_length": 8, "truncation": truncation}})  # fmt: skip
+    return cfg.data
+
+
+def test_a_prompt_over_the_limit_is_an_error_naming_its_line_by_default():
+    with pytest.raises(DataError, match=r"t\.jsonl:2: prompt is 21 tokens, .*data\.truncation"):
+        fit_prompt_lengths(build_char_tokenizer(), long_and_short(), data_cfg("error"))
+
+
+def test_drop_leaves_long_prompts_out_and_counts_them():
+    data = fit_prompt_lengths(build_char_tokenizer(), long_and_short(), data_cfg("drop"))
+    assert [ex.source for ex in data.train] == ["t.jsonl:1"] and data.eval == []
+    assert data.dropped_prompts == 2 and data.truncated_prompts == 0
+    assert data.long_prompts == ["t.jsonl:2 (21 tokens)", "e.jsonl:5 (31 tokens)"]
+
+
+def test_drop_that_leaves_nothing_to_train_on_is_an_error():
+    data = Datasets(train=[Example("1" * 20, source="t.jsonl:1")], eval=[])
+    with pytest.raises(DataError, match="every prompt is longer"):
+        fit_prompt_lengths(build_char_tokenizer(), data, data_cfg("drop"))
+
+
+def test_left_keeps_long_prompts_and_counts_them():
+    data = fit_prompt_lengths(build_char_tokenizer(), long_and_short(), data_cfg("left"))
+    assert len(data.train) == 2 and len(data.eval) == 1
+    assert data.truncated_prompts == 2 and data.dropped_prompts == 0
+
+
+@pytest.mark.parametrize(
+    ("sets", "keys"),
+    [
+        ({"data": {"max_prompt_length": 250}, "rollout": {"max_new_tokens": 7}},
+         "data.max_prompt_length (250) + rollout.max_new_tokens (7) = 257 tokens"),
+        ({"data": {"max_prompt_length": 200}, "eval": {"max_new_tokens": 60}},
+         "data.max_prompt_length (200) + eval.max_new_tokens (60) = 260 tokens"),
+    ],
+)  # fmt: skip
+def test_sequences_longer_than_the_models_context_are_refused(tiny_dir, sets, keys):
+    cfg = validate({"models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"}, **sets})
+    with pytest.raises(ModelLoadError) as info:
+        check_context_length(cfg, build_spec(cfg))
+    msg = str(info.value)
+    assert keys in msg and f"models.actor ({tiny_dir})" in msg
+    assert "at most 256 tokens (max_position_embeddings in its config.json)" in msg
+
+
+def test_sequences_that_fit_the_context_pass(tiny_dir):
+    sets = {"data": {"max_prompt_length": 240}, "rollout": {"max_new_tokens": 16}}
+    cfg = validate({"models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"}, **sets})
+    check_context_length(cfg, build_spec(cfg))  # 256 = 256

@@ -173,3 +173,18 @@ def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_grpo, monkeypat
     assert [c.step for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [2]
     assert steps_logged(Path(cfg.run_dir)) == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_a_real_ctrl_c_while_the_reward_runs_still_preempts(tiny_grpo):
+    """Reward calls run on worker threads; a real SIGINT that arrives during one (here sent by
+    the reward itself, on the first call of step 2) still reaches the main thread's handler:
+    the step finishes and the run is preempted, not failed as a reward error."""
+    from keel.controller.runner import RunPreempted
+
+    faults = ROOT / "tests" / "guard" / "fault_rewards.py"
+    first_call_of_step_2 = 8 + 16  # eval_size 8 at step 0, then 4 prompts x 4 samples a step
+    cfg = tiny_grpo("train.steps=4", f"reward.fn={faults}:ctrl_c_at",
+                    f"reward.kwargs={{at: {first_call_of_step_2}}}")  # fmt: skip
+    with pytest.raises(RunPreempted, match="preempted by SIGINT after step 2"):
+        run_training(cfg)
+    assert [c.step for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [2]

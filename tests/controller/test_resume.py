@@ -3,6 +3,7 @@ and identical per-step metrics (timings aside). Parametrized over the example co
 example (PPO, DPO, …) is covered by adding it to examples/ (and, if it needs them, to
 RESUME_OVERRIDES)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,44 @@ def test_a_checkpoint_config_from_before_new_keys_and_resolved_paths_still_match
     assert config_changes(yaml.safe_dump(old), dump_config(current)) == []
     old["data"]["prompt_key"] = "question"
     assert config_changes(yaml.safe_dump(old), dump_config(current)) == ["data.prompt_key"]
+
+
+def corrupt(path: Path) -> None:
+    """Replace one byte of `path` with a byte that is not UTF-8, keeping its size."""
+    data = bytearray(path.read_bytes())
+    data[2] = 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_resume_files_that_are_not_utf8_are_clear_errors(tiny_grpo):
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    run_training(cfg)
+    run_dir, longer = Path(cfg.run_dir), tiny_grpo("train.steps=3", "checkpoint.save_steps=1")
+    metrics = run_dir / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    corrupt(metrics)
+    with pytest.raises(RunDirError, match=rf"{metrics} is unreadable .*utf-8"):
+        run_training(longer)
+    metrics.write_bytes(kept)
+    corrupt(run_dir / "checkpoints" / "step_000002" / "config.yaml")
+    with pytest.warns(UserWarning, match="config.yaml is unreadable"):
+        assert run_training(longer).resumed_from == 1  # falls back to the checkpoint before
+
+
+@pytest.mark.parametrize(
+    ("truncation", "key"), [("left", "data/truncated_prompts"), ("drop", "data/dropped_prompts")]
+)
+def test_prompts_over_the_limit_are_truncated_or_dropped_and_counted(
+    tiny_grpo, tmp_path, truncation, key
+):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1" * 40 + "+2=", "answer": "3"},
+            {"prompt": "2+3=", "answer": "5"}]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_grpo("train.steps=2", f"data.train={data}", "data.max_prompt_length=16",
+                    f"data.truncation={truncation}")  # fmt: skip
+    run_training(cfg)
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert rows[0][key] == 1.0 and rows[-1]["step"] == 2  # the long prompt did not stop it

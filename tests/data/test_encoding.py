@@ -75,3 +75,16 @@ def test_chat_prompt_goes_through_the_template(tok):
     messages = [{"role": "user", "content": "1+1="}]
     got = encode_prompts(tok, [Example(messages)], chat=False, max_prompt_length=64)
     assert got == [ids(tok, "<|user|>1+1=\n<|assistant|>")]
+
+
+def test_left_truncation_keeps_the_last_tokens(tok):
+    ex = Example("123456=", source="data.jsonl:7")
+    got = encode_prompts(tok, [ex], chat=False, max_prompt_length=4, truncation="left")
+    assert got == [ids(tok, "456=")]
+    with pytest.raises(DataError, match=r"data\.jsonl:7: prompt is 7 tokens"):
+        encode_prompts(tok, [ex], chat=False, max_prompt_length=4, truncation="error")
+
+
+def test_no_limit_measures_every_prompt(tok):
+    got = encode_prompts(tok, [Example("1" * 300)], chat=False, max_prompt_length=None)
+    assert len(got[0]) == 300

@@ -152,3 +152,33 @@ def test_missing_relative_dataset_says_where_relative_paths_are_looked_up(tmp_pa
         "dataset not found: nowhere/train.jsonl (a relative path is looked up in the config "
         "file's folder, then the working directory)"
     )
+
+
+def test_bytes_that_are_not_utf8_name_the_file_line_and_column(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n\n{"prompt": "caf\xe9"}\n')  # latin-1, not UTF-8
+    msg = data_error(path)
+    assert f"{path}:3: not valid UTF-8 (byte 0xe9 at column 16)" in msg
+
+
+def test_lines_that_are_not_utf8_are_skipped_and_counted_when_asked(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n{"prompt": "b"}\n')
+    bad: list[str] = []
+    examples = load_examples(path, on_bad_row="skip", bad_rows=bad)
+    assert [e.prompt for e in examples] == ["a", "b"]
+    assert len(bad) == 1 and f"{path}:2: not valid UTF-8" in bad[0]
+
+
+def test_a_utf8_byte_order_mark_and_non_ascii_text_are_accepted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes('\ufeff{"prompt": "café ∑"}\n'.encode())
+    assert load_examples(path)[0].prompt == "café ∑"
+
+
+def test_parquet_text_that_is_not_utf8_names_the_row_and_column(tmp_path):
+    offsets = pa.array([0, 2, 4], type=pa.int32()).buffers()[1]
+    prompts = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfe")])
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": prompts}), path)
+    assert f"{path}: row 1: column 'prompt' is not valid UTF-8" in data_error(path)

@@ -29,3 +29,16 @@ def raises_sometimes(prompt, response, answer, **kwargs):
     if len(response) % 2:
         raise RuntimeError("flaky reward service")
     return 1.0
+
+
+def ctrl_c_at(prompt, response, answer, **kwargs):
+    """Sends a real SIGINT to its own process (a user's Ctrl-C) on call number kwargs["at"]
+    (0-based), and returns normally."""
+    import os
+    import signal
+
+    n = CALLS[0]
+    CALLS[0] += 1
+    if n == kwargs["at"]:
+        os.kill(os.getpid(), signal.SIGINT)
+    return 1.0

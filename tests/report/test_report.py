@@ -112,3 +112,9 @@ def test_dynamic_sampling_runs_are_compared_on_the_mean_over_every_generated_gro
     assert "0.9" not in page
     assert (tmp_path / "out" / "dynamic_sampling.png").is_file()
     assert draw(sampling, [grpo], tmp_path) is None
+
+
+def test_a_line_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n')
+    with pytest.raises(ReportError, match=r"metrics\.jsonl:2: not valid UTF-8"):
+        load_run(tmp_path)

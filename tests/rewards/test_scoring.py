@@ -162,3 +162,116 @@ def test_trl_timeout_covers_the_whole_call():
     start = time.monotonic()
     assert scorer.score(["p"] * 2, ["a", "b"], [None] * 2) == ([-1.0, -1.0], 2)
     assert time.monotonic() - start < 2
+
+
+# --------------------------------------------------- hostile reward code (BaseException)
+def raiser(exc: BaseException):
+    def fn(prompt, response, answer, **kwargs):
+        if response == "b":
+            raise exc
+        return 1.0
+
+    return fn
+
+
+HOSTILE = [SystemExit(0), SystemExit(3), KeyboardInterrupt(), GeneratorExit()]
+
+
+@pytest.mark.parametrize("exc", HOSTILE, ids=repr)
+def test_base_exceptions_from_the_reward_fall_back_and_are_counted(exc):
+    scorer = RewardScorer(raiser(exc), on_error="fallback", fallback_score=-1.0)
+    assert scorer.score(["p"] * 3, ["a", "b", "c"], [None] * 3) == ([1.0, -1.0, 1.0], 1)
+
+
+@pytest.mark.parametrize("exc", HOSTILE, ids=repr)
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_base_exceptions_from_the_reward_are_reward_errors(exc, timeout_s):
+    scorer = RewardScorer(raiser(exc), name="my.py:fn", timeout_s=timeout_s)
+    with pytest.raises(RewardError, match=rf"my\.py:fn failed on row 1 .*{type(exc).__name__}"):
+        scorer.score(["p"] * 2, ["a", "b"], [None] * 2)
+
+
+def test_reward_calls_never_run_on_the_main_thread():
+    import threading
+
+    seen = []
+    scorer = RewardScorer(lambda *a, **k: seen.append(threading.current_thread()) or 1.0,
+                          timeout_s=None)  # fmt: skip
+    scorer.score(["p"] * 2, ["a", "b"], [None] * 2)
+    assert seen and threading.main_thread() not in seen
+
+
+# ------------------------------------------------------------------ out-of-range scores
+@pytest.mark.parametrize("bad", [1e39, -1e39, 3.5e38, 10**400], ids=str)
+def test_scores_outside_the_float32_range_are_errors(bad):
+    scorer = RewardScorer(lambda *a, **k: bad, on_error="fallback", fallback_score=0.5)
+    assert scorer.score(["p"], ["r"], ["a"]) == ([0.5], 1)
+    with pytest.raises(RewardError, match=r"float32|too large|overflow"):
+        RewardScorer(lambda *a, **k: bad).score(["p"], ["r"], ["a"])
+
+
+def test_the_largest_float32_score_is_accepted_and_stays_finite():
+    import torch
+
+    scorer = RewardScorer(lambda *a, **k: 3.4e38)
+    scores, errors = scorer.score(["p"], ["r"], ["a"])
+    assert errors == 0 and torch.isfinite(torch.tensor(scores, dtype=torch.float32)).all()
+
+
+def test_max_abs_bounds_the_scores():
+    scorer = RewardScorer(lambda p, r, a, **k: float(r), on_error="fallback", max_abs=10.0)
+    assert scorer.score(["p"] * 4, ["10", "-10", "10.5", "-11"], [None] * 4) == (
+        [10.0, -10.0, 0.0, 0.0],
+        2,
+    )
+    with pytest.raises(RewardError, match=r"outside ±reward\.max_abs \(10\)"):
+        RewardScorer(lambda *a, **k: 11.0, max_abs=10.0).score(["p"], ["r"], ["a"])
+
+
+# ---------------------------------------------------------------------- hung calls
+def test_the_default_timeout_is_finite():
+    assert RewardScorer(numeric_match).timeout_s == 60.0
+
+
+def test_hung_calls_are_bounded_and_then_stop_the_scorer():
+    """A reward that never returns, scored step after step: the live threads stay bounded and
+    the scorer stops with a RewardError instead of starting more."""
+    import threading
+
+    release = threading.Event()
+
+    def hangs(prompt, response, answer, **kwargs):
+        release.wait()
+        return 1.0
+
+    before = threading.active_count()
+    scorer = RewardScorer(hangs, on_error="fallback", timeout_s=0.01, max_concurrency=2)
+    bound = scorer.max_hung_calls + scorer.max_concurrency
+    try:
+        with pytest.raises(RewardError, match=r"still running after timing out.*max_hung_calls"):
+            for _ in range(30):  # 30 steps of 4 rows: 120 calls, every one hangs
+                scorer.score(["p"] * 4, ["r"] * 4, [None] * 4)
+                assert threading.active_count() - before <= bound
+        assert threading.active_count() - before <= bound
+        with pytest.raises(RewardError, match="max_hung_calls"):  # starts no further thread
+            scorer.score(["p"] * 4, ["r"] * 4, [None] * 4)
+        assert threading.active_count() - before <= bound
+    finally:
+        release.set()
+
+
+def test_hung_calls_that_return_late_no_longer_count():
+    import threading
+
+    release = threading.Event()
+    scorer = RewardScorer(lambda *a, **k: release.wait() and 1.0, on_error="fallback",
+                          timeout_s=0.01, max_hung_calls=3)  # fmt: skip
+    assert scorer.score(["p"] * 2, ["r"] * 2, [None] * 2) == ([0.0, 0.0], 2)
+    assert scorer.hung_calls() == 2
+    release.set()
+    for _ in range(100):
+        if scorer.hung_calls() == 0:
+            break
+        threading.Event().wait(0.01)
+    assert scorer.hung_calls() == 0
+    assert scorer.score(["p"] * 2, ["r"] * 2, [None] * 2) == ([1.0, 1.0], 0)

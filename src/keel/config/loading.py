@@ -48,10 +48,17 @@ def load_config(
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML file; a missing or unreadable file, bytes that are not UTF-8, bad
+    YAML or a top level that is not a mapping are ConfigErrors naming the file (and line)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
+    text = decode_text(raw, str(path))
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -61,6 +68,21 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return data
+
+
+def decode_text(raw: bytes, name: str) -> str:
+    """`raw` as UTF-8 text (a leading byte-order mark dropped); bytes that are not UTF-8 are a
+    ConfigError naming `name`, the line and the column."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        bad = raw[exc.start : exc.start + 1].hex()
+        raise ConfigError(
+            f"{name}:{line}: not valid UTF-8 (byte 0x{bad} at column {column}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -1,14 +1,17 @@
 """The typed run configuration: one pydantic section per component, unknown keys rejected.
 
 The algorithm section is a union keyed on `algorithm.name`. Cross-field checks (batch algebra)
-live in `keel.config.derived` and run before any model loads.
+live in `keel.config.derived` and run before any model loads. Every number must be finite
+(NaN and ±inf are errors naming the key), except `clip_ratio_c`, where `.inf` disables the
+dual clip.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 AggMode = Literal[
     "token-mean",
@@ -24,9 +27,39 @@ KLType = Literal[
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are checked on assignment."""
+    """Base of every config section: unknown keys are errors, values are checked on assignment,
+    float fields reject NaN and ±inf."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def non_finite_path(value: Any, path: str = "") -> str | None:
+    """The dotted path (below `value`) of the first NaN or ±inf float inside nested mappings and
+    lists, "" for `value` itself, or None when every number is finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = non_finite_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _finite_values(value: dict[str, object]) -> dict[str, object]:
+    found = non_finite_path(value)
+    if found is not None:
+        raise ValueError(f"{found} must be a finite number (NaN and infinities are not allowed)")
+    return value
+
+
+# A free-form mapping (reward.kwargs, storage options) whose numbers must still be finite.
+FiniteMapping = Annotated[dict[str, object], AfterValidator(_finite_values)]
 
 
 class ModelsConfig(Section):
@@ -76,6 +109,11 @@ class DataConfig(Section):
     rejected_key: str = Field("rejected", description="preference pairs: the other response")
     apply_chat_template: bool = False
     max_prompt_length: int = Field(64, ge=1)
+    truncation: Literal["error", "left", "drop"] = Field(
+        "error",
+        description="a prompt longer than max_prompt_length: error (naming file:line), left "
+        "(keep its last max_prompt_length tokens) or drop (leave it out, counted)",
+    )
     shuffle: bool = True
     arithmetic: ArithmeticConfig = ArithmeticConfig()
 
@@ -103,14 +141,20 @@ class RewardConfig(Section):
         description="row: fn(prompt, response, answer, **kwargs) -> float per row; trl: "
         "fn(prompts=, completions=, <data.answer_key>=, **kwargs) -> list[float] per batch",
     )
-    kwargs: dict[str, object] = Field(default_factory=dict)
+    kwargs: FiniteMapping = Field(default_factory=dict)
     on_error: Literal["raise", "fallback"] = "raise"
     fallback_score: float = 0.0
     model: RewardModelConfig = RewardModelConfig()
     timeout_s: float | None = Field(
-        None, gt=0, description="per-call time limit; a call past it is an error; null: none"
+        60.0, gt=0, description="per-call time limit; a call past it is an error; null: none"
     )
     max_concurrency: int = Field(1, ge=1, description="reward calls running at once (threads)")
+    max_hung_calls: int = Field(
+        32, ge=1, description="stop the run when this many timed-out calls are still running"
+    )
+    max_abs: float | None = Field(
+        None, gt=0, description="a score with |score| above this is an error; null: no bound"
+    )
     max_error_rate: float = Field(
         1.0, ge=0, le=1, description="stop the run when a step's errored fraction exceeds this"
     )
@@ -173,7 +217,7 @@ class CheckpointConfig(Section):
     upload_to: str | None = Field(
         None, description="fsspec URL (s3://bucket/prefix, file://…) to copy each checkpoint to"
     )
-    storage_options: dict[str, object] = Field(
+    storage_options: FiniteMapping = Field(
         default_factory=dict, description="fsspec options for upload_to (endpoint_url, key, …)"
     )
 
@@ -255,7 +299,9 @@ class GRPOAlgorithm(Section):
     adv_epsilon: float = Field(1e-6, gt=0)
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant; .inf disables")
+    clip_ratio_c: float = Field(
+        3.0, gt=1, allow_inf_nan=True, description="dual-clip constant; .inf disables"
+    )
     loss_agg_mode: AggMode = "seq-mean-token-mean"
     loss_scale_factor: float | None = Field(None, gt=0)
     kl_loss_coef: float = Field(0.001, ge=0, description="0 loads no reference model")
@@ -319,7 +365,9 @@ class DAPOAlgorithm(GRPOAlgorithm):
 
     name: Literal["dapo"]  # type: ignore[assignment]
     clip_ratio_high: float = Field(0.28, ge=0)
-    clip_ratio_c: float = Field(10.0, gt=1, description="dual-clip constant; .inf disables")
+    clip_ratio_c: float = Field(
+        10.0, gt=1, allow_inf_nan=True, description="dual-clip constant; .inf disables"
+    )
     loss_agg_mode: AggMode = "token-mean"
     kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
     dynamic_sampling: bool = Field(True, description="drop groups whose scores are all equal")
@@ -359,7 +407,9 @@ class RewardKLAlgorithm(Section):
 
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant; .inf disables")
+    clip_ratio_c: float = Field(
+        3.0, gt=1, allow_inf_nan=True, description="dual-clip constant; .inf disables"
+    )
     loss_agg_mode: AggMode = "token-mean"
     loss_scale_factor: float | None = Field(None, gt=0)
     use_kl_in_reward: bool = True

@@ -8,16 +8,18 @@ keel.workers.build (on every Ray rank too).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import DataConfig, KeelConfig
-from keel.data import DataError, Example, arithmetic_splits, load_examples
+from keel.data import DataError, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts
 from keel.data.preference import load_preference_pairs, preference_splits
 from keel.data.saved import choose_split
+from keel.models import ModelLoadError, resolve_model_path
+from keel.models.loading import context_length
 from keel.rewards import RewardScorer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
@@ -32,8 +34,8 @@ from keel.workers.build import (
 
 __all__ = [
     "BUILTIN_TASK", "PAIR_STAGES", "PREFERENCE_TASK", "ROLES", "Datasets", "Roles",
-    "assemble_roles", "build_reward", "build_roles", "build_workers", "check_prompt_lengths",
-    "load_datasets", "role_names",
+    "assemble_roles", "build_reward", "build_roles", "build_workers", "check_context_length",
+    "fit_prompt_lengths", "load_datasets", "role_names",
 ]  # fmt: skip
 
 BUILTIN_TASK = "builtin:arithmetic"
@@ -43,11 +45,15 @@ PREFERENCE_TASK = "builtin:preference"
 @dataclass
 class Datasets:
     """Examples, or PreferencePairs for the stages in PAIR_STAGES. bad_rows: errors of the rows
-    left out under `data.on_bad_row: skip`."""
+    left out under `data.on_bad_row: skip`; dropped_prompts / truncated_prompts: prompts longer
+    than data.max_prompt_length under `data.truncation: drop / left` (fit_prompt_lengths)."""
 
     train: list[Any]
     eval: list[Any]
     bad_rows: list[str] = field(default_factory=list)
+    dropped_prompts: int = 0  # data.truncation: drop
+    truncated_prompts: int = 0  # data.truncation: left
+    long_prompts: list[str] = field(default_factory=list)  # "source (N tokens)" of each
 
 
 def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec) -> Datasets:
@@ -113,16 +119,100 @@ def _load_sources(
     return Datasets(train=load(d.train, 0), eval=load(eval_source, 1) if eval_source else [])
 
 
-def check_prompt_lengths(tokenizer: Any, examples: list[Example], data: DataConfig) -> None:
-    """Every prompt fits data.max_prompt_length, checked before training starts (DataError
-    naming the first example that does not)."""
+def fit_prompt_lengths(tokenizer: Any, data: Datasets, cfg: DataConfig) -> Datasets:
+    """The datasets with every prompt measured against data.max_prompt_length before training
+    starts, as data.truncation says: `error` raises a DataError naming the first example that
+    is too long (file:line or row); `left` keeps them (encoding keeps their last
+    max_prompt_length tokens) and counts them in `truncated_prompts`; `drop` leaves them out
+    and counts them in `dropped_prompts` (a DataError when no training example is left)."""
+    limit = cfg.max_prompt_length
+    long: dict[str, list[tuple[Any, int]]] = {}
+    for split in ("train", "eval"):
+        examples = getattr(data, split)
+        long[split] = [
+            (ex, n)
+            for ex, n in zip(examples, prompt_lengths(tokenizer, examples, cfg), strict=True)
+            if n > limit
+        ]
+    found = [*long["train"], *long["eval"]]
+    if not found:
+        return data
+    if cfg.truncation == "error":
+        ex, n = found[0]
+        raise DataError(
+            f"{ex.source}: prompt is {n} tokens, more than data.max_prompt_length ({limit}); "
+            "raise it, or set data.truncation: left (keep the last tokens) or drop"
+        )
+    if cfg.truncation == "left":
+        return replace(data, truncated_prompts=len(found), long_prompts=_describe(found))
+    too_long = {id(ex) for ex, _ in found}
+    train = [ex for ex in data.train if id(ex) not in too_long]
+    if not train:
+        raise DataError(
+            f"data.train ({cfg.train}): every prompt is longer than data.max_prompt_length "
+            f"({limit}), so data.truncation: drop leaves nothing to train on"
+        )
+    return replace(
+        data,
+        train=train,
+        eval=[ex for ex in data.eval if id(ex) not in too_long],
+        dropped_prompts=len(found),
+        long_prompts=_describe(found),
+    )
+
+
+def _describe(found: list[tuple[Any, int]]) -> list[str]:
+    return [f"{ex.source} ({n} tokens)" for ex, n in found]
+
+
+def prompt_lengths(tokenizer: Any, examples: list[Any], cfg: DataConfig) -> list[int]:
+    """Token count of every example's rendered prompt (in chunks of 1024), no limit applied."""
+    lengths: list[int] = []
     for start in range(0, len(examples), 1024):
-        encode_prompts(
+        ids = encode_prompts(
             tokenizer,
             examples[start : start + 1024],
-            chat=data.apply_chat_template,
-            max_prompt_length=data.max_prompt_length,
+            chat=cfg.apply_chat_template,
+            max_prompt_length=None,
         )
+        lengths.extend(len(x) for x in ids)
+    return lengths
+
+
+def generation_budget(cfg: KeelConfig) -> tuple[int, str]:
+    """(the most tokens a generated sequence can have, the keys it comes from): the longest
+    prompt plus the larger of the training and evaluation response lengths."""
+    rollout, evaluation = cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0
+    new, key = (rollout, "rollout") if rollout >= evaluation else (evaluation, "eval")
+    total = cfg.data.max_prompt_length + new
+    return total, (
+        f"data.max_prompt_length ({cfg.data.max_prompt_length}) + {key}.max_new_tokens ({new}) "
+        f"= {total} tokens"
+    )
+
+
+def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
+    """The longest sequence the run generates fits every model that reads it: a ModelLoadError
+    naming the keys and the model otherwise, raised from the model configs alone (before any
+    weights load). Stages that never generate (rm; dpo without eval_generate) are not checked."""
+    if spec.stage not in ("rl", "sft") and not spec.generate_eval:
+        return
+    m = cfg.models
+    models = {"models.actor": m.actor}
+    if spec.needs_reference and m.reference:
+        models["models.reference"] = m.reference
+    if spec.needs_critic and m.critic:
+        models["models.critic"] = m.critic
+    total, keys = generation_budget(cfg)
+    for key, value in models.items():
+        found = context_length(resolve_model_path(value))
+        if found is not None and total > found[0]:
+            limit, source = found
+            raise ModelLoadError(
+                f"{keys} do not fit {key} ({value}): it takes at most {limit} tokens ({source}); "
+                "lower data.max_prompt_length (data.truncation: left or drop then handles "
+                "longer prompts) or the max_new_tokens"
+            )
 
 
 def assemble_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> Roles:

@@ -49,6 +49,7 @@ class PairController:
             pairs,
             chat=self.cfg.data.apply_chat_template,
             max_prompt_length=self.cfg.data.max_prompt_length,
+            truncation=self.cfg.data.truncation,
         )
 
     def finish(self, start: float, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:

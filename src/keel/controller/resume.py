@@ -10,6 +10,8 @@ into RUN_DIR/checkpoints first.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,27 @@ def plan_resume(run_dir: Path, resume: str, overwrite: bool, steps: int) -> Resu
             "train.steps to continue it, choose another run_dir, or pass --overwrite"
         )
     return ResumePlan([c.path for c in found])
+
+
+def check_run_dir_usable(run_dir: Path) -> None:
+    """RUN_DIR is a directory Keel can write in, or can be created as one: RunDirError naming
+    the path when it is a file, lies under a file, or its nearest existing folder refuses new
+    files. Leaves nothing behind (a probe file is created and removed at once)."""
+    parents = (run_dir, *run_dir.parents)
+    existing = next((p for p in parents if p.exists() or p.is_symlink()), Path("."))
+    if not existing.is_dir():
+        if existing == run_dir:
+            raise RunDirError(f"run_dir {run_dir} is not a directory (it is a file)")
+        raise RunDirError(f"run_dir {run_dir} cannot be created: {existing} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".keel-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        what = "" if existing == run_dir else f" (its nearest existing folder is {existing})"
+        raise RunDirError(
+            f"run_dir {run_dir} is not writable{what}: {exc.strerror or exc}"
+        ) from None
 
 
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from keel.checkpoint import (
     CheckpointError,
@@ -31,7 +32,8 @@ from keel.config.schema import KeelConfig
 from keel.controller.assembly import (
     assemble_roles,
     build_reward,
-    check_prompt_lengths,
+    check_context_length,
+    fit_prompt_lengths,
     load_datasets,
 )
 from keel.controller.preemption import Preemption
@@ -40,6 +42,7 @@ from keel.controller.resume import (
     RUN_FILES,
     ResumePlan,
     RunDirError,
+    check_run_dir_usable,
     config_changes,
     plan_resume,
 )
@@ -47,6 +50,7 @@ from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.engine.seeding import seed_everything
 from keel.guard import EventLog, Guard, Verdict
+from keel.models import load_tokenizer, resolve_model_path
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.recipes import build_spec
@@ -98,10 +102,13 @@ def run_training(
     cfg = resolve_input_paths(cfg, config_dir)  # a no-op for a config from load_config
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
+    check_run_dir_usable(run_dir)
     plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
     check_monitor_config(cfg)
+    check_context_length(cfg, spec)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec)
+    data = fit_prompt_lengths(load_tokenizer(resolve_model_path(cfg.models.actor)), data, cfg.data)
     scorer = build_reward(cfg)
     restarts, note = 0, None
     while True:
@@ -139,7 +146,6 @@ def _run(
 ) -> RunResult:
     """One attempt of the run on `roles`; `note`: (step, why) when it restarts the run."""
     run_dir = Path(cfg.run_dir)
-    check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite and plan is None)
@@ -151,6 +157,8 @@ def _run(
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         if data.bad_rows:
             loop.note_bad_rows(data.bad_rows)
+        if data.long_prompts:
+            loop.note_long_prompts(data)
         return loop.run(start, stop_after)
     finally:
         loop.close()
@@ -250,6 +258,23 @@ class TrainingLoop:
         print(f"keel: skipped {len(bad_rows)} bad data rows: {shown}", file=sys.stderr)
         self.pending["data/skipped_rows"] = float(len(bad_rows))
 
+    def note_long_prompts(self, data: Any) -> None:
+        """data.truncation left/drop: say how many prompts were over data.max_prompt_length and
+        log the count (data/truncated_prompts or data/dropped_prompts) in the next row."""
+        what, key = (
+            ("dropped", "data/dropped_prompts")
+            if data.dropped_prompts
+            else ("truncated to their last tokens", "data/truncated_prompts")
+        )
+        long = data.long_prompts
+        shown = "; ".join(long[:3]) + (" …" if len(long) > 3 else "")
+        print(
+            f"keel: {len(long)} prompts longer than data.max_prompt_length "
+            f"({self.cfg.data.max_prompt_length}) were {what}: {shown}",
+            file=sys.stderr,
+        )
+        self.pending[key] = float(len(long))
+
     # ------------------------------------------------------------------- checkpoints
     def _components(self) -> dict[str, Any]:
         return {"controller": self.controller, "guard": self.guard}
@@ -333,7 +358,10 @@ class TrainingLoop:
         saved = path / "config.yaml"
         if not saved.is_file():
             raise CheckpointError(f"checkpoint {path} has no config.yaml")
-        changed = config_changes(saved.read_text(), dump_config(self.cfg))
+        try:
+            changed = config_changes(saved.read_bytes().decode("utf-8"), dump_config(self.cfg))
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # not UTF-8, not YAML…
+            raise CheckpointError(f"checkpoint {path}: config.yaml is unreadable ({exc})") from exc
         if changed:
             raise RunDirError(
                 f"cannot resume from {path}: the config differs in {', '.join(changed)} "
@@ -343,7 +371,12 @@ class TrainingLoop:
     def _restore_metrics_row(self, info: CheckpointInfo) -> None:
         """A kill between the checkpoint and its metrics line loses the line: put it back."""
         path = self.run_dir / "metrics.jsonl"
-        rows = read_metrics(path) if path.is_file() else []
+        try:
+            rows = read_metrics(path) if path.is_file() else []
+        except ValueError as exc:  # not UTF-8, not JSON lines
+            raise RunDirError(
+                f"{path} is unreadable ({exc}); repair or remove it to resume"
+            ) from None
         if not any(r["step"] == info.step for r in rows):
             for sink in self.monitor.sinks:
                 if isinstance(sink, JsonlSink):

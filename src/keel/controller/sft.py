@@ -48,6 +48,7 @@ class SFTController:
                 self.examples.next_batch(),
                 chat=self.cfg.data.apply_chat_template,
                 max_prompt_length=self.cfg.data.max_prompt_length,
+                truncation=self.cfg.data.truncation,
             )
         with self.timer("update"):
             metrics = self.roles.actor.call("sft_update", batch, spec=self.spec)

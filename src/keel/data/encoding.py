@@ -25,21 +25,31 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat: bool
 
 
 def encode_prompts(
-    tokenizer: Any, examples: Sequence[Example], *, chat: bool, max_prompt_length: int
+    tokenizer: Any,
+    examples: Sequence[Example],
+    *,
+    chat: bool,
+    max_prompt_length: int | None,
+    truncation: str = "error",
 ) -> list[list[int]]:
-    """Token ids of each example's rendered prompt (no special tokens added)."""
+    """Token ids of each example's rendered prompt (no special tokens added). A prompt longer
+    than `max_prompt_length` (None: no limit) is a DataError naming its source, or with
+    truncation="left" keeps its last max_prompt_length tokens. ("drop" acts as "error" here:
+    dropping happens when the data is loaded, keel.controller.assembly.fit_prompt_lengths.)"""
     out = []
     for ex in examples:
         ids = tokenizer(render_prompt(tokenizer, ex.prompt, chat), add_special_tokens=False)[
             "input_ids"
         ]
-        if len(ids) > max_prompt_length:
-            raise DataError(
-                f"{ex.source}: prompt is {len(ids)} tokens, more than "
-                f"data.max_prompt_length ({max_prompt_length})"
-            )
         if not ids:
             raise DataError(f"{ex.source}: prompt is empty")
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if truncation != "left":
+                raise DataError(
+                    f"{ex.source}: prompt is {len(ids)} tokens, more than "
+                    f"data.max_prompt_length ({max_prompt_length})"
+                )
+            ids = ids[-max_prompt_length:]
         out.append(ids)
     return out
 
@@ -72,10 +82,17 @@ def assemble(
 
 
 def encode_sft(
-    tokenizer: Any, examples: Sequence[Example], *, chat: bool, max_prompt_length: int
+    tokenizer: Any,
+    examples: Sequence[Example],
+    *,
+    chat: bool,
+    max_prompt_length: int,
+    truncation: str = "error",
 ) -> Batch:
     """SFT batch: target response + EOS in the response slot (response_mask covers both)."""
-    prompts = encode_prompts(tokenizer, examples, chat=chat, max_prompt_length=max_prompt_length)
+    prompts = encode_prompts(
+        tokenizer, examples, chat=chat, max_prompt_length=max_prompt_length, truncation=truncation
+    )
     responses = []
     for ex in examples:
         if ex.response is None:

@@ -65,10 +65,14 @@ def read_rows(
                 "save_to_disk (no state.json or dataset_dict.json)"
             )
         rows = saved_rows(path)
-    elif path.suffix == ".parquet":
-        rows = _parquet_rows(path)
-    elif path.suffix in (".jsonl", ".json", ".ndjson"):
-        rows = _jsonl_rows(path, on_bad_row, bad_rows)
+    elif path.suffix in (".parquet", ".jsonl", ".json", ".ndjson"):
+        try:
+            if path.suffix == ".parquet":
+                rows = _parquet_rows(path)
+            else:
+                rows = _jsonl_rows(path, on_bad_row, bad_rows)
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read the dataset ({exc.strerror or exc})") from None
     else:
         raise DataError(
             f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl, .parquet or a "
@@ -90,11 +94,16 @@ def _jsonl_rows(
     path: Path, on_bad_row: str = "raise", bad_rows: list[str] | None = None
 ) -> list[tuple[str, dict[str, Any]]]:
     rows = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = decode_line(raw, where, first=lineno == 1)
+            except DataError as exc:
+                _bad_row(exc, on_bad_row, bad_rows)
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
                 if not isinstance(row, dict):
@@ -109,6 +118,21 @@ def _jsonl_rows(
     return rows
 
 
+def decode_line(raw: bytes, where: str, first: bool = False) -> str:
+    """One line of a text file as UTF-8 (a byte-order mark on the first line is dropped); bytes
+    that are not UTF-8 are a DataError naming `where` ("file:line") and the column."""
+    if first and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = raw[exc.start : exc.start + 1].hex()
+        raise DataError(
+            f"{where}: not valid UTF-8 (byte 0x{bad} at column {exc.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
+
+
 def _parquet_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
@@ -116,7 +140,32 @@ def _parquet_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
-    return [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:
+        column, i = _first_non_utf8(table)
+        raise DataError(
+            f"{path}: row {i}: column {column!r} is not valid UTF-8; write it as UTF-8 text"
+        ) from None
+    return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
+
+
+def _first_non_utf8(table: Any) -> tuple[str, int]:
+    """(column name, row index) of the first string value of `table` that is not UTF-8."""
+    import pyarrow as pa
+
+    for name in table.column_names:
+        column = table.column(name)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            continue
+        for i, value in enumerate(column.cast(pa.large_binary()).to_pylist()):
+            if value is None:
+                continue
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                return name, i
+    return "?", -1
 
 
 # Fields that often hold what Keel calls the prompt / response / answer, for error hints.

@@ -144,12 +144,19 @@ def _split_conversations(
 
 
 def encode_pairs(
-    tokenizer: Any, pairs: Sequence[PreferencePair], *, chat: bool, max_prompt_length: int
+    tokenizer: Any,
+    pairs: Sequence[PreferencePair],
+    *,
+    chat: bool,
+    max_prompt_length: int,
+    truncation: str = "error",
 ) -> Batch:
     """2N rows, interleaved: row 2i = prompt_i + chosen_i + EOS, row 2i+1 = prompt_i +
     rejected_i + EOS (prompt left-padded, response right-padded, response_mask covering the
     response and its EOS). Interleaving keeps both halves of a pair in any even row split."""
-    prompts = encode_prompts(tokenizer, pairs, chat=chat, max_prompt_length=max_prompt_length)
+    prompts = encode_prompts(
+        tokenizer, pairs, chat=chat, max_prompt_length=max_prompt_length, truncation=truncation
+    )
     prompt_ids, responses = [], []
     for ids, pair in zip(prompts, pairs, strict=True):
         for text in (pair.chosen, pair.rejected):

@@ -181,6 +181,38 @@ def load_causal_lm(
     return model
 
 
+# Config keys that hold a model's maximum number of positions, by model family.
+_POSITION_KEYS = (
+    "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+    "max_seq_len",
+)  # fmt: skip
+_SANE_MAX_LENGTH = 10_000_000  # tokenizers without a limit report 1e30
+
+
+def context_length(path: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(the most tokens a sequence may have for the model at `path`, where that number comes
+    from): the first of max_position_embeddings, n_positions, … in its HF config (or its
+    text_config), else its tokenizer's model_max_length when that is a real limit; None when
+    neither says. Reads the config only, not the weights."""
+    folder = Path(path).expanduser()
+    _require_folder(folder, "model")
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in model folder: {folder}")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"could not read the model config in {folder}: {e}") from e
+    for section in (config, getattr(config, "text_config", None)):
+        for key in _POSITION_KEYS:
+            value = getattr(section, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, f"{key} in its config.json"
+    limit = load_tokenizer(folder).model_max_length
+    if isinstance(limit, int) and 0 < limit <= _SANE_MAX_LENGTH:
+        return limit, "model_max_length of its tokenizer"
+    return None
+
+
 def _check_model_folder(folder: Path) -> None:
     _require_folder(folder, "model")
     if not (folder / "config.json").is_file():

@@ -48,7 +48,15 @@ def load_run(path: str | Path, name: str | None = None) -> RunData:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    lines = path.read_text(encoding="utf-8").splitlines()
+    """The JSON objects of a run's .jsonl file; a line that is not UTF-8 or not a JSON object
+    with a step is a ReportError naming file:line (a torn last line is ignored)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ReportError(f"{path}:{line}: not valid UTF-8 ({exc.reason})") from None
+    lines = text.splitlines()
     rows = []
     for i, line in enumerate(lines, 1):
         if not line.strip():

@@ -2,10 +2,19 @@
 
 Policy (`reward.on_error`): `raise` (default) stops the run with a RewardError that names the
 function, the row and the exception; `fallback` gives that row `reward.fallback_score` and counts
-it in `reward/errors`. A non-finite or non-numeric return value is an error too, and so is a call
-that runs past `reward.timeout_s`. Calls run on at most `reward.max_concurrency` daemon threads at
-once (a hung call cannot be killed; it is abandoned and its thread no longer counts). When the
-fraction of a batch's rows that errored exceeds `reward.max_error_rate`, the run stops.
+it in `reward/errors`. A failure is anything the function raises (any BaseException: SystemExit,
+KeyboardInterrupt and GeneratorExit too), a return value that is not a number, is not finite, is
+out of the float32 range (it would become inf in the batch) or past `reward.max_abs`, and a call
+that runs past `reward.timeout_s`.
+
+Every call runs on a daemon thread, never on the main thread: an exception in user code can then
+never be mistaken for a real signal, which the main thread keeps handling as before (preemption
+by SIGTERM/SIGINT). At most `reward.max_concurrency` calls run at once. A call past its deadline
+cannot be killed; it is abandoned ("hung") and no longer counts against the concurrency bound, but
+it is remembered until it returns. When `reward.max_hung_calls` hung calls are still running, the
+scorer stops the run with a RewardError instead of starting more threads, so a reward that hangs
+cannot leak a thread per call. When the fraction of a batch's rows that errored exceeds
+`reward.max_error_rate`, the run stops.
 """
 
 from __future__ import annotations
@@ -13,8 +22,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: scores are float32 tensors
 
 
 class RewardError(RuntimeError):
@@ -39,7 +52,7 @@ class _Call:
     def _run(self, fn: Callable[[], Any]) -> None:
         try:
             self.outcome = fn()
-        except Exception as exc:
+        except BaseException as exc:  # user code: SystemExit, KeyboardInterrupt… are failures
             self.outcome = exc
         self.done.set()
 
@@ -49,6 +62,22 @@ class _Call:
         if not self.done.wait(None if math.isinf(left) else max(left, 0.0)):
             return RewardTimeout(f"timed out after {self.timeout_s:.3g}s (reward.timeout_s)")
         return self.outcome
+
+
+def checked_score(value: Any, max_abs: float | None = None) -> float:
+    """`value` as a float if it is a usable score: a finite number within the float32 range
+    (and within ±max_abs when given); ValueError or TypeError otherwise."""
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"returned a non-finite score {score}")
+    if abs(score) > FLOAT32_MAX:
+        raise ValueError(
+            f"returned {score:.4g}, outside the float32 range (±{FLOAT32_MAX:.4g}): "
+            "it would become inf"
+        )
+    if max_abs is not None and abs(score) > max_abs:
+        raise ValueError(f"returned {score:.6g}, outside ±reward.max_abs ({max_abs:g})")
+    return score
 
 
 class RewardScorer:
@@ -62,9 +91,11 @@ class RewardScorer:
         on_error: str = "raise",
         fallback_score: float = 0.0,
         name: str = "reward",
-        timeout_s: float | None = None,
+        timeout_s: float | None = 60.0,
         max_concurrency: int = 1,
         max_error_rate: float = 1.0,
+        max_hung_calls: int = 32,
+        max_abs: float | None = None,
     ):
         self.fn = fn
         self.kwargs = kwargs or {}
@@ -74,22 +105,26 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.max_error_rate = max_error_rate
+        self.max_hung_calls = max_hung_calls
+        self.max_abs = max_abs
+        self._hung: list[_Call] = []  # timed-out calls whose threads may still be running
 
     def score(
         self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         """(one score per row, number of rows that errored)."""
         rows = list(zip(prompts, responses, answers, strict=True))
-        outcomes = self._call_all(rows) if self._threaded else [self._plain(*r) for r in rows]
+        outcomes = self._call_all(rows)
+        self._check_hung()
         return self._apply_policy(rows, outcomes)
 
     def _apply_policy(
-        self, rows: list[tuple[Any, str, Any]], outcomes: Sequence[float | Exception]
+        self, rows: list[tuple[Any, str, Any]], outcomes: Sequence[float | BaseException]
     ) -> tuple[list[float], int]:
         """The error policy over one outcome per row: fallback scores, error count, the rate."""
         scores, errors = [], 0
         for i, ((p, r, _), value) in enumerate(zip(rows, outcomes, strict=True)):
-            if isinstance(value, Exception):
+            if isinstance(value, BaseException):
                 self._raise_unless_fallback(i, p, r, value)
                 value, errors = self.fallback_score, errors + 1
             scores.append(value)
@@ -100,32 +135,48 @@ class RewardScorer:
             )
         return scores, errors
 
-    @property
-    def _threaded(self) -> bool:
-        return self.timeout_s is not None or self.max_concurrency > 1
-
-    def _plain(self, prompt: Any, response: str, answer: Any) -> float | Exception:
-        try:
-            return self._checked(prompt, response, answer)
-        except Exception as exc:
-            return exc
+    def hung_calls(self) -> int:
+        """Timed-out calls whose threads are still running."""
+        self._hung = [call for call in self._hung if call.thread.is_alive()]
+        return len(self._hung)
 
     def _checked(self, prompt: Any, response: str, answer: Any) -> float:
-        return finite_score(self.fn(prompt, response, answer, **self.kwargs))
+        return checked_score(self.fn(prompt, response, answer, **self.kwargs), self.max_abs)
 
-    def _call_all(self, rows: list[tuple[Any, str, Any]]) -> list[float | Exception]:
+    def _call_all(self, rows: list[tuple[Any, str, Any]]) -> list[float | BaseException]:
         """Each row on a daemon thread, at most `max_concurrency` running at once; a call past
-        its deadline becomes a RewardTimeout and stops counting against the bound."""
-        outcomes: list[float | Exception] = []
-        running: list[_Call] = []
+        its deadline becomes a RewardTimeout and is remembered as hung."""
+        outcomes: list[float | BaseException] = []
+        running: deque[_Call] = deque()
         for p, r, a in rows:
             if len(running) == self.max_concurrency:
-                outcomes.append(running.pop(0).result())
-            running.append(_Call(lambda p=p, r=r, a=a: self._checked(p, r, a), self.timeout_s))
-        outcomes.extend(call.result() for call in running)
+                outcomes.append(self._result(running.popleft()))
+            self._check_hung()
+            running.append(_Call(partial(self._checked, p, r, a), self.timeout_s))
+        while running:
+            outcomes.append(self._result(running.popleft()))
         return outcomes
 
-    def _raise_unless_fallback(self, i: int, prompt: Any, response: str, exc: Exception) -> None:
+    def _result(self, call: _Call) -> float | BaseException:
+        outcome = call.result()
+        if isinstance(outcome, RewardTimeout):
+            self._hung.append(call)
+        return outcome
+
+    def _check_hung(self) -> None:
+        """Stop rather than start more threads once max_hung_calls hung calls are running."""
+        hung = self.hung_calls()
+        if hung >= self.max_hung_calls:
+            raise RewardError(
+                f"reward function {self.name}: {hung} calls are still running after timing out "
+                f"(reward.timeout_s={self.timeout_s}), reaching reward.max_hung_calls="
+                f"{self.max_hung_calls}; a hung call cannot be killed, so the run stops instead "
+                "of leaking more threads. Fix the function, or raise reward.timeout_s"
+            )
+
+    def _raise_unless_fallback(
+        self, i: int, prompt: Any, response: str, exc: BaseException
+    ) -> None:
         if self.on_error == "raise":
             raise RewardError(
                 f"reward function {self.name} failed on row {i} "
@@ -135,23 +186,17 @@ class RewardScorer:
             ) from exc
 
 
-def finite_score(value: Any) -> float:
-    """`value` as a finite float; a ValueError/TypeError for anything else (None included)."""
-    score = float(value)
-    if not math.isfinite(score):
-        raise ValueError(f"returned a non-finite score {score}")
-    return score
-
-
 class BatchRewardScorer(RewardScorer):
     """TRL's reward-function signature (`reward.signature: trl`): one call per batch,
     `fn(prompts=[...], completions=[...], <answer_key>=[...], **kwargs) -> list[float]`.
 
     A completion is the response text, or `[{"role": "assistant", "content": text}]` when its
-    prompt is a conversation (TRL's conversational format). A call that raises, times out
-    (`timeout_s`, for the whole call) or does not return one value per row fails every row; a
-    value that is None, not a number or not finite fails its row. Failed rows go through the
-    same policy as RewardScorer's (on_error, fallback_score, max_error_rate)."""
+    prompt is a conversation (TRL's conversational format). The call runs on a daemon thread
+    like RewardScorer's (hung calls are bounded the same way). A call that raises (anything),
+    times out (`timeout_s`, for the whole call) or does not return one value per row fails
+    every row; a value that is None, not a number, not finite or out of range fails its row.
+    Failed rows go through the same policy as RewardScorer's (on_error, fallback_score,
+    max_error_rate)."""
 
     def __init__(self, fn: Callable[..., Any], *, answer_key: str = "answer", **options: Any):
         super().__init__(fn, **options)
@@ -163,15 +208,9 @@ class BatchRewardScorer(RewardScorer):
         rows = list(zip(prompts, responses, answers, strict=True))
         if not rows:
             return [], 0
-        outcome: list[float | Exception] | Exception
-        if self.timeout_s is not None:  # on a daemon thread, abandoned past the limit
-            outcome = _Call(lambda: self._call(rows), self.timeout_s).result()
-        else:
-            try:
-                outcome = self._call(rows)
-            except Exception as exc:
-                outcome = exc
-        if isinstance(outcome, Exception):
+        self._check_hung()
+        outcome = self._result(_Call(partial(self._call, rows), self.timeout_s))
+        if isinstance(outcome, BaseException):
             if self.on_error == "raise":
                 raise RewardError(
                     f"reward function {self.name} (reward.signature: trl) failed on a batch of "
@@ -181,7 +220,7 @@ class BatchRewardScorer(RewardScorer):
             return self._apply_policy(rows, [outcome] * len(rows))
         return self._apply_policy(rows, outcome)
 
-    def _call(self, rows: list[tuple[Any, str, Any]]) -> list[float | Exception]:
+    def _call(self, rows: list[tuple[Any, str, Any]]) -> list[float | BaseException]:
         prompts = [p for p, _, _ in rows]
         completions = [
             [{"role": "assistant", "content": r}] if isinstance(p, list) else r for p, r, _ in rows
@@ -191,10 +230,10 @@ class BatchRewardScorer(RewardScorer):
         if not isinstance(values, list | tuple) or len(values) != len(rows):
             got = len(values) if isinstance(values, list | tuple) else type(values).__name__
             raise ValueError(f"returned {got} instead of a list of {len(rows)} scores")
-        out: list[float | Exception] = []
+        out: list[float | BaseException] = []
         for value in values:
             try:
-                out.append(finite_score(value))
+                out.append(checked_score(value, self.max_abs))
             except (TypeError, ValueError) as exc:
                 out.append(exc)
         return out

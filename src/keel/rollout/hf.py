@@ -39,6 +39,7 @@ class HFRolloutEngine:
         *,
         chat: bool = False,
         max_prompt_length: int = 64,
+        truncation: str = "error",
         batch_size: int | None = None,
         return_logprobs: bool = False,
         synced: bool = False,
@@ -47,6 +48,7 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.chat = chat
         self.max_prompt_length = max_prompt_length
+        self.truncation = truncation  # data.truncation: "left" keeps a long prompt's last tokens
         self.batch_size = batch_size
         self.return_logprobs = return_logprobs
         self.synced = synced  # FSDP2: all ranks keep decoding until every rank is done
@@ -59,7 +61,11 @@ class HFRolloutEngine:
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
         prompt_ids = encode_prompts(
-            self.tokenizer, examples, chat=self.chat, max_prompt_length=self.max_prompt_length
+            self.tokenizer,
+            examples,
+            chat=self.chat,
+            max_prompt_length=self.max_prompt_length,
+            truncation=self.truncation,
         )
         rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
         chunk = (self.batch_size or len(prompt_ids)) * sampling.n

@@ -68,6 +68,8 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
         timeout_s=cfg.reward.timeout_s,
         max_concurrency=cfg.reward.max_concurrency,
         max_error_rate=cfg.reward.max_error_rate,
+        max_hung_calls=cfg.reward.max_hung_calls,
+        max_abs=cfg.reward.max_abs,
         name=cfg.reward.fn,
     )
 
@@ -168,6 +170,7 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
         tokenizer,
         chat=cfg.data.apply_chat_template,
         max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
         batch_size=cfg.rollout.batch_size,
         return_logprobs=cfg.rollout.return_logprobs,
         synced=is_sharded(model),
