@@ -56,7 +56,7 @@ RUNS: dict[str, GoldenRun] = {
         GoldenRun(
             "ppo",
             "ppo_arith_tiny.yaml",
-            ("train.batch_size=8", "train.mini_batch_size=16", "algorithm.critic_warmup_steps=2"),
+            ("train.batch_size=8", "train.mini_batch_size=16", "algorithm.critic_warmup_steps=0"),
             ("actor/loss", "actor/pg_loss", "critic/vf_loss", "reward/mean", "kl_ctrl/reward_kl",
              "advantage/abs_mean", "actor/grad_norm", "critic/grad_norm"),
         ),
