@@ -69,7 +69,7 @@ def test_incomplete_is_ignored_and_corrupt_falls_back(run, tiny_grpo):
 def test_retention_keeps_the_newest_healthy(tmp_path):
     for step in (1, 2, 3, 4):
         (tmp_path / f"step_{step:06d}").mkdir()
-    deleted = prune_step_folders(tmp_path, keep=1, protect=tmp_path / "step_000002")
+    deleted = prune_step_folders(tmp_path, keep=1, protect=[tmp_path / "step_000002"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004"]
     assert len(deleted) == 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -51,16 +51,17 @@ def publish_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def prune_step_folders(parent: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete all but the newest `keep` step_N folders under `parent`, never `protect` (the
-    newest healthy checkpoint); returns the deleted."""
+def prune_step_folders(parent: str | Path, keep: int, protect: Iterable[Path] = ()) -> list[Path]:
+    """Delete all but the newest `keep` step_N folders under `parent`, never those in `protect`
+    (the newest healthy checkpoint, those being uploaded); returns the deleted."""
     parent = Path(parent)
     if not parent.is_dir():
         return []
     steps = sorted(
         (int(m.group(1)), p) for p in parent.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()
     )
-    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)] if p != protect]
+    kept = set(protect)
+    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)] if p not in kept]
     for p in doomed:
         shutil.rmtree(p)
     return doomed

@@ -23,7 +23,8 @@ from keel.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from keel.checkpoint.remote import download_checkpoint, upload_checkpoint
+from keel.checkpoint.export import step_folder_name
+from keel.checkpoint.remote import BackgroundUploader, download_checkpoint
 from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
@@ -165,11 +166,18 @@ class TrainingLoop:
         self.monitor, self.samples = build_monitor(cfg, run_dir, title)
         self.saved = 0
         self.pending: dict[str, float] = {}  # extra metrics for the next logged row
+        c = cfg.checkpoint
+        self.uploader = (
+            BackgroundUploader(c.upload_to, dict(c.storage_options)) if c.upload_to else None
+        )
 
     def close(self) -> None:
-        self.monitor.close()
-        self.samples.close()
-        self.events.close()
+        try:
+            self._finish_uploads()
+        finally:
+            self.monitor.close()
+            self.samples.close()
+            self.events.close()
 
     # -------------------------------------------------------------------------- the loop
     def run(self, start: int, stop_after: int | None) -> RunResult:
@@ -192,6 +200,7 @@ class TrainingLoop:
                     self._stop(step, verdict)
                 saved = self._due(step) and self._save(step, metrics, verdict.healthy)
                 self._log(step, metrics)
+                self._report_uploads()
                 if self.samples.due(step):
                     self.samples.log(step, getattr(self.controller, "last_batch", None))
                 if step == stop_after:
@@ -285,19 +294,49 @@ class TrainingLoop:
 
     def _retain(self) -> None:
         healthy = [c for c in list_checkpoints(self.ckpt_dir) if c.healthy]
-        protect = healthy[-1].path if healthy else None
+        protect = [healthy[-1].path] if healthy else []
+        protect += self.uploader.busy() if self.uploader else []
         prune_step_folders(self.ckpt_dir, self.cfg.checkpoint.keep, protect=protect)
 
     def _upload(self, step: int, info: CheckpointInfo) -> None:
-        c = self.cfg.checkpoint
-        if not c.upload_to:
+        """Hand the checkpoint to the background uploader; training does not wait for it."""
+        if self.uploader is None:
             return
-        try:
-            url = upload_checkpoint(info.path, c.upload_to, dict(c.storage_options))
-        except Exception as exc:  # the local checkpoint is safe; training goes on
-            self.events.emit(step, "checkpoint", f"upload to {c.upload_to} failed: {exc!r}")
+        skipped = self.uploader.submit(step, info.path)
+        if skipped is not None:
+            self.events.emit(
+                skipped, "checkpoint", f"upload of {step_folder_name(skipped)} skipped: "
+                f"{info.path.name} supersedes it", ok=False, upload="skipped",
+            )  # fmt: skip
+
+    def _report_uploads(self) -> None:
+        """Record the uploads that finished since the last call."""
+        if self.uploader is None:
             return
-        self.events.emit(step, "checkpoint", f"uploaded to {url}", ok=True, url=url)
+        for done in self.uploader.outcomes():
+            if done.error is None:
+                msg = f"uploaded to {done.url}"
+                self.events.emit(done.step, "checkpoint", msg, ok=True, url=done.url)
+            else:  # the local checkpoint is safe; training went on
+                msg = f"upload to {self.uploader.url} failed: {done.error}"
+                self.events.emit(done.step, "checkpoint", msg, ok=False, upload="failed")
+
+    def _finish_uploads(self) -> None:
+        """At the end of the run (or a stop): wait up to checkpoint.upload_wait_s for the
+        pending uploads, then record what is still unfinished."""
+        if self.uploader is None:
+            return
+        wait = self.cfg.checkpoint.upload_wait_s
+        if self.uploader.busy():
+            print(f"keel: waiting up to {wait:g}s for checkpoint uploads", file=sys.stderr)
+        left = self.uploader.close(wait)
+        self._report_uploads()
+        for step in left:
+            self.events.emit(
+                step, "checkpoint", f"upload of {step_folder_name(step)} to "
+                f"{self.uploader.url} unfinished after {wait:g}s (checkpoint.upload_wait_s); "
+                "the local checkpoint is complete", ok=False, upload="unfinished",
+            )  # fmt: skip
 
     # ------------------------------------------------------------------------ resume
     def resume(self, plan: ResumePlan) -> int:
