@@ -3,6 +3,7 @@ and identical per-step metrics (timings aside). Parametrized over the example co
 example (PPO, DPO, …) is covered by adding it to examples/ (and, if it needs them, to
 RESUME_OVERRIDES)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,30 @@ def test_skipped_bad_rows_are_counted(tiny_grpo, tmp_path):
     run_training(cfg)
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert rows[0]["data/skipped_rows"] == 1.0
+
+
+def test_torn_last_lines_are_dropped_on_resume(tiny_grpo):
+    """A full disk tore the last line of metrics.jsonl and of events.jsonl: readers leave it
+    out, and the resume cuts it off (an event says so) instead of failing."""
+    from keel.report import load_run
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    with pytest.raises(RunPreempted):
+        run_training(cfg, stop_after=1)
+    run_dir = Path(cfg.run_dir)
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 2, "reward/me')
+    with (run_dir / "events.jsonl").open("a") as fh:
+        fh.write('{"time": 1, "step": 2, "ev')
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
+    assert read_events(run_dir / "events.jsonl")[-1]["event"] == "stop"
+    assert [r["step"] for r in load_run(run_dir).metrics] == [0, 1]
+
+    assert run_training(cfg).resumed_from == 1
+    for name in ("metrics.jsonl", "events.jsonl"):
+        lines = (run_dir / name).read_text().splitlines()
+        assert all(json.loads(line) for line in lines), name  # no torn line left anywhere
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    events = read_events(run_dir / "events.jsonl")
+    dropped = [e["message"] for e in events if e["message"].startswith("dropped a torn")]
+    assert len(dropped) == 2 and "metrics.jsonl" in dropped[0] and "events.jsonl" in dropped[1]

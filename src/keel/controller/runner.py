@@ -47,6 +47,7 @@ from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.engine.seeding import seed_everything
 from keel.guard import EventLog, Guard, Verdict
+from keel.jsonlines import repair_tail
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.recipes import build_spec
@@ -61,6 +62,10 @@ CONTROLLERS = {
 }
 
 __all__ = ["CONTROLLERS", "RunDirError", "RunPreempted", "RunResult", "RunStopped"]
+
+# The run's JSON-lines files: a torn last line (a crash or a full disk mid-write) is cut off
+# before a run appends to them again.
+JSONL_FILES = ("metrics.jsonl", "events.jsonl", "samples.jsonl")
 
 
 class RunStopped(RuntimeError):
@@ -141,8 +146,11 @@ def _run(
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
     prepare_run_dir(run_dir, overwrite and plan is None)
+    repaired = [line for name in JSONL_FILES if (line := repair_tail(run_dir / name))]
     loop = TrainingLoop(cfg, run_dir, roles, controller, title)
     try:
+        for line in repaired:
+            loop.events.emit(0, "restart", line)
         if note:
             loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
         start = loop.resume(plan) if plan is not None else 0
