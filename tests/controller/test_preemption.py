@@ -173,3 +173,38 @@ def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_grpo, monkeypat
     assert [c.step for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [2]
     assert steps_logged(Path(cfg.run_dir)) == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_signal_in_the_step_0_evaluation_exits_75_and_reruns_restart(tmp_path, tiny_dir):
+    """SIGTERM while the step-0 evaluation runs: exit 75 without a checkpoint. Rerunning the
+    same command restarts the run; so does rerunning after a kill -9 before any checkpoint."""
+    run_dir, started = tmp_path / "run", tmp_path / "started"
+    slow = [
+        f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:slow_at_first",
+        f"reward.kwargs={{slow_calls: 8, seconds: 0.25, started: {started}}}",
+        "train.steps=3",
+    ]
+    proc = start(run_dir, tiny_dir, *slow)  # checkpoint.save_steps=0: only a signal saves
+    assert wait_for(started.exists, proc)  # the first reward call of the step-0 evaluation
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "preempted by SIGTERM before step 1" in err
+    assert [(e["event"], e["step"]) for e in read_events(run_dir / "events.jsonl")] == [
+        ("signal", 0), ("stop", 0),
+    ]  # fmt: skip
+    assert steps_logged(run_dir) == 0 and not list_checkpoints(run_dir / "checkpoints")
+
+    started.unlink()
+    proc = start(run_dir, tiny_dir, *slow)
+    assert wait_for(lambda: steps_logged(run_dir) >= 1, proc)
+    proc.kill()  # kill -9 before any checkpoint
+    proc.wait()
+    assert not list_checkpoints(run_dir / "checkpoints")
+
+    proc = start(run_dir, tiny_dir, *slow)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    restarts = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert [e["reason"] for e in restarts] == ["no_checkpoint", "no_checkpoint"]
+    assert steps_logged(run_dir) == 3 and (run_dir / "model").is_dir()

@@ -1,5 +1,5 @@
-"""Writing a folder atomically (temp folder, fsync, rename), retention, and clean-up of what a
-killed writer left behind."""
+"""Writing a folder (temp folder, fsync, rename) or a small file atomically, retention, and
+clean-up of what a killed writer left behind."""
 
 from __future__ import annotations
 
@@ -88,6 +88,18 @@ def clean_leftovers(parent: str | Path) -> list[str]:
                 p.rename(original)
                 done.append(f"restored {original} from {p}")
     return done
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace the file `path` with `text`: a temporary sibling, fsync'd, renamed over it, then
+    the folder fsync'd. A crash leaves the old content or the new, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

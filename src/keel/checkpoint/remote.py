@@ -40,14 +40,31 @@ def upload_checkpoint(folder: Path, url: str, storage_options: dict[str, Any]) -
     return f"{url.rstrip('/')}/{folder.name}"
 
 
-def download_checkpoint(url: str, dest_root: Path, storage_options: dict[str, Any]) -> Path:
-    """Fetch a checkpoint into `dest_root/<name>` and return it. `url` names a checkpoint folder,
-    or a prefix holding `latest` (then the checkpoint it names is fetched)."""
+def _checkpoint_root(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """The filesystem and the remote folder of the checkpoint `url` names: a checkpoint folder,
+    or a prefix holding `latest` (then the checkpoint it names)."""
     fs, root = _filesystem(url, storage_options)
     if fs.exists(f"{root}/{LATEST}") and not fs.exists(f"{root}/{MARKER}"):
         root = f"{root}/{fs.cat_file(f'{root}/{LATEST}').decode().strip()}"
     if not fs.exists(f"{root}/{MARKER}"):
         raise CheckpointError(f"{url} is not a complete checkpoint (no {MARKER} marker)")
+    return fs, root
+
+
+def remote_file(url: str, name: str, storage_options: dict[str, Any]) -> bytes:
+    """One file (`config.yaml`, `meta.json`) of the checkpoint `url` names, read without
+    downloading the checkpoint."""
+    fs, root = _checkpoint_root(url, storage_options)
+    try:
+        return fs.cat_file(f"{root}/{name}")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{url}: the checkpoint has no {name}") from exc
+
+
+def download_checkpoint(url: str, dest_root: Path, storage_options: dict[str, Any]) -> Path:
+    """Fetch a checkpoint into `dest_root/<name>` and return it. `url` names a checkpoint folder,
+    or a prefix holding `latest` (then the checkpoint it names is fetched)."""
+    fs, root = _checkpoint_root(url, storage_options)
     name = root.rsplit("/", 1)[-1]
     dest_root.mkdir(parents=True, exist_ok=True)
     tmp = dest_root / f".tmp-download-{name}"

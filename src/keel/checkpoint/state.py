@@ -34,7 +34,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from keel.checkpoint.export import fsync_dir, publish_folder, step_folder_name, step_of
+from keel.checkpoint.export import (
+    publish_folder,
+    step_folder_name,
+    step_of,
+    write_text_atomically,
+)
 from keel.engine.distributed import rank
 
 MARKER = "COMPLETE"
@@ -193,13 +198,7 @@ def resume_candidates(root: str | Path) -> list[CheckpointInfo]:
 
 
 def write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp"
-    with tmp.open("w") as fh:
-        fh.write(name + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, root / LATEST)
-    fsync_dir(root)
+    write_text_atomically(root / LATEST, name + "\n")
 
 
 def read_latest(root: Path) -> str | None:

@@ -2,7 +2,8 @@
 
 auto (the default): resume from the newest usable checkpoint in RUN_DIR/checkpoints when there
 is one; a run whose final model exists and whose newest checkpoint is at or past train.steps is
-finished and is refused (raise train.steps to continue it, or --overwrite to start over).
+finished and is refused (raise train.steps to continue it, or --overwrite to start over). A run
+of the same config that has no checkpoint yet (killed or preempted early) restarts at step 0.
 never: always start fresh (RUN_DIR must not hold a run, unless --overwrite). PATH: a checkpoint
 folder, or an fsspec URL (a checkpoint folder or a prefix holding `latest`) which is downloaded
 into RUN_DIR/checkpoints first.
@@ -10,13 +11,17 @@ into RUN_DIR/checkpoints first.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from keel.checkpoint import resume_candidates
+from keel.checkpoint import CheckpointError, resume_candidates
+from keel.checkpoint.remote import remote_file
+from keel.config.loading import dump_config
+from keel.config.schema import KeelConfig
 
 # Config keys a resumed run may change; every other difference is refused.
 MAY_CHANGE = ("run_dir", "train.steps", "eval.", "checkpoint.", "guard.", "monitor.", "reward.")
@@ -28,11 +33,14 @@ class RunDirError(ValueError):
 
 @dataclass
 class ResumePlan:
-    """Checkpoints to try in order (the first that loads wins), or a URL to download first."""
+    """Checkpoints to try in order (the first that loads wins), or a URL to download first.
+    restart: RUN_DIR holds a run of this config without any checkpoint yet: start it again at
+    step 0 in place, appending to its files."""
 
     candidates: list[Path]
     url: str | None = None
     explicit: bool = False
+    restart: bool = False
 
 
 RUN_FILES = (
@@ -41,36 +49,117 @@ RUN_FILES = (
 )  # fmt: skip
 
 
-def plan_resume(run_dir: Path, resume: str, overwrite: bool, steps: int) -> ResumePlan | None:
-    """None for a fresh start (after checking RUN_DIR may be used), else what to resume from."""
+def plan_resume(run_dir: Path, resume: str, overwrite: bool, cfg: KeelConfig) -> ResumePlan | None:
+    """None for a fresh start (after checking RUN_DIR may be used), else what to resume from.
+
+    Everything that refuses is decided here, before RUN_DIR is written: a finished run, a
+    config that changed in a key that may not change, a checkpoint past `train.steps`."""
     if resume == "never" or (resume == "auto" and overwrite):
         check_run_dir(run_dir, overwrite)
         return None
+    steps, config_text = cfg.train.steps, dump_config(cfg)
     if resume != "auto":
-        if "://" in resume:
-            return ResumePlan([], url=resume, explicit=True)
-        if not Path(resume).is_dir():
-            raise RunDirError(f"--resume {resume}: no such checkpoint folder")
-        return ResumePlan([Path(resume)], explicit=True)
+        return _explicit_plan(resume, cfg)
     found = resume_candidates(run_dir / "checkpoints")
     if not found:
-        check_run_dir(run_dir, overwrite)
-        return None
+        return _restart_plan(run_dir, config_text)
     newest = max(c.step for c in found)
+    check_steps(newest, steps, str(run_dir))
     if (run_dir / "model").exists() and newest >= steps:
         raise RunDirError(
             f"{run_dir} holds a finished run (step {newest} of train.steps={steps}); raise "
             "train.steps to continue it, choose another run_dir, or pass --overwrite"
         )
+    for c in found:  # the first checkpoint with a readable config decides
+        saved = _read_text(c.path / "config.yaml")
+        if saved is not None:
+            check_config(saved, config_text, f"cannot resume from {c.path}")
+            break
     return ResumePlan([c.path for c in found])
 
 
-def check_run_dir(run_dir: Path, overwrite: bool) -> None:
-    found = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if found and not overwrite:
+def _explicit_plan(resume: str, cfg: KeelConfig) -> ResumePlan:
+    """--resume PATH or URL: errors are not fallen back from."""
+    steps, config_text = cfg.train.steps, dump_config(cfg)
+    if "://" in resume:
+        options = dict(cfg.checkpoint.storage_options)
+        check_config(
+            remote_file(resume, "config.yaml", options).decode(),
+            config_text,
+            f"cannot resume from {resume}",
+        )
+        meta = json.loads(remote_file(resume, "meta.json", options))
+        check_steps(int(meta["step"]), steps, resume)
+        return ResumePlan([], url=resume, explicit=True)
+    path = Path(resume)
+    if not path.is_dir():
+        raise RunDirError(f"--resume {resume}: no such checkpoint folder")
+    saved = _read_text(path / "config.yaml")
+    if saved is None:
+        raise CheckpointError(f"checkpoint {path} has no config.yaml")
+    check_config(saved, config_text, f"cannot resume from {path}")
+    try:
+        step = int(json.loads(path.joinpath("meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = 0  # unreadable: loading it fails with a CheckpointError naming the file
+    check_steps(step, steps, str(path))
+    return ResumePlan([path], explicit=True)
+
+
+def _restart_plan(run_dir: Path, config_text: str) -> ResumePlan | None:
+    """No checkpoint: a fresh start in an unused RUN_DIR (None), or a restart at step 0 of a run
+    of the same config that never wrote one (killed or preempted early). A run whose final model
+    exists, or whose config is unknown, is refused."""
+    found = run_files(run_dir)
+    if not found:
+        return None
+    saved = _read_text(run_dir / "config.yaml")
+    if (run_dir / "model").exists() or saved is None:  # a finished run, or not known to be ours
+        raise _holds_a_run(run_dir, found)
+    check_config(saved, config_text, f"cannot restart the run in {run_dir}")
+    return ResumePlan([], restart=True)
+
+
+def check_steps(step: int, steps: int, where: str) -> None:
+    """A checkpoint past train.steps would export a policy trained longer than asked: refuse."""
+    if step > steps:
         raise RunDirError(
-            f"{run_dir} already holds a run ({', '.join(found)}) and no checkpoint to resume "
-            "from; choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
+            f"{where}: the newest checkpoint is at step {step}, past train.steps={steps}; set "
+            f"train.steps to at least {step} to continue the run, choose another run_dir, or "
+            "pass --overwrite"
+        )
+
+
+def check_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse a fresh start in a RUN_DIR that holds a run, unless `overwrite`."""
+    found = run_files(run_dir)
+    if found and not overwrite:
+        raise _holds_a_run(run_dir, found)
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names of RUN_FILES that exist in `run_dir`."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def _holds_a_run(run_dir: Path, found: list[str]) -> RunDirError:
+    return RunDirError(
+        f"{run_dir} already holds a run ({', '.join(found)}) and no checkpoint to resume "
+        "from; choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
+    )
+
+
+def check_config(saved_yaml: str, current_yaml: str, action: str) -> None:
+    """Refuse (RunDirError starting with `action`) when the configs differ in a key that may
+    not change."""
+    try:
+        changed = config_changes(saved_yaml, current_yaml)
+    except yaml.YAMLError as exc:
+        raise RunDirError(f"{action}: its config.yaml is unreadable ({exc})") from exc
+    if changed:
+        raise RunDirError(
+            f"{action}: the config differs in {', '.join(changed)} "
+            "(use --resume never with another run_dir to start a new run)"
         )
 
 
@@ -83,6 +172,13 @@ def config_changes(saved_yaml: str, current_yaml: str) -> list[str]:
         for k in keys
         if old.get(k) != new.get(k) and not any(k == p or k.startswith(p) for p in MAY_CHANGE)
     ]
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

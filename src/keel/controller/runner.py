@@ -23,7 +23,7 @@ from keel.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from keel.checkpoint.export import step_folder_name
+from keel.checkpoint.export import step_folder_name, write_text_atomically
 from keel.checkpoint.remote import BackgroundUploader, download_checkpoint
 from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
 from keel.config.loading import dump_config
@@ -40,6 +40,7 @@ from keel.controller.resume import (
     RUN_FILES,
     ResumePlan,
     RunDirError,
+    check_steps,
     config_changes,
     plan_resume,
 )
@@ -95,13 +96,14 @@ def run_training(
     title: str = "train",
     stop_after: int | None = None,
 ) -> RunResult:
-    """Train as `cfg` says. Inputs are all loaded and checked before RUN_DIR is written.
+    """Train as `cfg` says. Inputs are all loaded and checked, and every reason to refuse the
+    run directory found, before RUN_DIR is written.
 
     resume: auto | never | a checkpoint folder or URL (keel.controller.resume). stop_after: act
     as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted)."""
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
-    plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
+    plan = plan_resume(run_dir, resume, overwrite, cfg)
     check_monitor_config(cfg)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
@@ -145,21 +147,28 @@ def _run(
     check_prompt_lengths(roles.tokenizer, [*data.train, *data.eval], cfg.data)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
-    prepare_run_dir(run_dir, overwrite and plan is None)
-    repaired = [line for name in JSONL_FILES if (line := repair_tail(run_dir / name))]
-    loop = TrainingLoop(cfg, run_dir, roles, controller, title)
-    try:
-        for line in repaired:
-            loop.events.emit(0, "restart", line)
-        if note:
-            loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
-        start = loop.resume(plan) if plan is not None else 0
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        if data.bad_rows:
-            loop.note_bad_rows(data.bad_rows)
-        return loop.run(start, stop_after)
-    finally:
-        loop.close()
+    # The handlers hold from the first write to RUN_DIR until its files are closed: a signal
+    # stops the run after the step-0 evaluation or the current step (keel.controller.preemption).
+    with Preemption() as preemption:
+        prepare_run_dir(run_dir, overwrite and plan is None)
+        repaired = [line for name in JSONL_FILES if (line := repair_tail(run_dir / name))]
+        fresh = plan is None or plan.restart
+        if fresh:  # first, so that a run killed at any later moment can be restarted
+            write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
+        loop = TrainingLoop(cfg, run_dir, roles, controller, title)
+        try:
+            for line in repaired:
+                loop.events.emit(0, "restart", line)
+            if note:
+                loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
+            start = loop.resume(plan) if plan is not None else 0
+            if not fresh:
+                write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
+            if data.bad_rows:
+                loop.note_bad_rows(data.bad_rows)
+            return loop.run(start, stop_after, preemption)
+        finally:
+            loop.close()
 
 
 class TrainingLoop:
@@ -188,34 +197,37 @@ class TrainingLoop:
             self.events.close()
 
     # -------------------------------------------------------------------------- the loop
-    def run(self, start: int, stop_after: int | None) -> RunResult:
+    def run(self, start: int, stop_after: int | None, preemption: Preemption) -> RunResult:
+        """Steps start+1 … train.steps under `preemption`'s signal handlers (a signal during the
+        step-0 evaluation stops the run before step 1)."""
         cfg = self.cfg
         first_eval = last_eval = self.controller.evaluate() if start == 0 else {}
         if first_eval:
             self._log(0, dict(first_eval))
+        if preemption.signal is not None:
+            self._preempt_before_steps(start, preemption.name)
         step = start + 1
-        with Preemption() as preemption:
-            while step <= cfg.train.steps:
-                metrics, evaluated = self._train_step(step)
-                last_eval = evaluated or last_eval
-                verdict = self._judge(step, metrics)
-                if verdict.action == "rollback":
-                    self._log(step, metrics)
-                    step = self._rollback(step, verdict)
-                    continue
-                if verdict.action == "stop":
-                    self._log(step, metrics)
-                    self._stop(step, verdict)
-                saved = self._due(step) and self._save(step, metrics, verdict.healthy)
+        while step <= cfg.train.steps:
+            metrics, evaluated = self._train_step(step)
+            last_eval = evaluated or last_eval
+            verdict = self._judge(step, metrics)
+            if verdict.action == "rollback":
                 self._log(step, metrics)
-                self._report_uploads()
-                if self.samples.due(step):
-                    self.samples.log(step, getattr(self.controller, "last_batch", None))
-                if step == stop_after:
-                    preemption.request()
-                if preemption.signal is not None:
-                    self._preempt(step, preemption.name, saved, metrics, verdict)
-                step += 1
+                step = self._rollback(step, verdict)
+                continue
+            if verdict.action == "stop":
+                self._log(step, metrics)
+                self._stop(step, verdict)
+            saved = self._due(step) and self._save(step, metrics, verdict.healthy)
+            self._log(step, metrics)
+            self._report_uploads()
+            if self.samples.due(step):
+                self.samples.log(step, getattr(self.controller, "last_batch", None))
+            if step == stop_after:
+                preemption.request()
+            if preemption.signal is not None:
+                self._preempt(step, preemption.name, saved, metrics, verdict)
+            step += 1
         model_dir = save_policy(self.roles, self.run_dir / "model")
         if getattr(self.roles, "critic", None) is not None:
             critic = self.roles.critic
@@ -348,9 +360,16 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------ resume
     def resume(self, plan: ResumePlan) -> int:
-        """Load the first usable checkpoint of `plan`; returns its step."""
+        """Load the first usable checkpoint of `plan`; returns its step (0 for a restart of a
+        run without a checkpoint)."""
         for line in clean_leftovers(self.ckpt_dir):
             self.events.emit(0, "restart", line)
+        if plan.restart:
+            self.events.emit(
+                0, "restart", f"{self.run_dir} holds no checkpoint yet: restarting the run at "
+                "step 0", reason="no_checkpoint",
+            )  # fmt: skip
+            return 0
         candidates = plan.candidates
         if plan.url:
             sopts = dict(self.cfg.checkpoint.storage_options)
@@ -365,6 +384,7 @@ class TrainingLoop:
                 warnings.warn(f"{exc}; trying the checkpoint before it", stacklevel=1)
                 self.events.emit(0, "restart", f"skipped a damaged checkpoint: {exc}")
                 continue
+            check_steps(info.step, self.cfg.train.steps, str(path))
             self._restore_metrics_row(info)
             self.pending.update(self.roles.push_weights())  # separate rollout workers
             self.events.emit(info.step, "resume", f"resumed from {info.path}", path=str(path))
@@ -439,6 +459,20 @@ class TrainingLoop:
         self.events.emit(step, "stop", message, rule=cause.rule, action="stop")
         raise RunStopped(f"{message} (step {step}; see {self.run_dir / 'events.jsonl'})")
 
+    def _preempt_before_steps(self, start: int, name: str) -> None:
+        """A signal before the first step of this process (during loading or the step-0
+        evaluation): the newest checkpoint, if any, is where the next run starts."""
+        self.events.emit(start, "signal", f"{name}: stopping before step {start + 1}", signal=name)
+        where = (
+            f"checkpoint step {start}" if start
+            else "no checkpoint yet; the same command restarts the run"
+        )  # fmt: skip
+        self.events.emit(start, "stop", f"preempted by {name}; {where}", action="preempt")
+        raise RunPreempted(
+            f"preempted by {name} before step {start + 1} ({where}); run the same command again "
+            "to continue"
+        )
+
     def _preempt(
         self, step: int, name: str, saved: bool, metrics: dict[str, float], verdict: Verdict
     ) -> None:
@@ -476,6 +510,7 @@ def save_policy(roles, target: Path) -> Path:
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Create RUN_DIR; with `overwrite`, first delete every file a run writes (RUN_FILES)."""
     if overwrite:
         for name in RUN_FILES:
             p = run_dir / name
