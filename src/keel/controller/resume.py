@@ -6,7 +6,7 @@ finished and is refused (raise train.steps to continue it, or --overwrite to sta
 of the same config that has no checkpoint yet (killed or preempted early) restarts at step 0.
 never: always start fresh (RUN_DIR must not hold a run, unless --overwrite). PATH: a checkpoint
 folder, or an fsspec URL (a checkpoint folder or a prefix holding `latest`) which is downloaded
-into RUN_DIR/checkpoints first.
+into RUN_DIR/checkpoints first. A run the guard stopped is refused unless --reset-guard.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from keel.checkpoint import CheckpointError, resume_candidates
 from keel.checkpoint.remote import remote_file
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
+from keel.guard import GUARD_STATE, read_decisions
 
 # Config keys a resumed run may change; every other difference is refused.
 MAY_CHANGE = ("run_dir", "train.steps", "eval.", "checkpoint.", "guard.", "monitor.", "reward.")
@@ -41,28 +42,42 @@ class ResumePlan:
     url: str | None = None
     explicit: bool = False
     restart: bool = False
+    reset_guard: bool = False
 
 
 RUN_FILES = (
     "metrics.jsonl", "events.jsonl", "config.yaml", "model", "critic", "checkpoints",
-    "samples.jsonl", "tensorboard", "wandb", "mlruns",
+    "samples.jsonl", "tensorboard", "wandb", "mlruns", GUARD_STATE,
 )  # fmt: skip
 
 
-def plan_resume(run_dir: Path, resume: str, overwrite: bool, cfg: KeelConfig) -> ResumePlan | None:
+def plan_resume(
+    run_dir: Path, resume: str, overwrite: bool, cfg: KeelConfig, reset_guard: bool = False
+) -> ResumePlan | None:
     """None for a fresh start (after checking RUN_DIR may be used), else what to resume from.
 
     Everything that refuses is decided here, before RUN_DIR is written: a finished run, a
-    config that changed in a key that may not change, a checkpoint past `train.steps`."""
+    config that changed in a key that may not change, a checkpoint past `train.steps`, a run the
+    guard stopped (unless `reset_guard`)."""
     if resume == "never" or (resume == "auto" and overwrite):
         check_run_dir(run_dir, overwrite)
         return None
     steps, config_text = cfg.train.steps, dump_config(cfg)
+    decisions = None if reset_guard else read_decisions(run_dir / GUARD_STATE)
+    if decisions is not None and decisions.stop:
+        stop = decisions.stop
+        raise RunDirError(
+            f"the guard stopped the run in {run_dir} at step {stop['step']}: {stop['reason']}; "
+            "pass --reset-guard to continue it (this resets the rollback budget and the LR/KL "
+            "scales), or --overwrite to start over"
+        )
     if resume != "auto":
-        return _explicit_plan(resume, cfg)
+        return _explicit_plan(resume, cfg, reset_guard)
     found = resume_candidates(run_dir / "checkpoints")
+    if decisions is not None:  # the trajectory a rollback abandoned, if a kill kept it
+        found = [c for c in found if not decisions.abandons(c.step, c.time)]
     if not found:
-        return _restart_plan(run_dir, config_text)
+        return _restart_plan(run_dir, config_text, reset_guard)
     newest = max(c.step for c in found)
     check_steps(newest, steps, str(run_dir))
     if (run_dir / "model").exists() and newest >= steps:
@@ -75,10 +90,10 @@ def plan_resume(run_dir: Path, resume: str, overwrite: bool, cfg: KeelConfig) ->
         if saved is not None:
             check_config(saved, config_text, f"cannot resume from {c.path}")
             break
-    return ResumePlan([c.path for c in found])
+    return ResumePlan([c.path for c in found], reset_guard=reset_guard)
 
 
-def _explicit_plan(resume: str, cfg: KeelConfig) -> ResumePlan:
+def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePlan:
     """--resume PATH or URL: errors are not fallen back from."""
     steps, config_text = cfg.train.steps, dump_config(cfg)
     if "://" in resume:
@@ -90,7 +105,7 @@ def _explicit_plan(resume: str, cfg: KeelConfig) -> ResumePlan:
         )
         meta = json.loads(remote_file(resume, "meta.json", options))
         check_steps(int(meta["step"]), steps, resume)
-        return ResumePlan([], url=resume, explicit=True)
+        return ResumePlan([], url=resume, explicit=True, reset_guard=reset_guard)
     path = Path(resume)
     if not path.is_dir():
         raise RunDirError(f"--resume {resume}: no such checkpoint folder")
@@ -103,10 +118,10 @@ def _explicit_plan(resume: str, cfg: KeelConfig) -> ResumePlan:
     except (OSError, ValueError, KeyError, TypeError):
         step = 0  # unreadable: loading it fails with a CheckpointError naming the file
     check_steps(step, steps, str(path))
-    return ResumePlan([path], explicit=True)
+    return ResumePlan([path], explicit=True, reset_guard=reset_guard)
 
 
-def _restart_plan(run_dir: Path, config_text: str) -> ResumePlan | None:
+def _restart_plan(run_dir: Path, config_text: str, reset_guard: bool) -> ResumePlan | None:
     """No checkpoint: a fresh start in an unused RUN_DIR (None), or a restart at step 0 of a run
     of the same config that never wrote one (killed or preempted early). A run whose final model
     exists, or whose config is unknown, is refused."""
@@ -117,7 +132,7 @@ def _restart_plan(run_dir: Path, config_text: str) -> ResumePlan | None:
     if (run_dir / "model").exists() or saved is None:  # a finished run, or not known to be ours
         raise _holds_a_run(run_dir, found)
     check_config(saved, config_text, f"cannot restart the run in {run_dir}")
-    return ResumePlan([], restart=True)
+    return ResumePlan([], restart=True, reset_guard=reset_guard)
 
 
 def check_steps(step: int, steps: int, where: str) -> None:

@@ -47,7 +47,15 @@ from keel.controller.resume import (
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.engine.seeding import seed_everything
-from keel.guard import EventLog, Guard, Verdict
+from keel.guard import (
+    GUARD_STATE,
+    EventLog,
+    Guard,
+    GuardDecisions,
+    Verdict,
+    read_decisions,
+    write_decisions,
+)
 from keel.jsonlines import repair_tail
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
@@ -95,15 +103,17 @@ def run_training(
     resume: str = "auto",
     title: str = "train",
     stop_after: int | None = None,
+    reset_guard: bool = False,
 ) -> RunResult:
     """Train as `cfg` says. Inputs are all loaded and checked, and every reason to refuse the
     run directory found, before RUN_DIR is written.
 
     resume: auto | never | a checkpoint folder or URL (keel.controller.resume). stop_after: act
-    as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted)."""
+    as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted). reset_guard:
+    continue a run the guard stopped, with its rollback budget and LR/KL scales reset."""
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
-    plan = plan_resume(run_dir, resume, overwrite, cfg)
+    plan = plan_resume(run_dir, resume, overwrite, cfg, reset_guard)
     check_monitor_config(cfg)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec, config_dir)
@@ -183,6 +193,7 @@ class TrainingLoop:
         self.monitor, self.samples = build_monitor(cfg, run_dir, title)
         self.saved = 0
         self.pending: dict[str, float] = {}  # extra metrics for the next logged row
+        self.decisions = GuardDecisions()  # what guard_state.json holds (keel.guard.decisions)
         c = cfg.checkpoint
         self.uploader = (
             BackgroundUploader(c.upload_to, dict(c.storage_options)) if c.upload_to else None
@@ -360,15 +371,18 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------ resume
     def resume(self, plan: ResumePlan) -> int:
-        """Load the first usable checkpoint of `plan`; returns its step (0 for a restart of a
-        run without a checkpoint)."""
+        """Load the first usable checkpoint of `plan` and the guard's recorded decisions;
+        returns its step (0 for a restart of a run without a checkpoint)."""
         for line in clean_leftovers(self.ckpt_dir):
             self.events.emit(0, "restart", line)
+        decisions = self._recorded_decisions(plan.reset_guard)
         if plan.restart:
+            applied = self._adopt(decisions, 0)
             self.events.emit(
                 0, "restart", f"{self.run_dir} holds no checkpoint yet: restarting the run at "
-                "step 0", reason="no_checkpoint",
+                f"step 0{applied}", reason="no_checkpoint",
             )  # fmt: skip
+            self._note_reset(plan.reset_guard, 0)
             return 0
         candidates = plan.candidates
         if plan.url:
@@ -386,10 +400,66 @@ class TrainingLoop:
                 continue
             check_steps(info.step, self.cfg.train.steps, str(path))
             self._restore_metrics_row(info)
+            applied = self._adopt(decisions, info.step, info)
             self.pending.update(self.roles.push_weights())  # separate rollout workers
-            self.events.emit(info.step, "resume", f"resumed from {info.path}", path=str(path))
+            message = f"resumed from {info.path}{applied}"
+            self.events.emit(info.step, "resume", message, path=str(path))
+            self._note_reset(plan.reset_guard, info.step)
             return info.step
         raise RunDirError(f"no usable checkpoint in {self.ckpt_dir}; pass --overwrite to restart")
+
+    def _recorded_decisions(self, reset: bool) -> GuardDecisions | None:
+        """The guard's decisions in RUN_DIR/guard_state.json (None: none recorded); with
+        `reset` (--reset-guard) they start afresh, and the file says so at once."""
+        path = self.run_dir / GUARD_STATE
+        if reset:
+            write_decisions(path, GuardDecisions())
+            return GuardDecisions()
+        return read_decisions(path)
+
+    def _adopt(
+        self, decisions: GuardDecisions | None, step: int, info: CheckpointInfo | None = None
+    ) -> str:
+        """Make the recorded decisions (newer than the checkpoint's) the run's: the guard's
+        rollback count, the workers' LR scale, the controller's KL scale, and the data skip of a
+        rollback to this very checkpoint; delete the checkpoints that rollback abandoned.
+        Returns what applies, for the resume event ("" when nothing was recorded)."""
+        if decisions is None:
+            return ""
+        self.decisions = decisions
+        self.guard.adopt(decisions)
+        for group in self.trainable.values():
+            group.apply_all(set_lr_scale, scale=decisions.lr_scale)
+        if hasattr(self.controller, "set_kl_scale"):
+            self.controller.set_kl_scale(decisions.kl_scale)
+        skip = decisions.skip_after_loading(info.step, info.time) if info else 0
+        if skip and hasattr(self.controller, "skip_batches"):
+            self.controller.skip_batches(skip)
+        for c in list_checkpoints(self.ckpt_dir, warn=False):
+            if decisions.abandons(c.step, c.time):
+                shutil.rmtree(c.path)
+                self.events.emit(step, "restart", f"deleted {c.path}, abandoned by a rollback")
+        return (
+            f"; the guard's recorded decisions apply: {decisions.rollbacks} rollback(s), LR "
+            f"scale {decisions.lr_scale:.3g}, KL scale {decisions.kl_scale:.3g}"
+            + (f", {skip} batch(es) skipped" if skip else "")
+        )
+
+    def _note_reset(self, reset: bool, step: int) -> None:
+        if reset:
+            message = "--reset-guard: the rollback budget and the LR/KL scales start afresh"
+            self.events.emit(step, "guard_reset", message)
+
+    def _record(
+        self, rollback: dict[str, Any] | None = None, stop: dict[str, Any] | None = None
+    ) -> None:
+        """Write the guard's decisions to RUN_DIR/guard_state.json now (keel.guard.decisions),
+        with the rollback (else the previous one) or the stop that just happened."""
+        current = self.guard.decisions()
+        current.rollback = rollback or self.decisions.rollback
+        current.stop = stop
+        self.decisions = current
+        write_decisions(self.run_dir / GUARD_STATE, current)
 
     def _check_config(self, path: Path) -> None:
         saved = path / "config.yaml"
@@ -425,13 +495,18 @@ class TrainingLoop:
         guard_state = torch.load(target.path / "guard.pt", weights_only=True)
         self.guard.restore_observations(guard_state)
         self.guard.rolled_back()
+        skip = step - target.step
+        if not (self.cfg.guard.skip_data and hasattr(self.controller, "skip_batches")):
+            skip = 0
+        # Recorded before anything is deleted: a kill from here on resumes with this rollback.
+        self._record(rollback={"to_step": target.step, "time": time.time(), "skip_batches": skip})
         for group in self.trainable.values():
             group.apply_all(set_lr_scale, scale=self.guard.lr_scale)
         self.pending.update(self.roles.push_weights())  # separate rollout workers
         if hasattr(self.controller, "set_kl_scale"):
             self.controller.set_kl_scale(self.guard.kl_scale)
-        if self.cfg.guard.skip_data and hasattr(self.controller, "skip_batches"):
-            self.controller.skip_batches(step - target.step)
+        if skip:
+            self.controller.skip_batches(skip)
         for newer in [c for c in list_checkpoints(self.ckpt_dir) if c.step > target.step]:
             shutil.rmtree(newer.path)  # the abandoned trajectory's (unhealthy) checkpoints
         write_latest(self.ckpt_dir, target.path.name)
@@ -456,6 +531,7 @@ class TrainingLoop:
     def _stop(self, step: int, verdict: Verdict, why: str | None = None) -> None:
         cause = verdict.cause
         message = f"guard stopped the run: {why or cause.message}"
+        self._record(stop={"step": step, "reason": why or cause.message, "rule": cause.rule})
         self.events.emit(step, "stop", message, rule=cause.rule, action="stop")
         raise RunStopped(f"{message} (step {step}; see {self.run_dir / 'events.jsonl'})")
 
