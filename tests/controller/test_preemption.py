@@ -186,7 +186,7 @@ def test_signal_in_the_step_0_evaluation_exits_75_and_reruns_restart(tmp_path, t
     run_dir, started = tmp_path / "run", tmp_path / "started"
     slow = [
         f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:slow_at_first",
-        f"reward.kwargs={{slow_calls: 8, seconds: 0.25, started: {started}}}",
+        f"reward.kwargs={{slow_calls: 8, seconds: 0.1, started: {started}}}",
         "train.steps=3",
     ]
     proc = start(run_dir, tiny_dir, *slow)  # checkpoint.save_steps=0: only a signal saves
