@@ -1,6 +1,7 @@
 """`make bench` (also `python -m bench.reliability`): the reliability targets on the tiny model.
 
-- checkpoint save and load seconds (median of 5) and size on disk;
+- checkpoint save and load seconds (median of 5), of which checking the files' sizes and
+  SHA-256 digests (validate_s), and size on disk;
 - the guard's overhead per step (its check, median, against the median step time);
 - steps from an injected reward collapse to the guard's trip, at the default guard settings.
 Prints one JSON line per measurement.
@@ -20,7 +21,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
 
-from keel.checkpoint import load_checkpoint, save_checkpoint
+from keel.checkpoint import load_checkpoint, save_checkpoint, validate_checkpoint
 from keel.config import validate
 from keel.controller.assembly import build_reward, build_roles, load_datasets
 from keel.controller.rl import RLController
@@ -51,7 +52,7 @@ def checkpoint_costs(model_dir: Path, root: Path) -> dict:
     ctl.step(1)  # the optimizer has state
     components = {"controller": ctl, "guard": Guard(cfg.guard)}
     kwargs = {"roles": trainable_roles(roles), "components": components}
-    saves, loads = [], []
+    saves, loads, checks = [], [], []
     for i in range(5):
         start = time.perf_counter()
         info = save_checkpoint(root, i + 1, **kwargs, config_text="{}", healthy=True)
@@ -59,11 +60,15 @@ def checkpoint_costs(model_dir: Path, root: Path) -> dict:
         start = time.perf_counter()
         load_checkpoint(info.path, **kwargs)
         loads.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        validate_checkpoint(info.path)  # sizes and SHA-256 digests, part of every load
+        checks.append(time.perf_counter() - start)
     size = sum(p.stat().st_size for p in info.path.rglob("*") if p.is_file())
     return {
         "case": "checkpoint_tiny",
         "save_s": round(statistics.median(saves), 4),
         "load_s": round(statistics.median(loads), 4),
+        "validate_s": round(statistics.median(checks), 4),
         "size_bytes": size,
         "params": sum(p.numel() for p in roles.actor.workers[0].model.parameters()),
     }

@@ -13,6 +13,7 @@ import pytest
 
 from keel.controller import run_training
 from keel.guard import read_events
+from keel.monitor import read_metrics
 
 
 @pytest.fixture
@@ -85,3 +86,35 @@ def test_failed_upload_is_an_event_and_training_goes_on(tiny_grpo):
     ]
     assert [e["step"] for e in failed] == [1, 2] and "failed" in failed[0]["message"]
     assert result.model_dir.is_dir()
+
+
+def test_an_unreachable_store_does_not_delay_training(tiny_grpo):
+    """Uploads to an S3 endpoint where nothing listens run in the background: the steps and
+    saves go on at their own pace, the upload waiting behind a running one is superseded by the
+    newer checkpoint, and the end of the run waits checkpoint.upload_wait_s at most."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    cfg = tiny_grpo(
+        "train.steps=3", "checkpoint.save_steps=1", "checkpoint.upload_to=s3://keel-ckpt/run",
+        "checkpoint.upload_wait_s=0.5",
+    )  # fmt: skip
+    cfg.checkpoint.storage_options = {
+        "endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s",
+    }  # fmt: skip
+    start = time.monotonic()
+    run_training(cfg)
+    took = time.monotonic() - start
+    saved = {
+        r["step"]: r["checkpoint/saved_at"]
+        for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+        if "checkpoint/saved_at" in r
+    }
+    # One attempt to upload takes about 5 s (botocore's retries), and blocked each save before.
+    assert saved[3] - saved[1] < 4.0, saved
+    assert took < 15.0
+    uploads = [e for e in read_events(Path(cfg.run_dir) / "events.jsonl") if "upload" in e]
+    assert {(e["step"], e["upload"]) for e in uploads} == {
+        (1, "unfinished"), (2, "skipped"), (3, "unfinished"),
+    }  # fmt: skip
+    assert Path(cfg.run_dir, "model").is_dir()

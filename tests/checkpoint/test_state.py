@@ -1,5 +1,6 @@
 """Checkpoint folders: atomic publication, `latest`, validation, retention, full disk, leftovers."""
 
+import json
 import resource
 import signal
 import warnings
@@ -68,7 +69,7 @@ def test_incomplete_is_ignored_and_corrupt_falls_back(run, tiny_grpo):
 def test_retention_keeps_the_newest_healthy(tmp_path):
     for step in (1, 2, 3, 4):
         (tmp_path / f"step_{step:06d}").mkdir()
-    deleted = prune_step_folders(tmp_path, keep=1, protect=tmp_path / "step_000002")
+    deleted = prune_step_folders(tmp_path, keep=1, protect=[tmp_path / "step_000002"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004"]
     assert len(deleted) == 2
 
@@ -102,3 +103,25 @@ def test_full_disk_keeps_the_previous_checkpoint(run, tiny_grpo):
     failed = [e for e in read_events(Path(run.run_dir) / "events.jsonl") if e.get("ok") is False]
     assert [e["step"] for e in failed] == [5, 6]
     assert run_training(cfg).resumed_from == 4  # with space again, the run resumes and ends
+
+
+def test_same_size_corruption_fails_its_checksum_and_falls_back(run, tiny_grpo):
+    """A bit flip that keeps the file's size is caught by the SHA-256 in meta.json; resume falls
+    back to the checkpoint before. A checkpoint written before checksums (sizes only) loads."""
+    root = Path(run.run_dir) / "checkpoints"
+    weights = root / "step_000004" / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # inside the last tensor: safetensors still loads it
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not match its recorded"):
+        validate_checkpoint(root / "step_000004")
+    meta_file = root / "step_000003" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["sha256"]  # as written before checksums existed
+    meta_file.write_text(json.dumps(meta))
+    assert validate_checkpoint(root / "step_000003").step == 3
+    cfg = tiny_grpo("train.steps=5", "checkpoint.save_steps=1", "checkpoint.keep=4")
+    with pytest.warns(UserWarning, match="does not match its recorded SHA-256"):
+        assert run_training(cfg).resumed_from == 3
+    events = read_events(Path(run.run_dir) / "events.jsonl")
+    assert any("SHA-256" in e["message"] for e in events if e["event"] == "restart")

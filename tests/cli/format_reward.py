@@ -29,3 +29,22 @@ def never_returns(prompt, response, answer, **kwargs):
 
     time.sleep(3600)
     return 1.0
+
+
+CALLS = [0]
+
+
+def slow_at_first(prompt, response, answer, **kwargs):
+    """digit_fraction, but the first `slow_calls` calls of the process sleep `seconds` each, and
+    the first one creates the file `started`: a test then knows the run is scoring its step-0
+    evaluation, and has time to signal it there."""
+    import time
+    from pathlib import Path
+
+    n = CALLS[0]
+    CALLS[0] += 1
+    if n == 0:
+        Path(kwargs["started"]).touch()
+    if n < kwargs["slow_calls"]:
+        time.sleep(kwargs["seconds"])
+    return digit_fraction(prompt, response, answer)

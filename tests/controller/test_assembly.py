@@ -1,6 +1,5 @@
 """Assembling a run: which roles exist, and which held-out data is used."""
 
-
 import pytest
 
 from keel.config import validate

@@ -2,6 +2,7 @@
 kill -9 at random moments (half of them inside a checkpoint write) never leaves a checkpoint that
 resume would use half-written, and the run still ends bitwise-identical to a straight run."""
 
+import json
 import os
 import random
 import signal
@@ -64,11 +65,15 @@ def saving(ckpt_dir: Path) -> bool:
     return ckpt_dir.is_dir() and any(p.name.startswith(".tmp-step_") for p in ckpt_dir.iterdir())
 
 
-def resume_events(run_dir: Path) -> list[dict]:
+def events_of(run_dir: Path, kind: str) -> list[dict]:
     try:
-        return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "resume"]
+        return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == kind]
     except (OSError, ValueError):
         return []
+
+
+def resume_events(run_dir: Path) -> list[dict]:
+    return events_of(run_dir, "resume")
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -188,3 +193,72 @@ def test_a_real_ctrl_c_while_the_reward_runs_still_preempts(tiny_grpo):
     with pytest.raises(RunPreempted, match="preempted by SIGINT after step 2"):
         run_training(cfg)
     assert [c.step for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")] == [2]
+
+
+def test_signal_in_the_step_0_evaluation_exits_75_and_reruns_restart(tmp_path, tiny_dir):
+    """SIGTERM while the step-0 evaluation runs: exit 75 without a checkpoint. Rerunning the
+    same command restarts the run; so does rerunning after a kill -9 before any checkpoint."""
+    run_dir, started = tmp_path / "run", tmp_path / "started"
+    slow = [
+        f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:slow_at_first",
+        f"reward.kwargs={{slow_calls: 8, seconds: 0.1, started: {started}}}",
+        "train.steps=3",
+    ]
+    proc = start(run_dir, tiny_dir, *slow)  # checkpoint.save_steps=0: only a signal saves
+    assert wait_for(started.exists, proc)  # the first reward call of the step-0 evaluation
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert "preempted by SIGTERM before step 1" in err
+    assert [(e["event"], e["step"]) for e in read_events(run_dir / "events.jsonl")] == [
+        ("signal", 0), ("stop", 0),
+    ]  # fmt: skip
+    assert steps_logged(run_dir) == 0 and not list_checkpoints(run_dir / "checkpoints")
+
+    started.unlink()
+    proc = start(run_dir, tiny_dir, *slow)
+    assert wait_for(lambda: steps_logged(run_dir) >= 1, proc)
+    proc.kill()  # kill -9 before any checkpoint
+    proc.wait()
+    assert not list_checkpoints(run_dir / "checkpoints")
+
+    proc = start(run_dir, tiny_dir, *slow)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    restarts = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert [e["reason"] for e in restarts] == ["no_checkpoint", "no_checkpoint"]
+    assert steps_logged(run_dir) == 3 and (run_dir / "model").is_dir()
+
+
+def test_kill_9_after_a_rollback_resumes_with_the_guards_decisions(tmp_path, tiny_dir, tiny_grpo):
+    """kill -9 after a rollback, before the next checkpoint: the rerun resumes from the rollback's
+    checkpoint with the rollback's lower LR, higher KL scale, data skip and count (from
+    guard_state.json), and ends bitwise-identical to a run that was never killed."""
+    from tests.controller.test_runner_guard import GUARDED, adversarial
+
+    guarded = [
+        *GUARDED, "checkpoint.save_steps=4", "guard.kl_factor=2",
+        *adversarial(bad_from_step=5, bad_steps=1),
+    ]  # fmt: skip
+    run_dir, ckpt_dir = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    proc = start(run_dir, tiny_dir, *guarded)
+    landed = wait_for(lambda: bool(events_of(run_dir, "rollback")), proc)
+    proc.kill()
+    proc.wait()
+    assert landed, proc.stderr.read()
+    assert [c.step for c in list_checkpoints(ckpt_dir)] == [4]  # before the next checkpoint
+    state = json.loads((run_dir / "guard_state.json").read_text())
+    assert (state["rollbacks"], state["lr_scale"], state["kl_scale"]) == (1, 0.5, 2.0)
+
+    proc = start(run_dir, tiny_dir, *guarded)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    guard = torch.load(ckpt_dir / "step_000008" / "guard.pt", weights_only=True)
+    assert (guard["rollbacks"], guard["lr_scale"], guard["kl_scale"]) == (1, 0.5, 2.0)
+
+    straight = run_training(tiny_grpo(*guarded))
+    a, b = weights(straight.model_dir), weights(run_dir / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resume lost the guard's decisions"
+    rows = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
+    ref = {r["step"]: r for r in read_metrics(straight.run_dir / "metrics.jsonl")}
+    assert rows[8]["actor/lr"] == ref[8]["actor/lr"] == ref[1]["actor/lr"] * 0.5

@@ -184,3 +184,87 @@ def test_prompts_over_the_limit_are_truncated_or_dropped_and_counted(
     run_training(cfg)
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert rows[0][key] == 1.0 and rows[-1]["step"] == 2  # the long prompt did not stop it
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` with its content (None for a folder)."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_torn_last_lines_are_dropped_on_resume(tiny_grpo):
+    """A full disk tore the last line of metrics.jsonl and of events.jsonl: readers leave it
+    out, and the resume cuts it off (an event says so) instead of failing."""
+    from keel.report import load_run
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    with pytest.raises(RunPreempted):
+        run_training(cfg, stop_after=1)
+    run_dir = Path(cfg.run_dir)
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 2, "reward/me')
+    with (run_dir / "events.jsonl").open("a") as fh:
+        fh.write('{"time": 1, "step": 2, "ev')
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
+    assert read_events(run_dir / "events.jsonl")[-1]["event"] == "stop"
+    assert [r["step"] for r in load_run(run_dir).metrics] == [0, 1]
+
+    assert run_training(cfg).resumed_from == 1
+    for name in ("metrics.jsonl", "events.jsonl"):
+        lines = (run_dir / name).read_text().splitlines()
+        assert all(json.loads(line) for line in lines), name  # no torn line left anywhere
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    events = read_events(run_dir / "events.jsonl")
+    dropped = [e["message"] for e in events if e["message"].startswith("dropped a torn")]
+    assert len(dropped) == 2 and "metrics.jsonl" in dropped[0] and "events.jsonl" in dropped[1]
+
+
+def test_a_refused_config_change_touches_nothing(tiny_grpo):
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
+    run_training(cfg)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "checkpoints" / ".tmp-step_000003-99").mkdir()  # a killed save's leftover
+    before = snapshot(run_dir)
+    changed = tiny_grpo("train.steps=3", "checkpoint.save_steps=1", "train.lr=0.1")
+    with pytest.raises(RunDirError, match=r"config differs in train\.lr"):
+        run_training(changed)
+    assert snapshot(run_dir) == before
+
+
+def test_train_steps_below_the_newest_checkpoint_is_refused(tiny_grpo):
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=4", "checkpoint.save_steps=1")
+    with pytest.raises(RunPreempted):
+        run_training(cfg, stop_after=3)
+    before = snapshot(Path(cfg.run_dir))
+    with pytest.raises(RunDirError, match=r"at step 3, past train\.steps=2"):
+        run_training(tiny_grpo("train.steps=2", "checkpoint.save_steps=1"))
+    assert snapshot(Path(cfg.run_dir)) == before
+    assert not (Path(cfg.run_dir) / "model").exists()
+
+
+def test_a_run_without_a_checkpoint_restarts_with_the_same_config(tiny_grpo):
+    """A run that ends (or is killed) before any checkpoint restarts at step 0 when the same
+    command runs again; a changed config or a finished run is still refused."""
+    from keel.controller.runner import RunDirError
+
+    cfg = tiny_grpo("train.steps=1", "checkpoint.save_steps=0")  # no checkpoint
+    run_training(cfg)
+    run_dir = Path(cfg.run_dir)
+    with pytest.raises(RunDirError, match="already holds a run"):
+        run_training(cfg)  # finished: model/ exists
+    (run_dir / "model").rename(run_dir / "model-was")  # as if killed before the export
+    with pytest.raises(RunDirError, match=r"cannot restart .* differs in train\.lr"):
+        run_training(tiny_grpo("train.steps=1", "checkpoint.save_steps=0", "train.lr=0.1"))
+    rows = len(read_metrics(run_dir / "metrics.jsonl"))
+    result = run_training(tiny_grpo("train.steps=2", "checkpoint.save_steps=0"))
+    assert result.resumed_from == 0 and result.model_dir.is_dir()
+    [restart] = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert restart["reason"] == "no_checkpoint" and restart["step"] == 0
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert steps[:rows] == [0, 1] and steps[rows:] == [0, 1, 2]  # appended, nothing lost

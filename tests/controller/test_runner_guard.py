@@ -2,7 +2,10 @@
 NaN loss, an LR that blows up. It trips within its window, rolls back and recovers, or stops;
 events.jsonl records it; the healthy checkpoint survives."""
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,11 @@ from keel.engine.update import GradientStep
 from keel.guard import read_events
 from keel.monitor import read_metrics
 from keel.workers.actor import ActorWorker
+from tests.conftest import TINY_GRPO
 
-FAULTS = Path(__file__).resolve().parents[1] / "guard" / "fault_rewards.py"
+ROOT = Path(__file__).resolve().parents[2]
+KEEL = Path(sys.executable).parent / "keel"
+FAULTS = ROOT / "tests" / "guard" / "fault_rewards.py"
 EVAL_CALLS, CALLS_PER_STEP = 8, 16  # eval_size=8 at step 0; 4 prompts x 4 samples per step
 UPDATES_PER_STEP = 4  # 16 sequences / mini_batch_size 4
 STEADY = [f"reward.fn={FAULTS}:turns_bad", "reward.kwargs={bad_from: 1000000}"]  # in [0.5, 1]
@@ -141,3 +147,34 @@ def test_reward_errors_past_the_rate_stop_the_run(tiny_grpo):
         run_training(cfg)
     [stop] = [e for e in events_of(cfg.run_dir) if e["event"] == "stop"]
     assert stop["rule"] == "reward_errors"
+
+
+def test_a_rerun_after_a_guard_stop_needs_reset_guard(tiny_grpo, tiny_dir):
+    """The stop is recorded in guard_state.json: the same command again is refused (exit 2,
+    naming the step and the reason) and touches nothing; --reset-guard continues the run with a
+    fresh rollback budget."""
+    overrides = [*GUARDED, "guard.max_rollbacks=1", *adversarial(5, None)]
+    cfg = tiny_grpo(*overrides)
+    with pytest.raises(RunStopped, match="max_rollbacks"):
+        run_training(cfg)
+    run_dir = Path(cfg.run_dir)
+    [stop] = [e for e in events_of(cfg.run_dir) if e["event"] == "stop"]
+    state = json.loads((run_dir / "guard_state.json").read_text())
+    assert state["rollbacks"] == 1 and state["stop"]["step"] == stop["step"]
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    sets = [*TINY_GRPO, f"models.actor={tiny_dir}", *overrides]
+    args = [str(KEEL), "train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir)]
+    args += [arg for s in sets for arg in ("--set", s)]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("keel: error: the guard stopped the run")
+    assert f"at step {stop['step']}" in line and "max_rollbacks" in line and "--reset-guard" in line
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+
+    result = run_training(cfg, reset_guard=True)  # a fresh reward counter: no collapse now
+    assert result.model_dir.is_dir()
+    assert [e["event"] for e in events_of(cfg.run_dir)].count("guard_reset") == 1
+    state = json.loads((run_dir / "guard_state.json").read_text())
+    assert (state["rollbacks"], state["lr_scale"], state["stop"]) == (0, 1.0, None)

@@ -1,12 +1,12 @@
-"""Writing a folder atomically (temp folder, fsync, rename), retention, and clean-up of what a
-killed writer left behind."""
+"""Writing a folder (temp folder, fsync, rename) or a small file atomically, retention, and
+clean-up of what a killed writer left behind."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -51,16 +51,17 @@ def publish_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def prune_step_folders(parent: str | Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete all but the newest `keep` step_N folders under `parent`, never `protect` (the
-    newest healthy checkpoint); returns the deleted."""
+def prune_step_folders(parent: str | Path, keep: int, protect: Iterable[Path] = ()) -> list[Path]:
+    """Delete all but the newest `keep` step_N folders under `parent`, never those in `protect`
+    (the newest healthy checkpoint, those being uploaded); returns the deleted."""
     parent = Path(parent)
     if not parent.is_dir():
         return []
     steps = sorted(
         (int(m.group(1)), p) for p in parent.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()
     )
-    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)] if p != protect]
+    kept = set(protect)
+    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)] if p not in kept]
     for p in doomed:
         shutil.rmtree(p)
     return doomed
@@ -87,6 +88,18 @@ def clean_leftovers(parent: str | Path) -> list[str]:
                 p.rename(original)
                 done.append(f"restored {original} from {p}")
     return done
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace the file `path` with `text`: a temporary sibling, fsync'd, renamed over it, then
+    the folder fsync'd. A crash leaves the old content or the new, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

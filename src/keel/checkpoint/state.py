@@ -9,6 +9,7 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step_NNNNNN/`):
     rng.pt                 python / numpy / torch (and CUDA) random states
     config.yaml            the resolved config of the run
     meta.json              step, healthy, time, the step's metrics, every file's size
+                           ("files") and SHA-256 digest ("sha256")
     COMPLETE               the completion marker, written last
 
 A checkpoint is written into a temporary sibling folder, fsync'd and renamed into place, and only
@@ -17,6 +18,7 @@ then is `checkpoints/latest` (a text file naming the folder) replaced atomically
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -32,7 +34,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from keel.checkpoint.export import fsync_dir, publish_folder, step_folder_name, step_of
+from keel.checkpoint.export import (
+    publish_folder,
+    step_folder_name,
+    step_of,
+    write_text_atomically,
+)
 from keel.engine.distributed import rank
 
 MARKER = "COMPLETE"
@@ -94,7 +101,7 @@ def save_checkpoint(
         torch.save(capture_rng(), tmp / "rng.pt")
         (tmp / "config.yaml").write_text(config_text)
         _test_pause()
-        meta["files"] = _sizes(tmp)
+        meta["files"], meta["sha256"] = file_records(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         (tmp / MARKER).write_text("")
 
@@ -130,18 +137,25 @@ def load_checkpoint(
 
 
 def validate_checkpoint(path: Path) -> CheckpointInfo:
-    """The checkpoint's info if it is complete and every file has its recorded size."""
+    """The checkpoint's info if it is complete, every file has its recorded size and (when
+    meta.json records them: checkpoints written before checksums have sizes only) its recorded
+    SHA-256 digest."""
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     try:
         meta = json.loads((path / "meta.json").read_text())
-        files = meta["files"]
+        files, digests = meta["files"], meta.get("sha256", {})
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"checkpoint {path}: meta.json is unreadable ({exc})") from exc
     for rel, size in files.items():
         file = path / rel
         if not file.is_file() or file.stat().st_size != size:
             raise CheckpointError(f"checkpoint {path} is damaged: {rel} is missing or truncated")
+    for rel, digest in digests.items():
+        if sha256_of(path / rel) != digest:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {rel} does not match its recorded SHA-256"
+            )
     return info_of(path, meta)
 
 
@@ -184,13 +198,7 @@ def resume_candidates(root: str | Path) -> list[CheckpointInfo]:
 
 
 def write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp"
-    with tmp.open("w") as fh:
-        fh.write(name + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, root / LATEST)
-    fsync_dir(root)
+    write_text_atomically(root / LATEST, name + "\n")
 
 
 def read_latest(root: Path) -> str | None:
@@ -263,9 +271,20 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------ files
-def _sizes(folder: Path) -> dict[str, int]:
+def file_records(folder: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """Every file under `folder` by relative path: its size, and its SHA-256 (hex digest)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return {str(p.relative_to(folder)): p.stat().st_size for p in files}
+    sizes = {str(p.relative_to(folder)): p.stat().st_size for p in files}
+    return sizes, {str(p.relative_to(folder)): sha256_of(p) for p in files}
+
+
+def sha256_of(path: Path) -> str:
+    """The SHA-256 hex digest of a file's content, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _test_pause() -> None:

@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): continue from RUN_DIR's newest checkpoint if there is one; "
         "never: start fresh; PATH: a checkpoint folder or fsspec URL",
     )
+    train.add_argument(
+        "--reset-guard",
+        action="store_true",
+        help="continue a run the guard stopped: reset its rollback budget and LR/KL scales",
+    )
 
     config = sub.add_parser("config", help="check a config before running it")
     csub = config.add_subparsers(dest="config_command", required=True)
@@ -108,6 +113,7 @@ def _is_user_error(exc: BaseException) -> bool:
     from keel.config import ConfigError
     from keel.controller.runner import RunDirError
     from keel.data import DataError
+    from keel.guard import GuardStateError
     from keel.models import ModelLoadError
     from keel.monitor.optional import MissingPackageError
     from keel.monitor.prometheus import ExporterError
@@ -115,8 +121,9 @@ def _is_user_error(exc: BaseException) -> bool:
     from keel.rewards import RewardError, RewardLoadError
 
     user = (
-        CheckpointError, ConfigError, DataError, ExporterError, MissingPackageError,
-        ModelLoadError, ReportError, RewardError, RewardLoadError, RunDirError,
+        CheckpointError, ConfigError, DataError, ExporterError, GuardStateError,
+        MissingPackageError, ModelLoadError, ReportError, RewardError, RewardLoadError,
+        RunDirError,
     )  # fmt: skip
     return isinstance(exc, user)
 
@@ -133,7 +140,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return train(
             args.config, args.set, run_dir=args.run_dir, overwrite=args.overwrite,
-            resume=args.resume,
+            resume=args.resume, reset_guard=args.reset_guard,
         )  # fmt: skip
     if args.command == "demo":
         from keel.cli.demo import demo

@@ -16,6 +16,7 @@ def train(
     run_dir: str | None = None,
     overwrite: bool = False,
     resume: str = "auto",
+    reset_guard: bool = False,
 ) -> int:
     cfg = load_config(path, overrides)
     if run_dir:
@@ -23,7 +24,12 @@ def train(
     from keel.controller import run_training
 
     result = run_training(
-        cfg, config_dir=path.parent, overwrite=overwrite, resume=resume, title=cfg.algorithm.name
+        cfg,
+        config_dir=path.parent,
+        overwrite=overwrite,
+        resume=resume,
+        title=cfg.algorithm.name,
+        reset_guard=reset_guard,
     )
     shown = ("eval/accuracy", "eval/rm/accuracy", "eval/rewards/accuracies")
     summary = "".join(

@@ -220,6 +220,9 @@ class CheckpointConfig(Section):
     storage_options: FiniteMapping = Field(
         default_factory=dict, description="fsspec options for upload_to (endpoint_url, key, …)"
     )
+    upload_wait_s: float = Field(
+        120.0, ge=0, description="at the end of the run, wait this long for pending uploads"
+    )
 
 
 GuardAction = Literal["warn", "rollback", "stop"]

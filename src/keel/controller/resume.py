@@ -2,14 +2,16 @@
 
 auto (the default): resume from the newest usable checkpoint in RUN_DIR/checkpoints when there
 is one; a run whose final model exists and whose newest checkpoint is at or past train.steps is
-finished and is refused (raise train.steps to continue it, or --overwrite to start over).
+finished and is refused (raise train.steps to continue it, or --overwrite to start over). A run
+of the same config that has no checkpoint yet (killed or preempted early) restarts at step 0.
 never: always start fresh (RUN_DIR must not hold a run, unless --overwrite). PATH: a checkpoint
 folder, or an fsspec URL (a checkpoint folder or a prefix holding `latest`) which is downloaded
-into RUN_DIR/checkpoints first.
+into RUN_DIR/checkpoints first. A run the guard stopped is refused unless --reset-guard.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -18,9 +20,12 @@ from typing import Any
 
 import yaml
 
-from keel.checkpoint import resume_candidates
-from keel.config.loading import ConfigError, validate
+from keel.checkpoint import CheckpointError, resume_candidates
+from keel.checkpoint.remote import remote_file
+from keel.config.loading import ConfigError, dump_config, validate
 from keel.config.paths import resolve_input_paths
+from keel.config.schema import KeelConfig
+from keel.guard import GUARD_STATE, read_decisions
 
 # Config keys a resumed run may change; every other difference is refused.
 MAY_CHANGE = ("run_dir", "train.steps", "eval.", "checkpoint.", "guard.", "monitor.", "reward.")
@@ -32,41 +37,115 @@ class RunDirError(ValueError):
 
 @dataclass
 class ResumePlan:
-    """Checkpoints to try in order (the first that loads wins), or a URL to download first."""
+    """Checkpoints to try in order (the first that loads wins), or a URL to download first.
+    restart: RUN_DIR holds a run of this config without any checkpoint yet: start it again at
+    step 0 in place, appending to its files."""
 
     candidates: list[Path]
     url: str | None = None
     explicit: bool = False
+    restart: bool = False
+    reset_guard: bool = False
 
 
 RUN_FILES = (
     "metrics.jsonl", "events.jsonl", "config.yaml", "model", "critic", "checkpoints",
-    "samples.jsonl", "tensorboard", "wandb", "mlruns",
+    "samples.jsonl", "tensorboard", "wandb", "mlruns", GUARD_STATE,
 )  # fmt: skip
 
 
-def plan_resume(run_dir: Path, resume: str, overwrite: bool, steps: int) -> ResumePlan | None:
-    """None for a fresh start (after checking RUN_DIR may be used), else what to resume from."""
+def plan_resume(
+    run_dir: Path, resume: str, overwrite: bool, cfg: KeelConfig, reset_guard: bool = False
+) -> ResumePlan | None:
+    """None for a fresh start (after checking RUN_DIR may be used), else what to resume from.
+
+    Everything that refuses is decided here, before RUN_DIR is written: a finished run, a
+    config that changed in a key that may not change, a checkpoint past `train.steps`, a run the
+    guard stopped (unless `reset_guard`)."""
     if resume == "never" or (resume == "auto" and overwrite):
         check_run_dir(run_dir, overwrite)
         return None
+    steps, config_text = cfg.train.steps, dump_config(cfg)
+    decisions = None if reset_guard else read_decisions(run_dir / GUARD_STATE)
+    if decisions is not None and decisions.stop:
+        stop = decisions.stop
+        raise RunDirError(
+            f"the guard stopped the run in {run_dir} at step {stop['step']}: {stop['reason']}; "
+            "pass --reset-guard to continue it (this resets the rollback budget and the LR/KL "
+            "scales), or --overwrite to start over"
+        )
     if resume != "auto":
-        if "://" in resume:
-            return ResumePlan([], url=resume, explicit=True)
-        if not Path(resume).is_dir():
-            raise RunDirError(f"--resume {resume}: no such checkpoint folder")
-        return ResumePlan([Path(resume)], explicit=True)
+        return _explicit_plan(resume, cfg, reset_guard)
     found = resume_candidates(run_dir / "checkpoints")
+    if decisions is not None:  # the trajectory a rollback abandoned, if a kill kept it
+        found = [c for c in found if not decisions.abandons(c.step, c.time)]
     if not found:
-        check_run_dir(run_dir, overwrite)
-        return None
+        return _restart_plan(run_dir, config_text, reset_guard)
     newest = max(c.step for c in found)
+    check_steps(newest, steps, str(run_dir))
     if (run_dir / "model").exists() and newest >= steps:
         raise RunDirError(
             f"{run_dir} holds a finished run (step {newest} of train.steps={steps}); raise "
             "train.steps to continue it, choose another run_dir, or pass --overwrite"
         )
-    return ResumePlan([c.path for c in found])
+    for c in found:  # the first checkpoint with a readable config decides
+        saved = _read_text(c.path / "config.yaml")
+        if saved is not None:
+            check_config(saved, config_text, f"cannot resume from {c.path}")
+            break
+    return ResumePlan([c.path for c in found], reset_guard=reset_guard)
+
+
+def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePlan:
+    """--resume PATH or URL: errors are not fallen back from."""
+    steps, config_text = cfg.train.steps, dump_config(cfg)
+    if "://" in resume:
+        options = dict(cfg.checkpoint.storage_options)
+        check_config(
+            remote_file(resume, "config.yaml", options).decode(),
+            config_text,
+            f"cannot resume from {resume}",
+        )
+        meta = json.loads(remote_file(resume, "meta.json", options))
+        check_steps(int(meta["step"]), steps, resume)
+        return ResumePlan([], url=resume, explicit=True, reset_guard=reset_guard)
+    path = Path(resume)
+    if not path.is_dir():
+        raise RunDirError(f"--resume {resume}: no such checkpoint folder")
+    saved = _read_text(path / "config.yaml")
+    if saved is None:
+        raise CheckpointError(f"checkpoint {path} has no config.yaml")
+    check_config(saved, config_text, f"cannot resume from {path}")
+    try:
+        step = int(json.loads(path.joinpath("meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = 0  # unreadable: loading it fails with a CheckpointError naming the file
+    check_steps(step, steps, str(path))
+    return ResumePlan([path], explicit=True, reset_guard=reset_guard)
+
+
+def _restart_plan(run_dir: Path, config_text: str, reset_guard: bool) -> ResumePlan | None:
+    """No checkpoint: a fresh start in an unused RUN_DIR (None), or a restart at step 0 of a run
+    of the same config that never wrote one (killed or preempted early). A run whose final model
+    exists, or whose config is unknown, is refused."""
+    found = run_files(run_dir)
+    if not found:
+        return None
+    saved = _read_text(run_dir / "config.yaml")
+    if (run_dir / "model").exists() or saved is None:  # a finished run, or not known to be ours
+        raise _holds_a_run(run_dir, found)
+    check_config(saved, config_text, f"cannot restart the run in {run_dir}")
+    return ResumePlan([], restart=True, reset_guard=reset_guard)
+
+
+def check_steps(step: int, steps: int, where: str) -> None:
+    """A checkpoint past train.steps would export a policy trained longer than asked: refuse."""
+    if step > steps:
+        raise RunDirError(
+            f"{where}: the newest checkpoint is at step {step}, past train.steps={steps}; set "
+            f"train.steps to at least {step} to continue the run, choose another run_dir, or "
+            "pass --overwrite"
+        )
 
 
 def check_run_dir_usable(run_dir: Path) -> None:
@@ -91,11 +170,35 @@ def check_run_dir_usable(run_dir: Path) -> None:
 
 
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:
-    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    """Refuse a fresh start in a RUN_DIR that holds a run, unless `overwrite`."""
+    found = run_files(run_dir)
     if found and not overwrite:
+        raise _holds_a_run(run_dir, found)
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names of RUN_FILES that exist in `run_dir`."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def _holds_a_run(run_dir: Path, found: list[str]) -> RunDirError:
+    return RunDirError(
+        f"{run_dir} already holds a run ({', '.join(found)}) and no checkpoint to resume "
+        "from; choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
+    )
+
+
+def check_config(saved_yaml: str, current_yaml: str, action: str) -> None:
+    """Refuse (RunDirError starting with `action`) when the configs differ in a key that may
+    not change."""
+    try:
+        changed = config_changes(saved_yaml, current_yaml)
+    except yaml.YAMLError as exc:
+        raise RunDirError(f"{action}: its config.yaml is unreadable ({exc})") from exc
+    if changed:
         raise RunDirError(
-            f"{run_dir} already holds a run ({', '.join(found)}) and no checkpoint to resume "
-            "from; choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
+            f"{action}: the config differs in {', '.join(changed)} "
+            "(use --resume never with another run_dir to start a new run)"
         )
 
 
@@ -120,6 +223,13 @@ def as_read_today(saved_yaml: str) -> Any:
     except ConfigError:
         return raw
     return resolve_input_paths(cfg, Path.cwd()).model_dump(mode="json")
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -24,7 +24,8 @@ from keel.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from keel.checkpoint.remote import download_checkpoint, upload_checkpoint
+from keel.checkpoint.export import step_folder_name, write_text_atomically
+from keel.checkpoint.remote import BackgroundUploader, download_checkpoint
 from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
 from keel.config.loading import dump_config
 from keel.config.paths import resolve_input_paths
@@ -43,13 +44,23 @@ from keel.controller.resume import (
     ResumePlan,
     RunDirError,
     check_run_dir_usable,
+    check_steps,
     config_changes,
     plan_resume,
 )
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
 from keel.engine.seeding import seed_everything
-from keel.guard import EventLog, Guard, Verdict
+from keel.guard import (
+    GUARD_STATE,
+    EventLog,
+    Guard,
+    GuardDecisions,
+    Verdict,
+    read_decisions,
+    write_decisions,
+)
+from keel.jsonlines import repair_tail
 from keel.models import load_tokenizer, resolve_model_path
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
@@ -65,6 +76,10 @@ CONTROLLERS = {
 }
 
 __all__ = ["CONTROLLERS", "RunDirError", "RunPreempted", "RunResult", "RunStopped"]
+
+# The run's JSON-lines files: a torn last line (a crash or a full disk mid-write) is cut off
+# before a run appends to them again.
+JSONL_FILES = ("metrics.jsonl", "events.jsonl", "samples.jsonl")
 
 
 class RunStopped(RuntimeError):
@@ -93,17 +108,20 @@ def run_training(
     resume: str = "auto",
     title: str = "train",
     stop_after: int | None = None,
+    reset_guard: bool = False,
 ) -> RunResult:
-    """Train as `cfg` says. Inputs are all loaded and checked before RUN_DIR is written.
+    """Train as `cfg` says. Inputs are all loaded and checked, and every reason to refuse the
+    run directory found, before RUN_DIR is written.
     config_dir: the folder relative input paths are looked up in first (keel.config.paths).
 
     resume: auto | never | a checkpoint folder or URL (keel.controller.resume). stop_after: act
-    as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted)."""
+    as if SIGTERM arrived during step `stop_after` (checkpoint, then RunPreempted). reset_guard:
+    continue a run the guard stopped, with its rollback budget and LR/KL scales reset."""
     cfg = resolve_input_paths(cfg, config_dir)  # a no-op for a config from load_config
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
     check_run_dir_usable(run_dir)
-    plan = plan_resume(run_dir, resume, overwrite, cfg.train.steps)
+    plan = plan_resume(run_dir, resume, overwrite, cfg, reset_guard)
     check_monitor_config(cfg)
     check_context_length(cfg, spec)
     seed_everything(cfg.seed)
@@ -148,20 +166,30 @@ def _run(
     run_dir = Path(cfg.run_dir)
     controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
 
-    prepare_run_dir(run_dir, overwrite and plan is None)
-    loop = TrainingLoop(cfg, run_dir, roles, controller, title)
-    try:
-        if note:
-            loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
-        start = loop.resume(plan) if plan is not None else 0
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        if data.bad_rows:
-            loop.note_bad_rows(data.bad_rows)
-        if data.long_prompts:
-            loop.note_long_prompts(data)
-        return loop.run(start, stop_after)
-    finally:
-        loop.close()
+    # The handlers hold from the first write to RUN_DIR until its files are closed: a signal
+    # stops the run after the step-0 evaluation or the current step (keel.controller.preemption).
+    with Preemption() as preemption:
+        prepare_run_dir(run_dir, overwrite and plan is None)
+        repaired = [line for name in JSONL_FILES if (line := repair_tail(run_dir / name))]
+        fresh = plan is None or plan.restart
+        if fresh:  # first, so that a run killed at any later moment can be restarted
+            write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
+        loop = TrainingLoop(cfg, run_dir, roles, controller, title)
+        try:
+            for line in repaired:
+                loop.events.emit(0, "restart", line)
+            if note:
+                loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
+            start = loop.resume(plan) if plan is not None else 0
+            if not fresh:
+                write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
+            if data.bad_rows:
+                loop.note_bad_rows(data.bad_rows)
+            if data.long_prompts:
+                loop.note_long_prompts(data)
+            return loop.run(start, stop_after, preemption)
+        finally:
+            loop.close()
 
 
 class TrainingLoop:
@@ -176,40 +204,52 @@ class TrainingLoop:
         self.monitor, self.samples = build_monitor(cfg, run_dir, title)
         self.saved = 0
         self.pending: dict[str, float] = {}  # extra metrics for the next logged row
+        self.decisions = GuardDecisions()  # what guard_state.json holds (keel.guard.decisions)
+        c = cfg.checkpoint
+        self.uploader = (
+            BackgroundUploader(c.upload_to, dict(c.storage_options)) if c.upload_to else None
+        )
 
     def close(self) -> None:
-        self.monitor.close()
-        self.samples.close()
-        self.events.close()
+        try:
+            self._finish_uploads()
+        finally:
+            self.monitor.close()
+            self.samples.close()
+            self.events.close()
 
     # -------------------------------------------------------------------------- the loop
-    def run(self, start: int, stop_after: int | None) -> RunResult:
+    def run(self, start: int, stop_after: int | None, preemption: Preemption) -> RunResult:
+        """Steps start+1 … train.steps under `preemption`'s signal handlers (a signal during the
+        step-0 evaluation stops the run before step 1)."""
         cfg = self.cfg
         first_eval = last_eval = self.controller.evaluate() if start == 0 else {}
         if first_eval:
             self._log(0, dict(first_eval))
+        if preemption.signal is not None:
+            self._preempt_before_steps(start, preemption.name)
         step = start + 1
-        with Preemption() as preemption:
-            while step <= cfg.train.steps:
-                metrics, evaluated = self._train_step(step)
-                last_eval = evaluated or last_eval
-                verdict = self._judge(step, metrics)
-                if verdict.action == "rollback":
-                    self._log(step, metrics)
-                    step = self._rollback(step, verdict)
-                    continue
-                if verdict.action == "stop":
-                    self._log(step, metrics)
-                    self._stop(step, verdict)
-                saved = self._due(step) and self._save(step, metrics, verdict.healthy)
+        while step <= cfg.train.steps:
+            metrics, evaluated = self._train_step(step)
+            last_eval = evaluated or last_eval
+            verdict = self._judge(step, metrics)
+            if verdict.action == "rollback":
                 self._log(step, metrics)
-                if self.samples.due(step):
-                    self.samples.log(step, getattr(self.controller, "last_batch", None))
-                if step == stop_after:
-                    preemption.request()
-                if preemption.signal is not None:
-                    self._preempt(step, preemption.name, saved, metrics, verdict)
-                step += 1
+                step = self._rollback(step, verdict)
+                continue
+            if verdict.action == "stop":
+                self._log(step, metrics)
+                self._stop(step, verdict)
+            saved = self._due(step) and self._save(step, metrics, verdict.healthy)
+            self._log(step, metrics)
+            self._report_uploads()
+            if self.samples.due(step):
+                self.samples.log(step, getattr(self.controller, "last_batch", None))
+            if step == stop_after:
+                preemption.request()
+            if preemption.signal is not None:
+                self._preempt(step, preemption.name, saved, metrics, verdict)
+            step += 1
         model_dir = save_policy(self.roles, self.run_dir / "model")
         if getattr(self.roles, "critic", None) is not None:
             critic = self.roles.critic
@@ -315,25 +355,65 @@ class TrainingLoop:
 
     def _retain(self) -> None:
         healthy = [c for c in list_checkpoints(self.ckpt_dir) if c.healthy]
-        protect = healthy[-1].path if healthy else None
+        protect = [healthy[-1].path] if healthy else []
+        protect += self.uploader.busy() if self.uploader else []
         prune_step_folders(self.ckpt_dir, self.cfg.checkpoint.keep, protect=protect)
 
     def _upload(self, step: int, info: CheckpointInfo) -> None:
-        c = self.cfg.checkpoint
-        if not c.upload_to:
+        """Hand the checkpoint to the background uploader; training does not wait for it."""
+        if self.uploader is None:
             return
-        try:
-            url = upload_checkpoint(info.path, c.upload_to, dict(c.storage_options))
-        except Exception as exc:  # the local checkpoint is safe; training goes on
-            self.events.emit(step, "checkpoint", f"upload to {c.upload_to} failed: {exc!r}")
+        skipped = self.uploader.submit(step, info.path)
+        if skipped is not None:
+            self.events.emit(
+                skipped, "checkpoint", f"upload of {step_folder_name(skipped)} skipped: "
+                f"{info.path.name} supersedes it", ok=False, upload="skipped",
+            )  # fmt: skip
+
+    def _report_uploads(self) -> None:
+        """Record the uploads that finished since the last call."""
+        if self.uploader is None:
             return
-        self.events.emit(step, "checkpoint", f"uploaded to {url}", ok=True, url=url)
+        for done in self.uploader.outcomes():
+            if done.error is None:
+                msg = f"uploaded to {done.url}"
+                self.events.emit(done.step, "checkpoint", msg, ok=True, url=done.url)
+            else:  # the local checkpoint is safe; training went on
+                msg = f"upload to {self.uploader.url} failed: {done.error}"
+                self.events.emit(done.step, "checkpoint", msg, ok=False, upload="failed")
+
+    def _finish_uploads(self) -> None:
+        """At the end of the run (or a stop): wait up to checkpoint.upload_wait_s for the
+        pending uploads, then record what is still unfinished."""
+        if self.uploader is None:
+            return
+        wait = self.cfg.checkpoint.upload_wait_s
+        if self.uploader.busy():
+            print(f"keel: waiting up to {wait:g}s for checkpoint uploads", file=sys.stderr)
+        left = self.uploader.close(wait)
+        self._report_uploads()
+        for step in left:
+            self.events.emit(
+                step, "checkpoint", f"upload of {step_folder_name(step)} to "
+                f"{self.uploader.url} unfinished after {wait:g}s (checkpoint.upload_wait_s); "
+                "the local checkpoint is complete", ok=False, upload="unfinished",
+            )  # fmt: skip
 
     # ------------------------------------------------------------------------ resume
     def resume(self, plan: ResumePlan) -> int:
-        """Load the first usable checkpoint of `plan`; returns its step."""
+        """Load the first usable checkpoint of `plan` and the guard's recorded decisions;
+        returns its step (0 for a restart of a run without a checkpoint)."""
         for line in clean_leftovers(self.ckpt_dir):
             self.events.emit(0, "restart", line)
+        decisions = self._recorded_decisions(plan.reset_guard)
+        if plan.restart:
+            applied = self._adopt(decisions, 0)
+            self.events.emit(
+                0, "restart", f"{self.run_dir} holds no checkpoint yet: restarting the run at "
+                f"step 0{applied}", reason="no_checkpoint",
+            )  # fmt: skip
+            self._note_reset(plan.reset_guard, 0)
+            return 0
         candidates = plan.candidates
         if plan.url:
             sopts = dict(self.cfg.checkpoint.storage_options)
@@ -348,11 +428,68 @@ class TrainingLoop:
                 warnings.warn(f"{exc}; trying the checkpoint before it", stacklevel=1)
                 self.events.emit(0, "restart", f"skipped a damaged checkpoint: {exc}")
                 continue
+            check_steps(info.step, self.cfg.train.steps, str(path))
             self._restore_metrics_row(info)
+            applied = self._adopt(decisions, info.step, info)
             self.pending.update(self.roles.push_weights())  # separate rollout workers
-            self.events.emit(info.step, "resume", f"resumed from {info.path}", path=str(path))
+            message = f"resumed from {info.path}{applied}"
+            self.events.emit(info.step, "resume", message, path=str(path))
+            self._note_reset(plan.reset_guard, info.step)
             return info.step
         raise RunDirError(f"no usable checkpoint in {self.ckpt_dir}; pass --overwrite to restart")
+
+    def _recorded_decisions(self, reset: bool) -> GuardDecisions | None:
+        """The guard's decisions in RUN_DIR/guard_state.json (None: none recorded); with
+        `reset` (--reset-guard) they start afresh, and the file says so at once."""
+        path = self.run_dir / GUARD_STATE
+        if reset:
+            write_decisions(path, GuardDecisions())
+            return GuardDecisions()
+        return read_decisions(path)
+
+    def _adopt(
+        self, decisions: GuardDecisions | None, step: int, info: CheckpointInfo | None = None
+    ) -> str:
+        """Make the recorded decisions (newer than the checkpoint's) the run's: the guard's
+        rollback count, the workers' LR scale, the controller's KL scale, and the data skip of a
+        rollback to this very checkpoint; delete the checkpoints that rollback abandoned.
+        Returns what applies, for the resume event ("" when nothing was recorded)."""
+        if decisions is None:
+            return ""
+        self.decisions = decisions
+        self.guard.adopt(decisions)
+        for group in self.trainable.values():
+            group.apply_all(set_lr_scale, scale=decisions.lr_scale)
+        if hasattr(self.controller, "set_kl_scale"):
+            self.controller.set_kl_scale(decisions.kl_scale)
+        skip = decisions.skip_after_loading(info.step, info.time) if info else 0
+        if skip and hasattr(self.controller, "skip_batches"):
+            self.controller.skip_batches(skip)
+        for c in list_checkpoints(self.ckpt_dir, warn=False):
+            if decisions.abandons(c.step, c.time):
+                shutil.rmtree(c.path)
+                self.events.emit(step, "restart", f"deleted {c.path}, abandoned by a rollback")
+        return (
+            f"; the guard's recorded decisions apply: {decisions.rollbacks} rollback(s), LR "
+            f"scale {decisions.lr_scale:.3g}, KL scale {decisions.kl_scale:.3g}"
+            + (f", {skip} batch(es) skipped" if skip else "")
+        )
+
+    def _note_reset(self, reset: bool, step: int) -> None:
+        if reset:
+            message = "--reset-guard: the rollback budget and the LR/KL scales start afresh"
+            self.events.emit(step, "guard_reset", message)
+
+    def _record(
+        self, rollback: dict[str, Any] | None = None, stop: dict[str, Any] | None = None
+    ) -> None:
+        """Write the guard's decisions to RUN_DIR/guard_state.json now (keel.guard.decisions),
+        with the rollback (else the previous one) or the stop that just happened."""
+        current = self.guard.decisions()
+        current.rollback = rollback or self.decisions.rollback
+        current.stop = stop
+        self.decisions = current
+        write_decisions(self.run_dir / GUARD_STATE, current)
 
     def _check_config(self, path: Path) -> None:
         saved = path / "config.yaml"
@@ -396,13 +533,18 @@ class TrainingLoop:
         guard_state = torch.load(target.path / "guard.pt", weights_only=True)
         self.guard.restore_observations(guard_state)
         self.guard.rolled_back()
+        skip = step - target.step
+        if not (self.cfg.guard.skip_data and hasattr(self.controller, "skip_batches")):
+            skip = 0
+        # Recorded before anything is deleted: a kill from here on resumes with this rollback.
+        self._record(rollback={"to_step": target.step, "time": time.time(), "skip_batches": skip})
         for group in self.trainable.values():
             group.apply_all(set_lr_scale, scale=self.guard.lr_scale)
         self.pending.update(self.roles.push_weights())  # separate rollout workers
         if hasattr(self.controller, "set_kl_scale"):
             self.controller.set_kl_scale(self.guard.kl_scale)
-        if self.cfg.guard.skip_data and hasattr(self.controller, "skip_batches"):
-            self.controller.skip_batches(step - target.step)
+        if skip:
+            self.controller.skip_batches(skip)
         for newer in [c for c in list_checkpoints(self.ckpt_dir) if c.step > target.step]:
             shutil.rmtree(newer.path)  # the abandoned trajectory's (unhealthy) checkpoints
         write_latest(self.ckpt_dir, target.path.name)
@@ -427,8 +569,23 @@ class TrainingLoop:
     def _stop(self, step: int, verdict: Verdict, why: str | None = None) -> None:
         cause = verdict.cause
         message = f"guard stopped the run: {why or cause.message}"
+        self._record(stop={"step": step, "reason": why or cause.message, "rule": cause.rule})
         self.events.emit(step, "stop", message, rule=cause.rule, action="stop")
         raise RunStopped(f"{message} (step {step}; see {self.run_dir / 'events.jsonl'})")
+
+    def _preempt_before_steps(self, start: int, name: str) -> None:
+        """A signal before the first step of this process (during loading or the step-0
+        evaluation): the newest checkpoint, if any, is where the next run starts."""
+        self.events.emit(start, "signal", f"{name}: stopping before step {start + 1}", signal=name)
+        where = (
+            f"checkpoint step {start}" if start
+            else "no checkpoint yet; the same command restarts the run"
+        )  # fmt: skip
+        self.events.emit(start, "stop", f"preempted by {name}; {where}", action="preempt")
+        raise RunPreempted(
+            f"preempted by {name} before step {start + 1} ({where}); run the same command again "
+            "to continue"
+        )
 
     def _preempt(
         self, step: int, name: str, saved: bool, metrics: dict[str, float], verdict: Verdict
@@ -467,6 +624,7 @@ def save_policy(roles, target: Path) -> Path:
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Create RUN_DIR; with `overwrite`, first delete every file a run writes (RUN_FILES)."""
     if overwrite:
         for name in RUN_FILES:
             p = run_dir / name

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from keel.jsonlines import read_rows
+
 
 class EventLog:
     def __init__(self, path: str | Path, *, echo: bool = True):
@@ -37,6 +39,6 @@ class EventLog:
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """The events of an events.jsonl file, in order."""
-    text = Path(path).read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    """The events of an events.jsonl file, in order; a torn last line (a crash or a full disk
+    during its write) is left out (keel.jsonlines)."""
+    return read_rows(path)

@@ -16,6 +16,7 @@ from functools import partial
 
 from keel.config.schema import GuardConfig
 from keel.guard import rules
+from keel.guard.decisions import GuardDecisions
 
 SEVERITY = {"ok": 0, "warn": 1, "skip": 1, "rollback": 2, "stop": 3}
 OBSERVATIONS = ("history", "best", "nonfinite_streak")
@@ -135,6 +136,17 @@ class Guard:
         self.lr_scale *= self.cfg.lr_factor
         self.kl_scale *= self.cfg.kl_factor
         self.nonfinite_streak = 0
+
+    def decisions(self) -> GuardDecisions:
+        """The decisions to keep in RUN_DIR/guard_state.json (without rollback or stop)."""
+        return GuardDecisions(self.rollbacks, self.lr_scale, self.kl_scale)
+
+    def adopt(self, decisions: GuardDecisions) -> None:
+        """Take the rollback count and the LR/KL scales of recorded decisions, which are newer
+        than the checkpoint's (keel.guard.decisions)."""
+        self.rollbacks = decisions.rollbacks
+        self.lr_scale = decisions.lr_scale
+        self.kl_scale = decisions.kl_scale
 
     def metrics(self) -> dict[str, float]:
         """guard/state and guard/trips (contract C3)."""

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from keel.jsonlines import read_rows
+
 
 class JsonlSink:
     """Appends a line per `log` call and flushes it to disk, so a crash loses at most one line.
@@ -33,10 +35,9 @@ class JsonlSink:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl file, with "nan"/"inf" strings turned back into floats."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in row.items()})
-    return rows
+    """The rows of a metrics.jsonl file, with "nan"/"inf" strings turned back into floats. A torn
+    last line (a crash or a full disk during its write) is left out (keel.jsonlines)."""
+    return [
+        {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in row.items()}
+        for row in read_rows(path)
+    ]
