@@ -41,17 +41,17 @@ def test_config_typo(keel, tmp_path):
     assert_clean_error(keel("train", str(cfg)), str(cfg), "trian", "did you mean 'train'")
 
 
-def test_missing_model_path(keel, tmp_path):
-    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+def test_missing_model_path(keel_main, tmp_path):
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
                 "--set", "models.actor=/nonexistent/model")  # fmt: skip
     assert_clean_error(proc, "/nonexistent/model")
     assert not (tmp_path / "r").exists()
 
 
-def test_malformed_dataset_line(keel, tiny_dir, tmp_path):
+def test_malformed_dataset_line(keel_main, tiny_dir, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
-    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
                 "--set", f"models.actor={tiny_dir}", "--set", f"data.train={data}")  # fmt: skip
     assert_clean_error(proc, f"{data}:2")
 
@@ -67,11 +67,11 @@ def test_reward_that_raises_stops_and_keeps_earlier_files(keel, tiny_dir, tmp_pa
     assert (run_dir / "notes.txt").read_text() == "keep me"
 
 
-def test_existing_run_is_not_overwritten(keel, tmp_path):
+def test_existing_run_is_not_overwritten(keel_main, tmp_path):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir))
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir))
     assert_clean_error(proc, "already holds a run", "--overwrite")
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
@@ -84,10 +84,10 @@ def test_debug_shows_the_traceback(keel, tmp_path):
     assert "Traceback" in proc.stderr
 
 
-def test_overlong_prompt_fails_before_the_run_directory_exists(keel, tiny_dir, tmp_path):
+def test_overlong_prompt_fails_before_the_run_directory_exists(keel_main, tiny_dir, tmp_path):
     run_dir = str(tmp_path / "r")
     overrides = ["--set", f"models.actor={tiny_dir}", "--set", "data.max_prompt_length=4"]
-    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", run_dir, *overrides)
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", run_dir, *overrides)
     assert_clean_error(proc, "data.max_prompt_length (4)")
     assert not (tmp_path / "r").exists()
 
@@ -135,10 +135,10 @@ def test_reward_that_never_returns_stops_the_run_at_the_default_hung_call_bound(
     assert not (tmp_path / "r" / "model").exists()
 
 
-def test_dataset_that_is_not_utf8_names_the_file_and_line(keel, tiny_dir, tmp_path):
+def test_dataset_that_is_not_utf8_names_the_file_and_line(keel_main, tiny_dir, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff+2=", "answer": "3"}\n')
-    proc = keel("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
+    proc = keel_main("train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(tmp_path / "r"),
                 "--set", f"models.actor={tiny_dir}", "--set", f"data.train={data}")  # fmt: skip
     assert_clean_error(proc, f"{data}:2: not valid UTF-8")
     assert not (tmp_path / "r").exists()
@@ -180,3 +180,31 @@ def test_prompts_and_responses_past_the_models_context_are_refused(keel_main, ti
         f"models.actor ({tiny_dir})", "at most 256 tokens",
     )  # fmt: skip
     assert not (tmp_path / "r").exists()
+
+
+def test_every_user_error_class_is_named_where_it_is_defined():
+    """keel.cli.main looks the bad-input exceptions up by module and name, without importing
+    them: each entry must name a real exception class of that module."""
+    import importlib
+
+    from keel.cli.main import RUNNER, USER_ERRORS
+
+    for module, name in [*USER_ERRORS, (RUNNER, "RunPreempted"), (RUNNER, "RunStopped")]:
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, Exception) and cls.__module__ == module, (module, name)
+
+
+def test_config_validate_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from keel.cli.main import main; "
+        "rc = main(['config', 'validate', 'examples/grpo_arith_tiny.yaml']); "
+        "assert rc == 0, rc; "
+        "print('transformers' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"  # 4 s of imports a config check skips

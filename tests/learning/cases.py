@@ -101,7 +101,16 @@ class Outcome:
 
 
 RL = "eval/accuracy"
-RL_BUDGET = {"steps": 30, "eval_every": 5, "window": 3, "margin": 0.03}  # 32 prompts × 8 a step
+RL_BUDGET = {"steps": 30, "eval_every": 5, "window": 3, "margin": 0.03}
+
+
+def rl_case(name: str, example: str, *overrides: str) -> LearningCase:
+    """An online RL case: the example as written (32 prompts a step, 4 optimizer updates), 30
+    steps, from the SFT case's policy; held-out accuracy every 5 steps. (At 16 prompts a step
+    the gains over 30 steps fell to +0.015..+0.13: too close to the noise.)"""
+    return LearningCase(name, example, metric=RL, overrides=overrides, **RL_BUDGET)
+
+
 CASES: dict[str, LearningCase] = {
     c.name: c
     for c in [
@@ -109,18 +118,14 @@ CASES: dict[str, LearningCase] = {
         LearningCase("sft", "sft_arith_tiny.yaml", 50, RL, 0.15,
                      ("models.actor=builtin:tiny-arith",), needs_warm_start=False),
         # The online RL family from the SFT case's policy.
-        LearningCase("grpo", "grpo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
-        LearningCase("drgrpo", "drgrpo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
-        LearningCase("dapo", "dapo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
-        LearningCase("gspo", "gspo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
-        LearningCase("gspo_token", "gspo_arith_tiny.yaml", metric=RL, **RL_BUDGET,
-                     overrides=("algorithm.importance_level=token",)),
-        LearningCase("rloo", "rloo_arith_tiny.yaml", metric=RL, **RL_BUDGET),
-        LearningCase("reinforce_pp", "reinforce_pp_arith_tiny.yaml", metric=RL, **RL_BUDGET),
-        LearningCase("reinforce_pp_baseline", "reinforce_pp_baseline_arith_tiny.yaml", metric=RL,
-                     **RL_BUDGET),
-        LearningCase("ppo", "ppo_arith_tiny.yaml", metric=RL, **RL_BUDGET,
-                     overrides=("algorithm.critic_warmup_steps=2",)),
+        rl_case("grpo", "grpo_arith_tiny.yaml"),
+        rl_case("drgrpo", "drgrpo_arith_tiny.yaml"),
+        rl_case("dapo", "dapo_arith_tiny.yaml"),
+        rl_case("gspo", "gspo_arith_tiny.yaml"),
+        rl_case("rloo", "rloo_arith_tiny.yaml"),
+        rl_case("reinforce_pp", "reinforce_pp_arith_tiny.yaml"),
+        rl_case("reinforce_pp_baseline", "reinforce_pp_baseline_arith_tiny.yaml"),
+        rl_case("ppo", "ppo_arith_tiny.yaml", "algorithm.critic_warmup_steps=2"),
         # The critic alone (its warm-up covers every step) on a reward decided by the first
         # response token: its values, computed before it trains on each new batch, must come to
         # explain the returns (wrong value targets leave it where it started).

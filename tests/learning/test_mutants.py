@@ -16,7 +16,7 @@ from tests.learning.mutants import (
     run_mutant,
 )
 
-IN_SUITE = ("advantage_sign", "value_target_swapped")  # the rest: `make mutants`
+IN_SUITE = ("advantage_sign",)  # the defect that started the learning tests; the rest: make mutants
 
 
 def test_every_mutation_applies_once_and_names_learning_cases(tmp_path):

@@ -79,23 +79,36 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set train.lr=1e-6 (repeatable)")  # fmt: skip
 
 
+# The exceptions that mean bad input (exit 2), by the module that defines them. They are looked
+# up in sys.modules when an error happens, never imported for it: an exception of a module that
+# was never imported cannot have been raised, and `keel config validate` stays free of torch
+# and transformers imports.
+USER_ERRORS = (
+    ("keel.checkpoint.state", "CheckpointError"), ("keel.config.loading", "ConfigError"),
+    ("keel.controller.resume", "RunDirError"), ("keel.data.files", "DataError"),
+    ("keel.guard.decisions", "GuardStateError"), ("keel.models.loading", "ModelLoadError"),
+    ("keel.monitor.optional", "MissingPackageError"),
+    ("keel.monitor.prometheus", "ExporterError"), ("keel.report.runs", "ReportError"),
+    ("keel.rewards.scoring", "RewardError"), ("keel.rewards.loading", "RewardLoadError"),
+)  # fmt: skip
+RUNNER = "keel.controller.runner"  # RunPreempted (exit 75), RunStopped (exit 3)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_libraries()
     args = build_parser().parse_args(argv)
-    from keel.controller.runner import RunPreempted, RunStopped
-
     try:
         return _dispatch(args)
-    except RunPreempted as exc:
-        print(f"keel: {exc}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except RunStopped as exc:
-        print(f"keel: stopped: {exc}", file=sys.stderr)
-        return EXIT_GUARD_STOP
     except KeyboardInterrupt:
         print("keel: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        if _is_instance(exc, RUNNER, "RunPreempted"):
+            print(f"keel: {exc}", file=sys.stderr)
+            return EXIT_PREEMPTED
+        if _is_instance(exc, RUNNER, "RunStopped"):
+            print(f"keel: stopped: {exc}", file=sys.stderr)
+            return EXIT_GUARD_STOP
         if args.debug:
             raise
         user_error = _is_user_error(exc)
@@ -108,24 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE if user_error else EXIT_FAILURE
 
 
-def _is_user_error(exc: BaseException) -> bool:
-    from keel.checkpoint import CheckpointError
-    from keel.config import ConfigError
-    from keel.controller.runner import RunDirError
-    from keel.data import DataError
-    from keel.guard import GuardStateError
-    from keel.models import ModelLoadError
-    from keel.monitor.optional import MissingPackageError
-    from keel.monitor.prometheus import ExporterError
-    from keel.report import ReportError
-    from keel.rewards import RewardError, RewardLoadError
+def _is_instance(exc: BaseException, module: str, name: str) -> bool:
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(exc, getattr(loaded, name))
 
-    user = (
-        CheckpointError, ConfigError, DataError, ExporterError, GuardStateError,
-        MissingPackageError, ModelLoadError, ReportError, RewardError, RewardLoadError,
-        RunDirError,
-    )  # fmt: skip
-    return isinstance(exc, user)
+
+def _is_user_error(exc: BaseException) -> bool:
+    return any(_is_instance(exc, module, name) for module, name in USER_ERRORS)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
