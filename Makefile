@@ -23,8 +23,11 @@ demo: $(STAMP)
 test-tools:
 	@scripts/install-test-tools
 
+# One torch thread per test process, one process per core (pytest-xdist; a test file stays on
+# one worker, so module fixtures such as the Ray cluster are started once).
+TEST_WORKERS ?= 2
 test: $(STAMP) test-tools
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/pytest -q
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The mutation check: every wrong-math mutation must make the learning tests fail
 # (tests/learning/mutants.py; the suite runs a subset). A few minutes.

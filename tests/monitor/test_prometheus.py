@@ -99,3 +99,32 @@ def test_train_with_a_taken_port_fails_before_writing_the_run_dir(sink, tmp_path
         f"keel: error: monitor.prometheus: cannot listen on 127.0.0.1:{sink.port}"
     )
     assert not run_dir.exists()
+
+
+def test_a_scrape_never_sees_half_of_a_logged_step(sink):
+    """Logging a step sets many gauges; a scrape that lands in the middle must not pair the new
+    step's values with the old keel_step (or the reverse)."""
+    import threading
+    import time
+
+    keys = [f"probe/k{i}" for i in range(60)]
+    done = threading.Event()
+
+    def log_steps():
+        for step in range(1, 101):
+            sink.log(step, dict.fromkeys(keys, float(step)))
+            time.sleep(0.002)  # a training step: scrapes get their turn between logs
+        done.set()
+
+    writer = threading.Thread(target=log_steps)
+    writer.start()
+    torn, pages = [], 0
+    while not done.is_set():
+        page = samples(sink.scrape().decode())
+        step = next((v for (name, _), v in page.items() if name == "keel_step"), None)
+        values = {v for (name, _), v in page.items() if name.startswith("keel_probe_")}
+        pages += 1
+        if step is not None and values and values != {step}:
+            torn.append((step, sorted(values)[:3]))
+    writer.join()
+    assert pages > 10 and not torn, torn[:5]

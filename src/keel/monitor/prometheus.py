@@ -56,6 +56,7 @@ class PrometheusSink:
         info.labels(**self.base).set(1)
         self.registry.register(ProcessCollector(self.base))
         self.last_step: tuple[int, float] | None = None
+        self._lock = threading.Lock()  # a scrape sees one logged step whole, never half of one
         self.server = _serve(self, host, port)
         self.host, self.port = self.server.server_address[:2]
         self.thread = threading.Thread(
@@ -68,12 +69,13 @@ class PrometheusSink:
         return f"http://{self.host}:{self.port}"
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key, value in metrics.items():
-            self._export(key, value)
-        now = time.time()
-        self.step.labels(**self.base).set(step)
-        self.last_time.labels(**self.base).set(now)
-        self.last_step = (step, now)
+        with self._lock:
+            for key, value in metrics.items():
+                self._export(key, value)
+            now = time.time()
+            self.step.labels(**self.base).set(step)
+            self.last_time.labels(**self.base).set(now)
+            self.last_step = (step, now)
 
     def _export(self, key: str, value: float) -> None:
         spec = prom_metric(key)
@@ -108,8 +110,10 @@ class PrometheusSink:
         return family
 
     def scrape(self) -> bytes:
-        """The /metrics page, as Prometheus receives it."""
-        return generate_latest(self.registry)
+        """The /metrics page, as Prometheus receives it: the values of one logged step (a scrape
+        waits while a step is being logged, so keel_step always matches the values beside it)."""
+        with self._lock:
+            return generate_latest(self.registry)
 
     def health(self) -> dict:
         out: dict = {"status": "ok", "run": self.base["run"]}
