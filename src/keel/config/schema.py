@@ -62,6 +62,18 @@ def _finite_values(value: dict[str, object]) -> dict[str, object]:
 FiniteMapping = Annotated[dict[str, object], AfterValidator(_finite_values)]
 
 
+class LoraConfig(Section):
+    """A LoRA adapter on the actor (peft): only the adapter trains; the reference policy is the
+    base model with the adapter disabled, and the exported model/ folder is merged."""
+
+    r: int = Field(8, ge=1, description="rank of the adapter")
+    alpha: float = Field(16.0, gt=0, description="scale: the update is alpha / r · B·A")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (e.g. [q_proj, v_proj]) or all-linear"
+    )
+
+
 class ModelsConfig(Section):
     """Where each role's model comes from: a local HF folder, or `builtin:NAME`."""
 
@@ -69,7 +81,23 @@ class ModelsConfig(Section):
     reference: str | None = Field(None, description="reference policy; default: same as actor")
     critic: str | None = None
     reward: str | None = Field(None, description="reward-model folder (RL: scores rollouts)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="compute precision: trained models keep float32 weights and optimizer "
+        "states and run forward/backward under autocast in this dtype; frozen models "
+        "(reference, reward model, a separate rollout copy) are stored in it",
+    )
+    pure_low_precision: bool = Field(
+        False,
+        description="trained models' weights and optimizer states in models.dtype too (no "
+        "float32 master copy; small updates round away): only when asked, with a warning",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None, description="the attention kernel transformers uses; null: transformers' default"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train a LoRA adapter (peft) instead of every weight of the actor"
+    )
 
 
 class ArithmeticConfig(Section):
@@ -172,6 +200,12 @@ class RolloutConfig(Section):
     return_logprobs: bool = Field(
         False, description="keep the engine's log-probs and log their gap to the trainer's"
     )
+    static_cache: bool | None = Field(
+        None, description="HF generate with a static KV cache; null: on CUDA only"
+    )
+    compile: bool | None = Field(
+        None, description="torch.compile the decode step (static cache only); null: on CUDA"
+    )
 
 
 class TrainConfig(Section):
@@ -194,6 +228,15 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="LR warm-up, in optimizer updates")
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory, ~30% more compute"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="micro-batches by a token budget: rows sorted by length, padding removed; "
+        "null: micro_batch_size rows each",
+    )
 
 
 class EvalConfig(Section):
@@ -486,6 +529,9 @@ class ResourcesConfig(Section):
     """Where the roles run: in this process (local) or as Ray actors (ray)."""
 
     backend: Literal["local", "ray"] = "local"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where models and batches live: auto is cuda when a GPU is visible"
+    )
     ray: RayConfig = RayConfig()
     groups: list[WorkerGroupConfig] = Field(
         default_factory=lambda: [WorkerGroupConfig(roles=["actor", "rollout", "reference"])],
