@@ -21,6 +21,7 @@ from keel.algo import (
 from keel.algo.advantages import group_statistics
 from keel.algo.kl import batch_mean_kl
 from keel.algo.spec import AlgorithmSpec
+from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
@@ -57,6 +58,15 @@ class RLController:
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
         self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
         self.kl_scale = 1.0  # the guard raises it after a rollback; scales both
+        # On-policy shortcut: with one epoch over one mini-batch the actor updates the very
+        # policy that generated the batch, so π_old is the current policy's own log-probs,
+        # detached in the loss (as verl and TRL do): no separate old-log-prob forward. Not
+        # when something reads old_logprobs before the update (KL in the reward, the rollout
+        # drift metric).
+        self.mini_batch_rows = batch_plan(cfg).mini_batch_size
+        self.on_policy_shortcut = (
+            spec.ppo_epochs == 1 and self.kl_ctrl is None and not r.return_logprobs
+        )
 
     # ------------------------------------------------------- guard actions
     def skip_batches(self, n: int) -> None:
@@ -89,8 +99,9 @@ class RLController:
             if message := self.sampler.short_warning(step):
                 self.warnings.append(("dynamic_sampling", message))
         batch, shaping = self.shape_rewards(batch)
-        with t("old_logprobs"):
-            batch = roles.actor.call("compute_logprobs", batch)
+        with t("old_logprobs"):  # ≈ 0 s under the on-policy shortcut
+            if not (self.on_policy_shortcut and len(batch) <= self.mini_batch_rows):
+                batch = roles.actor.call("compute_logprobs", batch)
         if roles.reference is not None:
             with t("ref_logprobs"):
                 batch = roles.reference.call("compute_ref_logprobs", batch)

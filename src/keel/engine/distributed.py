@@ -142,17 +142,28 @@ def save_hf_folder(model: Any, tokenizer: Any, path: str | Path) -> None:
         tokenizer.save_pretrained(path)
 
 
-def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+def shard_fsdp2(
+    model: torch.nn.Module, compute_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """FSDP2 over all ranks: each decoder layer, then the root (embeddings, head). Every FSDP
     unit sums its gradients (divide factor 1, plain SUM: gloo has no PREMUL_SUM), because the
-    losses already carry the global denominators."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    losses already carry the global denominators.
+
+    compute_dtype (mixed precision): the sharded parameters keep their dtype (float32 master
+    weights for a trained model) and are gathered in `compute_dtype` for compute, while
+    gradients are reduced in float32 (FSDP2's MixedPrecisionPolicy)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if torch.cuda.is_available():
         model.cuda()
+    options = {}
+    if compute_dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32
+        )
     for layer in getattr(getattr(model, "model", None), "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)

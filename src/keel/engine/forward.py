@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
+from keel.engine.devices import autocast, model_device
 from keel.types import Batch
 
 
@@ -17,52 +18,66 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def response_forward(
-    model: Any, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False
+    model: Any,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs [B, R], entropy [B, R] or None) of the response tokens under `model`.
+    """(log-probs [B, R], entropy [B, R] or None) of the response tokens under `model`, on the
+    model's device.
 
     The logits at position t−1 predict token t, so only the last R+1 positions are projected
     onto the vocabulary. Logits are divided by the sampling temperature (ALGORITHMS.md §0).
+    entropy_grad False: the entropy is a diagnostic only, computed without an autograd graph.
+    dtype: the model runs under autocast in it (mixed precision); None: as its weights are.
     """
     assert batch.input_ids is not None and batch.attention_mask is not None
     r = batch.response_length
-    device = next(model.parameters()).device
+    device = model_device(model)
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=position_ids_from_mask(attention),
-        logits_to_keep=r + 1,
-        use_cache=False,
-    )
+    with autocast(device, dtype):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=position_ids_from_mask(attention),
+            logits_to_keep=r + 1,
+            use_cache=False,
+        )
     logits = out.logits[:, -(r + 1) : -1, :].float()
     if temperature not in (0, 1.0):
         logits = logits / temperature
     labels = input_ids[:, -r:]
     logprobs = logprobs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs, entropy
 
 
-def head_forward(model: Any, batch: Batch) -> torch.Tensor:
-    """The logits of a model with a scalar head on its backbone: [B, T, 1] for a
+def head_forward(model: Any, batch: Batch, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The float32 logits of a model with a scalar head on its backbone: [B, T, 1] for a
     token-classification model (a critic), [B, 1] for a sequence-classification one (a reward
-    model, read at each row's last non-pad token)."""
+    model, read at each row's last non-pad token). dtype: autocast, as in response_forward."""
     assert batch.input_ids is not None and batch.attention_mask is not None
-    device = next(model.parameters()).device
+    device = model_device(model)
     attention = batch.attention_mask.to(device)
-    out = model(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=attention,
-        position_ids=position_ids_from_mask(attention),
-        use_cache=False,
-    )
-    return out.logits
+    with autocast(device, dtype):
+        out = model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=attention,
+            position_ids=position_ids_from_mask(attention),
+            use_cache=False,
+        )
+    return out.logits.float()
 
 
-def value_forward(model: Any, batch: Batch) -> torch.Tensor:
+def value_forward(model: Any, batch: Batch, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Critic values V [B, R] of the response tokens: V_t is read at position t−1, the state
     before token t is generated (as for log-probs). `model` returns logits [B, T, 1]."""
     r = batch.response_length
-    return head_forward(model, batch)[:, -(r + 1) : -1, 0].float()
+    return head_forward(model, batch, dtype=dtype)[:, -(r + 1) : -1, 0]

@@ -16,14 +16,21 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """AdamW; biases and norm weights (1-D parameters) get no weight decay."""
+    """AdamW; biases and norm weights (1-D parameters) get no weight decay. On CUDA the fused
+    kernel (one launch for every parameter); on the CPU the per-parameter loop."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups: list[dict[str, Any]] = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+    params = decay + no_decay
+    sharded = any(type(p).__name__ == "DTensor" for p in params)  # FSDP2: the multi-tensor one
+    on_cuda = any(p.is_cuda for p in params)
+    kernel = (
+        {"foreach": False} if not on_cuda else {"foreach": True} if sharded else {"fused": True}
+    )
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kernel)
 
 
 def lr_multiplier(

@@ -166,15 +166,19 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
 
 
 def load_causal_lm(
-    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
+    path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "float32",
+    *,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode)."""
+    """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode).
+    attn_implementation: "sdpa", "eager", "flash_attention_2"; None: transformers' default."""
     folder = Path(path).expanduser()
     torch_dtype = _torch_dtype(dtype)
     _check_model_folder(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, local_files_only=True
+            folder, dtype=torch_dtype, local_files_only=True, **_attn(attn_implementation)
         )
     except Exception as e:
         raise ModelLoadError(f"could not load model from {folder}: {e}") from e
@@ -224,8 +228,17 @@ def _check_model_folder(folder: Path) -> None:
         )
 
 
+def _attn(implementation: str | None) -> dict[str, str]:
+    """from_pretrained's attn_implementation keyword, left out for transformers' default."""
+    return {} if implementation is None else {"attn_implementation": implementation}
+
+
 def load_reward_model(
-    path: str | os.PathLike[str], *, pad_token_id: int, dtype: str | torch.dtype = "float32"
+    path: str | os.PathLike[str],
+    *,
+    pad_token_id: int,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """AutoModelForSequenceClassification with one label (a scalar head) from a local folder.
 
@@ -237,7 +250,11 @@ def load_reward_model(
     _check_model_folder(folder)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            folder, num_labels=1, dtype=torch_dtype, local_files_only=True
+            folder,
+            num_labels=1,
+            dtype=torch_dtype,
+            local_files_only=True,
+            **_attn(attn_implementation),
         )
     except Exception as e:
         raise ModelLoadError(f"could not load a reward model from {folder}: {e}") from e
@@ -251,7 +268,10 @@ def load_reward_model(
 
 
 def load_value_model(
-    path: str | os.PathLike[str], dtype: str | torch.dtype = "float32"
+    path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "float32",
+    *,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """A critic: AutoModelForTokenClassification with one label (a scalar per position) on an HF
     backbone, classifier dropout 0. From a causal-LM (or sequence-classification) folder the
@@ -262,7 +282,11 @@ def load_value_model(
         config = AutoConfig.from_pretrained(folder, local_files_only=True, num_labels=1)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
-            folder, config=config, dtype=_torch_dtype(dtype), local_files_only=True
+            folder,
+            config=config,
+            dtype=_torch_dtype(dtype),
+            local_files_only=True,
+            **_attn(attn_implementation),
         )
     except Exception as e:
         raise ModelLoadError(f"could not load a value model (critic) from {folder}: {e}") from e

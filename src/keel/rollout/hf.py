@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from keel.algo.logits import logprobs_from_logits
 from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
+from keel.engine.devices import autocast, model_device
 from keel.models.eos import eos_token_ids
 from keel.types import Batch
 
@@ -30,7 +30,11 @@ class HFRolloutEngine:
     are always the latest). Rows of one prompt are adjacent and share a group id.
 
     A response ends at the first of any EOS id (`eos_token_ids`: the tokenizer's and those of
-    the model's generation config); its response_mask includes that token."""
+    the model's generation config); its response_mask includes that token.
+
+    dtype: autocast dtype of the forward passes (a colocated actor in mixed precision).
+    static_cache: a preallocated KV cache (`cache_implementation="static"`), which lets
+    transformers compile the decode step on CUDA when `compile` is on."""
 
     def __init__(
         self,
@@ -43,6 +47,9 @@ class HFRolloutEngine:
         batch_size: int | None = None,
         return_logprobs: bool = False,
         synced: bool = False,
+        dtype: torch.dtype | None = None,
+        static_cache: bool = False,
+        compile: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -52,6 +59,9 @@ class HFRolloutEngine:
         self.batch_size = batch_size
         self.return_logprobs = return_logprobs
         self.synced = synced  # FSDP2: all ranks keep decoding until every rank is done
+        self.dtype = dtype
+        self.static_cache = static_cache
+        self.compile = compile
         self.eos_ids = eos_token_ids(model, tokenizer)
         first_eos = self.eos_ids[0] if self.eos_ids else None  # the tokenizer's, when it has one
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
@@ -111,7 +121,7 @@ class HFRolloutEngine:
         for i, ids in enumerate(rows):
             input_ids[i, p - len(ids) :] = torch.as_tensor(ids)
             attention[i, p - len(ids) :] = 1
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
         greedy = sampling.temperature == 0
         kwargs: dict[str, Any] = {"do_sample": False}
         if not greedy:
@@ -121,28 +131,67 @@ class HFRolloutEngine:
                 "top_p": sampling.top_p,
                 "top_k": 0,
             }
+        if self.static_cache:
+            kwargs["cache_implementation"] = "static"
+        recorder = None
+        if self.return_logprobs:
+            recorder = ChosenLogprobs(1.0 if greedy else sampling.temperature)
+            kwargs["logits_processor"] = [recorder]
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=list(self.eos_ids) or None,
-                pad_token_id=self.pad_id,
-                use_cache=True,
-                return_dict_in_generate=True,
-                output_logits=self.return_logprobs,
-                synced_gpus=self.synced,
-                **kwargs,
-            )
+            with autocast(device, self.dtype):
+                out = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention.to(device),
+                    max_new_tokens=sampling.max_new_tokens,
+                    eos_token_id=list(self.eos_ids) or None,
+                    pad_token_id=self.pad_id,
+                    use_cache=True,
+                    return_dict_in_generate=True,
+                    synced_gpus=self.synced,
+                    disable_compile=not self.compile,
+                    **kwargs,
+                )
         finally:
             self.model.train(was_training)
-        seqs = out.sequences[:, p:].cpu()
+        sequences = out.sequences[:, p:]
         logps: list[list[float]] = [[] for _ in rows]
-        if self.return_logprobs and out.logits:
-            logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, R, V]
-            if not greedy:
-                logits = logits / sampling.temperature
-            logps = logprobs_from_logits(logits, seqs).tolist()
-        return seqs.tolist(), logps
+        if recorder is not None:
+            logps = recorder.finish(sequences).cpu().tolist()
+        return sequences.cpu().tolist(), logps
+
+
+class ChosenLogprobs:
+    """A logits processor that records, step by step on the model's device, the log-prob of
+    each sampled token under the raw logits / temperature (the distribution the trainer's
+    log-probs use), keeping one step's [B, V] log-softmax at a time instead of every step's
+    logits. Custom processors run before transformers' temperature and top-p warpers, so the
+    scores it sees are the model's logits.
+
+    At step t it receives the tokens so far, whose last column is the token sampled from the
+    distribution it stored at step t−1; `finish` gathers the last step's token."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None  # [B, V] log-softmax of the last step
+        self.chosen: list[torch.Tensor] = []  # [B] per generated token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.chosen.append(self._gather(input_ids[:, -1]))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.previous is not None
+        return self.previous.gather(-1, tokens[:, None].to(self.previous.device)).squeeze(-1)
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[B, R] log-probs of the generated tokens `sequences` [B, R]."""
+        if self.previous is not None and len(self.chosen) < sequences.shape[1]:
+            self.chosen.append(self._gather(sequences[:, len(self.chosen)]))
+        self.previous = None
+        if not self.chosen:
+            return torch.zeros(sequences.shape, dtype=torch.float32)
+        return torch.stack(self.chosen, dim=1)

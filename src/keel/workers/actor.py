@@ -59,7 +59,7 @@ class ActorWorker(TrainableWorker):
         """Fills `old_logprobs` [B, R]: the rollout policy's log-probs, recomputed here."""
         self.model.eval()
         parts = [
-            response_forward(self.model, micro, temperature=self.temperature)[0]
+            response_forward(self.model, micro, temperature=self.temperature, dtype=self.dtype)[0]
             for micro in batch.split(self.micro_batch_size)
         ]
         return batch.replace(old_logprobs=torch.cat(parts).cpu())
@@ -70,6 +70,8 @@ class ActorWorker(TrainableWorker):
     ) -> dict[str, float]:
         """`ppo_epochs` passes over the mini-batches; one optimizer update per mini-batch.
         kl_coef: β_kl of the KL loss (the controller's current value); default spec.kl_loss_coef.
+        Without `old_logprobs` in the batch the update is on-policy (one epoch of one
+        mini-batch, the controller's shortcut): π_old is the current policy, detached.
         Returns `actor/*` metrics averaged over the updates."""
         beta = spec.kl_loss_coef if kl_coef is None else kl_coef
         history = []
@@ -91,11 +93,18 @@ class ActorWorker(TrainableWorker):
         self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
-        denominators (ALGORITHMS.md §3 'Full verl actor loss')."""
+        denominators (ALGORITHMS.md §3 'Full verl actor loss'). The entropy has no autograd
+        graph when c_H is 0 (it is only a diagnostic then). Metrics stay on the device."""
         mask = micro.response_mask
         logprobs, entropy = response_forward(
-            self.model, micro, temperature=self.temperature, with_entropy=True
+            self.model,
+            micro,
+            temperature=self.temperature,
+            with_entropy=True,
+            entropy_grad=spec.entropy_coeff != 0,
+            dtype=self.dtype,
         )
+        old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         agg = partial(
             agg_loss,
             mode=spec.agg_mode,
@@ -105,7 +114,7 @@ class ActorWorker(TrainableWorker):
         )
         pg = POLICY_LOSSES[spec.policy_loss](
             logprobs,
-            micro.old_logprobs,
+            old,
             micro.advantages,
             mask,
             agg_mode=spec.agg_mode,
@@ -116,19 +125,19 @@ class ActorWorker(TrainableWorker):
         )
         entropy_term = agg(entropy, mask)
         loss = pg.loss - spec.entropy_coeff * entropy_term
-        share = int(mask.bool().sum()) / max(num_tokens, 1)  # for token-level diagnostics
+        share = mask.bool().sum() / max(num_tokens, 1)  # for token-level diagnostics
         metrics = {
-            "pg_loss": pg.loss.item(),
-            "entropy": entropy_term.item(),
-            "clipfrac": pg.clipfrac.item() * share,
-            "clipfrac_lower": pg.clipfrac_lower.item() * share,
-            "ppo_kl": pg.ppo_kl.item() * share,
+            "pg_loss": pg.loss.detach(),
+            "entropy": entropy_term.detach(),
+            "clipfrac": pg.clipfrac.detach() * share,
+            "clipfrac_lower": pg.clipfrac_lower.detach() * share,
+            "ppo_kl": pg.ppo_kl.detach() * share,
         }
         if spec.kl_loss_coef > 0:  # a reference model exists
             kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
             loss = loss + kl_coef * kl
-            metrics["kl"] = kl.item()
-        metrics["loss"] = loss.item()
+            metrics["kl"] = kl.detach()
+        metrics["loss"] = loss.detach()
         return loss, metrics
 
     def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
@@ -138,7 +147,7 @@ class ActorWorker(TrainableWorker):
             num_tokens, num_seqs = global_denominators(mini.response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
-                logprobs, _ = response_forward(self.model, micro)
+                logprobs, _ = response_forward(self.model, micro, dtype=self.dtype)
                 loss = sft_loss(
                     logprobs,
                     micro.response_mask,
@@ -146,9 +155,9 @@ class ActorWorker(TrainableWorker):
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                 )
-                share = int(micro.response_mask.bool().sum()) / max(num_tokens, 1)
-                nll = masked_mean(-logprobs.detach(), micro.response_mask).item() * share
-                return loss, {"sft_loss": loss.item(), "nll_per_token": nll}
+                share = micro.response_mask.bool().sum() / max(num_tokens, 1)
+                nll = masked_mean(-logprobs.detach(), micro.response_mask) * share
+                return loss, {"sft_loss": loss.detach(), "nll_per_token": nll}
 
             history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
         return mean_prefixed(history, "actor/")

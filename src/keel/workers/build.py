@@ -15,6 +15,13 @@ from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan, rank_batch_sizes
 from keel.config.schema import KeelConfig
 from keel.engine import GradientStep, build_optimizer, build_scheduler
+from keel.engine.devices import (
+    compute_dtype,
+    model_device,
+    place,
+    resolve_device,
+    trained_weights_dtype,
+)
 from keel.engine.distributed import is_sharded
 from keel.models import (
     check_vocab,
@@ -98,7 +105,12 @@ def roles_from_groups(cfg: KeelConfig, groups: dict[str, Any], **hooks: Any) -> 
     )
 
 
-Shard = Callable[[torch.nn.Module], torch.nn.Module]
+# FSDP2 wrapping of one model: shard(model, compute_dtype) (None: full precision).
+Shard = Callable[[torch.nn.Module, torch.dtype | None], torch.nn.Module]
+
+
+def _no_shard(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> torch.nn.Module:
+    return model
 
 
 def build_workers(
@@ -114,19 +126,22 @@ def build_workers(
 
     world: data-parallel ranks of the trained roles (each gets 1/world of a mini-batch).
     shard: applied to the actor, critic and reference models before their optimizers exist
-    (FSDP2). A rollout role next to the actor generates with the actor's module.
+    (FSDP2). A rollout role next to the actor generates with the actor's module. Every model
+    is placed on `resources.device`; trained ones keep float32 weights (mixed precision, see
+    keel.engine.devices), frozen ones are stored in models.dtype.
     """
     names = [n for n in role_names(spec) if n in names]
     if spec.stage == "rm":
         return {"actor": reward_model_trainer(cfg, world, shard)} if names else {}
     mini, micro = rank_batch_sizes(batch_plan(cfg), world)
-    shard = shard or (lambda m: m)
+    shard = shard or _no_shard
     actor_path = resolve_model_path(cfg.models.actor)
     tokenizer = load_tokenizer(actor_path)
     temperature = cfg.rollout.temperature if spec.stage == "rl" else 1.0
+    mixed = compute_dtype(cfg.models.dtype)
     out: dict[str, Any] = {}
     if "actor" in names:
-        model = shard(_causal_lm(actor_path, tokenizer, cfg))
+        model = shard(_causal_lm(actor_path, tokenizer, cfg, trained=True), mixed)
         actor_cls = DPOWorker if spec.stage == "dpo" else ActorWorker
         out["actor"] = actor_cls(
             model,
@@ -140,7 +155,7 @@ def build_workers(
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
     if "reference" in names:
         ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor)
-        ref_model = shard(_causal_lm(ref_path, tokenizer, cfg))
+        ref_model = shard(_causal_lm(ref_path, tokenizer, cfg, trained=False), None)
         out["reference"] = ReferenceWorker(
             ref_model, temperature=temperature, micro_batch_size=micro
         )
@@ -151,10 +166,26 @@ def build_workers(
     return out
 
 
-def _causal_lm(path: Path, tokenizer: Any, cfg: KeelConfig) -> torch.nn.Module:
-    model = load_causal_lm(path, dtype=cfg.models.dtype)
+def _causal_lm(path: Path, tokenizer: Any, cfg: KeelConfig, *, trained: bool) -> torch.nn.Module:
+    """A causal LM on resources.device: trained (float32 master weights unless
+    models.pure_low_precision; gradient checkpointing as train.gradient_checkpointing) or
+    frozen (in models.dtype, eval mode, no gradients)."""
+    m = cfg.models
+    dtype = trained_weights_dtype(m.dtype, m.pure_low_precision) if trained else m.dtype
+    model = load_causal_lm(path, dtype=dtype, attn_implementation=m.attn_implementation)
     check_vocab(model, tokenizer, path)
-    return model
+    if trained:
+        _memory_options(model, cfg)
+    else:
+        model.eval().requires_grad_(False)
+    return place(model, resolve_device(cfg.resources.device))
+
+
+def _memory_options(model: Any, cfg: KeelConfig) -> None:
+    """train.gradient_checkpointing: activations of each decoder layer are recomputed in the
+    backward pass (the non-reentrant variant, which works with frozen inputs and FSDP2)."""
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker:
@@ -163,8 +194,9 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
     if actor is not None:
         model = actor.model
     else:
-        model = _causal_lm(resolve_model_path(cfg.models.actor), tokenizer, cfg).eval()
-        model.requires_grad_(False)
+        model = _causal_lm(resolve_model_path(cfg.models.actor), tokenizer, cfg, trained=False)
+    on_cuda = model_device(model).type == "cuda"
+    r = cfg.rollout
     engine = HFRolloutEngine(
         model,
         tokenizer,
@@ -174,6 +206,9 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
         batch_size=cfg.rollout.batch_size,
         return_logprobs=cfg.rollout.return_logprobs,
         synced=is_sharded(model),
+        dtype=compute_dtype(cfg.models.dtype) if actor is not None else None,
+        static_cache=on_cuda if r.static_cache is None else r.static_cache,
+        compile=on_cuda if r.compile is None else r.compile,
     )
     return RolloutWorker(engine, weights_from=actor)
 
@@ -186,8 +221,14 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
         return RewardWorker(scorer)
     path = resolve_model_path(cfg.models.reward)
     tokenizer = load_tokenizer(path)
-    model = load_reward_model(path, pad_token_id=tokenizer.pad_token_id, dtype=cfg.models.dtype)
+    model = load_reward_model(
+        path,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=cfg.models.dtype,
+        attn_implementation=cfg.models.attn_implementation,
+    )
     check_vocab(model, tokenizer, path)
+    model = place(model, resolve_device(cfg.resources.device))
     m = cfg.reward.model
     return ModelRewardWorker(
         model,
@@ -208,7 +249,7 @@ def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> Grad
     t = cfg.train
     optimizer = build_optimizer(
         model, lr=lr or t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
-    )
+    )  # after the model is on its device (and sharded): the fused kernel is chosen on CUDA
     scheduler = build_scheduler(
         optimizer,
         warmup_steps=t.warmup_steps,
@@ -216,7 +257,9 @@ def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> Grad
         schedule=t.lr_schedule,
         min_lr_ratio=t.min_lr_ratio,
     )
-    return GradientStep(model, optimizer, scheduler, t.grad_clip)
+    return GradientStep(
+        model, optimizer, scheduler, t.grad_clip, compute_dtype=compute_dtype(cfg.models.dtype)
+    )
 
 
 def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> Any:
@@ -224,9 +267,14 @@ def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> An
     mini, micro = rank_batch_sizes(batch_plan(cfg), world)
     path = resolve_model_path(cfg.models.actor)
     tokenizer = load_tokenizer(path)
-    model = load_reward_model(path, pad_token_id=tokenizer.pad_token_id, dtype=cfg.models.dtype)
+    model = _trained_head_model(
+        load_reward_model,
+        path,
+        cfg,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     check_vocab(model, tokenizer, path)
-    model = shard(model) if shard else model
+    model = shard(model, compute_dtype(cfg.models.dtype)) if shard else model
     return RewardModelTrainer(
         model,
         tokenizer,
@@ -243,9 +291,9 @@ def build_critic(
     trained by its own AdamW at `spec.critic_lr` with the train section's LR schedule."""
     mini, micro = rank_batch_sizes(batch_plan(cfg), world)
     path = resolve_model_path(cfg.models.critic or cfg.models.actor)
-    model = load_value_model(path, dtype=cfg.models.dtype)
+    model = _trained_head_model(load_value_model, path, cfg)
     check_vocab(model, tokenizer, path)
-    model = shard(model) if shard else model
+    model = shard(model, compute_dtype(cfg.models.dtype)) if shard else model
     return CriticWorker(
         model,
         tokenizer,
@@ -253,3 +301,17 @@ def build_critic(
         mini_batch_size=mini,
         micro_batch_size=micro,
     )
+
+
+def _trained_head_model(load: Callable[..., Any], path: Path, cfg: KeelConfig, **kw: Any) -> Any:
+    """A trained model with a scalar head (critic, reward model being trained), loaded by
+    `load` with float32 master weights and placed as `_causal_lm` places a trained LM."""
+    m = cfg.models
+    model = load(
+        path,
+        dtype=trained_weights_dtype(m.dtype, m.pure_low_precision),
+        attn_implementation=m.attn_implementation,
+        **kw,
+    )
+    _memory_options(model, cfg)
+    return place(model, resolve_device(cfg.resources.device))

@@ -20,7 +20,10 @@ class CriticWorker(TrainableWorker):
     def compute_values(self, batch: Batch) -> Batch:
         """Fills `values` [B, R]: V_old, frozen for the whole step."""
         self.model.eval()
-        parts = [value_forward(self.model, micro) for micro in batch.split(self.micro_batch_size)]
+        parts = [
+            value_forward(self.model, micro, dtype=self.dtype)
+            for micro in batch.split(self.micro_batch_size)
+        ]
         return batch.replace(values=torch.cat(parts).cpu())
 
     def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
@@ -41,7 +44,7 @@ class CriticWorker(TrainableWorker):
         self, micro: Batch, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.response_mask
-        values = value_forward(self.model, micro)
+        values = value_forward(self.model, micro, dtype=self.dtype)
         loss, clipfrac = clipped_value_loss(
             values,
             micro.values,
@@ -53,9 +56,9 @@ class CriticWorker(TrainableWorker):
             num_seqs=num_seqs,
             scale_factor=spec.loss_scale_factor,
         )
-        share = int(mask.bool().sum()) / max(num_tokens, 1)
-        return loss, {
-            "vf_loss": loss.item(),
-            "vf_clipfrac": clipfrac.item() * share,
-            "vpred_mean": masked_mean(values.detach(), mask).item() * share,
+        share = mask.bool().sum() / max(num_tokens, 1)
+        return loss, {  # on the device: read back once per update by GradientStep
+            "vf_loss": loss.detach(),
+            "vf_clipfrac": clipfrac.detach() * share,
+            "vpred_mean": masked_mean(values.detach(), mask) * share,
         }

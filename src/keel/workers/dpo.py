@@ -27,7 +27,8 @@ class DPOWorker(ActorWorker):
             num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
-                logps = sequence_logps(response_forward(self.model, micro)[0], micro.response_mask)
+                logps = response_forward(self.model, micro, dtype=self.dtype)[0]
+                logps = sequence_logps(logps, micro.response_mask)
                 ref = sequence_logps(micro.ref_logprobs, micro.response_mask)
                 lengths = micro.response_mask.sum(dim=1)
                 out = dpo_loss(
@@ -49,7 +50,9 @@ class DPOWorker(ActorWorker):
         """Policy sequence log-probs [B] of every row (eval mode, no grad)."""
         self.model.eval()
         parts = [
-            sequence_logps(response_forward(self.model, micro)[0], micro.response_mask).cpu()
+            sequence_logps(
+                response_forward(self.model, micro, dtype=self.dtype)[0], micro.response_mask
+            ).cpu()
             for micro in batch.split(2 * self.micro_batch_size)
         ]
         return torch.cat(parts)

@@ -101,15 +101,13 @@ class RoleHost:
         self, cfg: KeelConfig, spec: AlgorithmSpec, roles: list[str], fsdp: bool
     ) -> list[str]:
         """Every rank builds with the same seed (a new value head starts identical on all
-        replicas), then samples with its own (seed + rank)."""
+        replicas), then samples with its own (seed + rank). Models are placed on
+        resources.device as they load: with auto, the GPU Ray gave this worker, if any (its
+        CUDA_VISIBLE_DEVICES names it; `join` made it the current device)."""
         seed_everything(self.seed)
         scorer = build_reward(cfg) if "reward" in roles else None
         shard = shard_fsdp2 if fsdp and self.world > 1 else None
         self.workers = build_workers(cfg, spec, roles, scorer, world=self.world, shard=shard)
-        if torch.cuda.is_available():
-            for w in self.workers.values():
-                if hasattr(w, "model"):
-                    w.model.cuda()
         seed_everything(self.seed + self.rank)
         return sorted(self.workers)
 

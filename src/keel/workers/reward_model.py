@@ -21,9 +21,10 @@ from keel.types import Batch
 from keel.workers.trainable import TrainableWorker
 
 
-def sequence_scores(model: Any, batch: Batch) -> torch.Tensor:
-    """The scalar head's output for each row [B] (the last non-pad token's logit)."""
-    return head_forward(model, batch)[:, 0].float()
+def sequence_scores(model: Any, batch: Batch, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The scalar head's output for each row [B] (the last non-pad token's logit); dtype:
+    autocast, as in head_forward."""
+    return head_forward(model, batch, dtype=dtype)[:, 0]
 
 
 class RewardModelTrainer(TrainableWorker):
@@ -39,7 +40,7 @@ class RewardModelTrainer(TrainableWorker):
             num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
-                scores = sequence_scores(self.model, micro)
+                scores = sequence_scores(self.model, micro, self.dtype)
                 out = bradley_terry_loss(scores[0::2], scores[1::2], num_pairs=num_pairs)
                 return out.loss, out.metrics
 
@@ -54,7 +55,7 @@ class RewardModelTrainer(TrainableWorker):
         """Scores [B] of every row, in micro-batches, eval mode."""
         self.model.eval()
         parts = [
-            sequence_scores(self.model, micro).cpu()
+            sequence_scores(self.model, micro, self.dtype).cpu()
             for micro in batch.split(2 * self.micro_batch_size)
         ]
         return torch.cat(parts)

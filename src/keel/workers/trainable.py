@@ -38,6 +38,8 @@ class TrainableWorker:
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
         self.lr_scale = 1.0
+        # autocast dtype of this model's forward passes (mixed precision; None: full precision)
+        self.dtype = getattr(step, "compute_dtype", None)
 
     def save_pretrained(self, path: str | Path) -> None:
         """The model as an HF folder (safetensors + tokenizer), loadable by transformers. In a
@@ -47,12 +49,15 @@ class TrainableWorker:
     def state_dict(self) -> dict[str, Any]:
         """model, optimizer and scheduler states and the guard's LR scale (torch.save-able).
         FSDP2: full (unsharded) states, gathered by every rank."""
-        return {
+        state = {
             "model": full_state_dict(self.model),
             "optimizer": optimizer_state_dict(self.model, self.step.optimizer),
             "scheduler": self.step.scheduler.state_dict(),
             "lr_scale": self.lr_scale,
         }
+        if self.step.scaler is not None:  # float16: the loss scale and its growth tracker
+            state["grad_scaler"] = self.step.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output. The model's weights may omit parameters tied to
@@ -63,6 +68,8 @@ class TrainableWorker:
             raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
         load_optimizer_state_dict(self.model, self.step.optimizer, state["optimizer"])
         self.step.scheduler.load_state_dict(state["scheduler"])
+        if self.step.scaler is not None and "grad_scaler" in state:
+            self.step.scaler.load_state_dict(state["grad_scaler"])
         self.lr_scale = float(state.get("lr_scale", 1.0))
 
     def set_lr_scale(self, scale: float) -> None:
