@@ -159,3 +159,52 @@ def test_a_trl_style_reward_scores_the_rollouts_through_the_config(tiny_dir):
     expected = [digit_fraction(None, r, None) for r in batch.responses]
     assert batch.scores.tolist() == pytest.approx(expected)
     assert metrics["reward/mean"] == pytest.approx(sum(expected) / len(expected))
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "grpo", "kl_loss_coef": 0.05}, {"name": "gspo"}])
+def test_the_on_policy_shortcut_gives_the_same_steps_as_recomputing_old_logprobs(
+    tiny_dir, algorithm
+):
+    """One epoch over one mini-batch: π_old = the current policy detached (no old-log-prob
+    forward) gives the same weights and metrics as the recomputed π_old, step after step."""
+    runs = []
+    for shortcut in (True, False):
+        torch.manual_seed(0)
+        ctl = controller(tiny_dir, algorithm)
+        assert ctl.on_policy_shortcut  # this config qualifies
+        ctl.on_policy_shortcut = shortcut
+        metrics = [ctl.step(step) for step in (1, 2, 3)]
+        runs.append((params(ctl.roles.actor), metrics))
+    (w_fast, m_fast), (w_full, m_full) = runs
+    for a, b in zip(w_fast, w_full, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for fast, full in zip(m_fast, m_full, strict=True):
+        for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm", "reward/mean"):
+            assert fast[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
+        assert fast["actor/ppo_kl"] == 0.0 and fast["actor/clipfrac"] == 0.0
+
+
+def test_no_shortcut_where_old_logprobs_are_read_before_the_update(tiny_dir):
+    """Several mini-batches or epochs, KL in the reward, or the drift metric: π_old is
+    recomputed."""
+    assert not controller(tiny_dir, {"name": "grpo"}, train={
+        "batch_size": 4, "lr": 1e-3, "steps": 4, "ppo_epochs": 2}).on_policy_shortcut  # fmt: skip
+    assert not controller(tiny_dir, PPO).on_policy_shortcut
+    ctl = controller(tiny_dir, {"name": "grpo"}, rollout={
+        "n": 2, "max_new_tokens": 4, "return_logprobs": True})  # fmt: skip
+    assert not ctl.on_policy_shortcut
+    assert "rollout/logprob_abs_diff" in ctl.step(1)
+    two_minis = controller(tiny_dir, {"name": "grpo"}, train={
+        "batch_size": 4, "mini_batch_size": 4, "lr": 1e-3, "steps": 4})  # fmt: skip
+    seen = []
+    two_minis.roles.actor.call = _spy(two_minis.roles.actor.call, seen)
+    two_minis.step(1)
+    assert "compute_logprobs" in seen
+
+
+def _spy(call, seen):
+    def wrapped(method, *args, **kwargs):
+        seen.append(method)
+        return call(method, *args, **kwargs)
+
+    return wrapped

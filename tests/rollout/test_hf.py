@@ -135,3 +135,31 @@ def test_rollout_logprobs_match_the_trainers_forward(tiny_dir):
     m = batch.response_mask.bool()
     assert m.any()
     torch.testing.assert_close(recomputed[m], batch.rollout_logprobs[m], atol=1e-4, rtol=1e-4)
+
+
+def test_rollout_logprobs_under_top_p_are_the_full_distributions(tiny_dir):
+    """The per-step recorder sees the raw logits (before transformers' temperature and top-p
+    warpers), so under top_p < 1 the log-probs are still those the trainer recomputes."""
+    torch.manual_seed(2)
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    engine = HFRolloutEngine(model, tok, return_logprobs=True)
+    examples = [Example(prompt=p) for p in ("1+1=", "12+34=")]
+    sampling = SamplingParams(n=3, temperature=0.9, top_p=0.7, max_new_tokens=6)
+    batch = engine.generate(examples, sampling)
+    actor = ActorWorker(model, tok, None, temperature=0.9, mini_batch_size=6, micro_batch_size=6)
+    recomputed = actor.compute_logprobs(batch).old_logprobs
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(recomputed[m], batch.rollout_logprobs[m], atol=1e-4, rtol=1e-4)
+
+
+def test_a_static_kv_cache_decodes_the_same_tokens(tiny_dir):
+    """rollout.static_cache (a preallocated cache; compiled on CUDA) changes speed, not tokens."""
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    examples = [Example(prompt=p) for p in ("1+1=", "12+34=", "7=")]
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=6)
+    batches = [
+        HFRolloutEngine(model, tok, static_cache=static).generate(examples, greedy)
+        for static in (False, True)
+    ]
+    assert torch.equal(batches[0].input_ids, batches[1].input_ids)
+    assert batches[0].responses == batches[1].responses

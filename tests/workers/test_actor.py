@@ -1,6 +1,7 @@
 """ActorWorker updates: micro-batching never changes the update; the loss terms compose."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,3 +89,40 @@ def test_non_finite_gradient_skips_the_update(tiny_dir):
     assert metrics["actor/skipped"] == 1.0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class EmbeddingLM(torch.nn.Module):
+    """A causal-LM-shaped module (embedding → linear head) whose forward is value-independent,
+    so it runs on the meta device (transformers' mask building reads values)."""
+
+    def __init__(self, vocab: int, width: int = 8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep, use_cache):
+        hidden = self.embed(input_ids) * attention_mask[..., None] + position_ids[..., None]
+        return SimpleNamespace(logits=self.head(hidden[:, -logits_to_keep:]))
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_the_actor_loss_runs_on_the_meta_device(tiny_dir, policy_loss):
+    """The actor's loss (log-probs, policy loss, entropy, KL, aggregation, metrics) and its
+    backward allocate nothing on the host: on the `meta` device any host tensor mixed in
+    would raise (a GPU run would crash the same way)."""
+    tok = load_tokenizer(tiny_dir)
+    with torch.device("meta"):
+        model = EmbeddingLM(len(tok))
+    spec = rl_spec("seq-mean-token-mean", kl=0.1, entropy=0.01)
+    spec = AlgorithmSpec(**{**spec.__dict__, "policy_loss": policy_loss, "policy_loss_kwargs": {}})
+    actor = ActorWorker(model, tok, None, temperature=0.7, mini_batch_size=8, micro_batch_size=8)
+    batch = synthetic_batch(len(tok)).to("meta")
+    loss, metrics = actor._policy_loss(batch, spec=spec, kl_coef=0.1, num_tokens=25, num_seqs=7)
+    loss.backward()
+    assert loss.device.type == "meta"
+    assert {v.device.type for v in metrics.values()} == {"meta"}
+    assert model.head.weight.grad.device.type == "meta"
+    on_policy = batch.replace(old_logprobs=None)  # the on-policy shortcut's path
+    assert actor._policy_loss(on_policy, spec=spec, kl_coef=0.1, num_tokens=25, num_seqs=7)[
+        0
+    ].device == torch.device("meta")

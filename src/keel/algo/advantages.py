@@ -25,10 +25,11 @@ def group_statistics(
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     scores = scores.to(torch.float64)
     n_groups = counts.numel()
-    sums = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores)
+    device = scores.device
+    sums = torch.zeros(n_groups, dtype=scores.dtype, device=device).index_add_(0, inverse, scores)
     counts_f = counts.to(scores.dtype)
     means = sums / counts_f
-    sq = torch.zeros(n_groups, dtype=scores.dtype).index_add_(
+    sq = torch.zeros(n_groups, dtype=scores.dtype, device=device).index_add_(
         0, inverse, (scores - means[inverse]) ** 2
     )
     stds = torch.sqrt(sq / (counts_f - 1).clamp(min=1))
@@ -57,13 +58,14 @@ def grpo_outcome_advantage(
     centered = (scores.to(torch.float64) - mean.to(torch.float64)).to(torch.float32)
     adv = centered / (std + epsilon) if norm_by_std else centered
     m = response_mask.bool()
-    return torch.where(m, adv.unsqueeze(1).expand_as(response_mask), torch.zeros(()))
+    zero = torch.zeros((), device=adv.device)
+    return torch.where(m, adv.unsqueeze(1).expand_as(response_mask), zero)
 
 
 def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last position with m = 1 in each row, [B] long (−1 for a fully masked row)."""
     r = response_mask.shape[1]
-    positions = torch.arange(r).expand_as(response_mask)
+    positions = torch.arange(r, device=response_mask.device).expand_as(response_mask)
     return torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).amax(dim=1)
 
 
@@ -79,14 +81,16 @@ def token_level_rewards(
     exactly 0 outside the mask. A fully masked row gets no score.
     """
     m = response_mask.bool()
-    zero = torch.zeros((), dtype=torch.float32)
-    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    device = response_mask.device
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=device)
     if kl is not None and kl_coef != 0.0:
         rewards = torch.where(m, -kl_coef * kl.float(), zero)
     last = last_valid_index(response_mask)
-    rows = torch.nonzero(last >= 0).squeeze(1)
-    rewards[rows, last[rows]] += scores.float()[rows]
-    return rewards
+    # the score onto each row's last valid token (a fully masked row adds 0 at column 0):
+    # a scatter, not an index by nonzero rows, so nothing waits for the device
+    score = torch.where(last >= 0, scores.float(), zero)
+    return rewards.scatter_add(1, last.clamp(min=0)[:, None], score[:, None])
 
 
 def sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,8 @@ def sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) ->
 
 def _broadcast(per_row: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     m = response_mask.bool()
-    return torch.where(m, per_row.unsqueeze(1).expand(m.shape), torch.zeros(()))
+    zero = torch.zeros((), device=per_row.device)
+    return torch.where(m, per_row.unsqueeze(1).expand(m.shape), zero)
 
 
 def gae_advantage_return(
@@ -114,13 +119,14 @@ def gae_advantage_return(
     V_next and g_next start at 0 (terminal) and carry over unchanged across m = 0 tokens.
     """
     m = response_mask.bool()
-    zero = torch.zeros((), dtype=torch.float32)
+    device = response_mask.device
+    zero = torch.zeros((), dtype=torch.float32, device=device)
     r = torch.where(m, token_rewards.float(), zero)
     v = torch.where(m, values.float(), zero)
     b, length = r.shape
-    next_value = torch.zeros(b)
-    next_gae = torch.zeros(b)
-    advantages = torch.zeros(b, length)
+    next_value = torch.zeros(b, device=device)
+    next_gae = torch.zeros(b, device=device)
+    advantages = torch.zeros(b, length, device=device)
     for t in reversed(range(length)):
         delta = r[:, t] + gamma * next_value - v[:, t]
         gae = delta + gamma * lam * next_gae
@@ -138,9 +144,9 @@ def discounted_returns(
     """G_t = Σ_{s≥t} γ^{s−t} r_s over valid tokens (m = 0 tokens skipped, the running return
     carried over them). r, m: [B, R] → G [B, R], 0 outside the mask (ALGORITHMS.md §8)."""
     m = response_mask.bool()
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=m.device)
     r = torch.where(m, token_rewards.float(), zero)
-    running = torch.zeros(r.shape[0])
+    running = torch.zeros(r.shape[0], device=m.device)
     returns = torch.zeros_like(r)
     for t in reversed(range(r.shape[1])):
         running = torch.where(m[:, t], r[:, t] + gamma * running, running)
@@ -158,7 +164,7 @@ def rloo_outcome_advantage(
     """
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     s = scores.to(torch.float64)
-    sums = torch.zeros(counts.numel(), dtype=s.dtype).index_add_(0, inverse, s)
+    sums = torch.zeros(counts.numel(), dtype=s.dtype, device=s.device).index_add_(0, inverse, s)
     k = counts[inverse].to(s.dtype)
     loo_mean = (sums[inverse] - s) / (k - 1).clamp(min=1)
     adv = torch.where(k > 1, s - loo_mean, s).to(torch.float32)

@@ -56,6 +56,8 @@ def batch_mean_kl(kl: torch.Tensor, response_mask: torch.Tensor) -> float:
     kl, response_mask: [B, R]."""
     m = response_mask.bool()
     n = m.sum(dim=1)
-    per_row = torch.where(m, kl, torch.zeros((), dtype=kl.dtype)).sum(dim=1) / n.clamp(min=1)
+    per_row = torch.where(m, kl, torch.zeros((), dtype=kl.dtype, device=kl.device)).sum(
+        dim=1
+    ) / n.clamp(min=1)
     valid = n > 0
     return float(per_row[valid].mean()) if bool(valid.any()) else 0.0

@@ -51,5 +51,5 @@ def masked_explained_variance(
 
     target_var = var(targets)
     if not bool(m.any()) or float(target_var) == 0.0:
-        return torch.tensor(float("nan"))
+        return torch.full((), float("nan"), device=targets.device)
     return 1.0 - var(targets - predictions) / target_var

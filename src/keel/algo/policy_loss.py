@@ -49,7 +49,7 @@ def ppo_clip_loss(
     ppo_kl = masked mean(ℓ_old − ℓ). The loss is agg(L, m, agg_mode).
     """
     m = response_mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(m, logprobs - torch.where(m, old_logprobs, zero), zero)
     adv = torch.where(m, advantages, zero)
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
@@ -73,7 +73,7 @@ def _sequence_log_ratio(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token log-ratios [B, R] with 0 outside m, log s_i [B] = Σ_t m·(ℓ − ℓ_old)/|y_i|)."""
-    zero = torch.zeros((), dtype=logprobs.dtype)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(m, logprobs - torch.where(m, old_logprobs, zero), zero)
     lengths = m.sum(dim=1).clamp(min=1).to(logprobs.dtype)
     return log_ratio, log_ratio.sum(dim=1) / lengths
@@ -112,7 +112,7 @@ def gspo_loss(
     A_{i,t} = Â_i.
     """
     m = response_mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     adv = torch.where(m, advantages, zero)
     log_ratio, log_seq = _sequence_log_ratio(logprobs, old_logprobs, m)
     if token_level:
@@ -133,7 +133,7 @@ def gspo_loss(
     with torch.no_grad():
         clipfrac = masked_mean(clipped.float(), m)
         ppo_kl = masked_mean(-log_ratio, m)
-    return PolicyLossOutput(loss, clipfrac, torch.zeros(()), ppo_kl)
+    return PolicyLossOutput(loss, clipfrac, torch.zeros((), device=loss.device), ppo_kl)
 
 
 def gspo_token_loss(*args, **kwargs) -> PolicyLossOutput:

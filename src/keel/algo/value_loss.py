@@ -27,7 +27,7 @@ def clipped_value_loss(
     unclipped] (strict). cliprange_value None: no clipping (plain ½(V − Ret)²).
     """
     m = response_mask.bool()
-    zero = torch.zeros((), dtype=values.dtype)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(m, values, zero)
     v_old = torch.where(m, old_values, zero)
     ret = torch.where(m, returns, zero)
