@@ -99,8 +99,9 @@ def every_algo_call(x: dict[str, torch.Tensor], *, value_dependent: bool = True)
     masked_whiten(x["adv"], m)
     seq = sequence_logps(x["logprobs"], m)
     for loss_type in DPO_LOSSES:  # its metrics are read back as floats
+        lengths = m.sum(dim=1)
         dpo_loss(seq[0::2], seq[1::2], seq[1::2] * 0.9, seq[0::2] * 1.1, loss_type=loss_type,
-                 chosen_lengths=m.sum(dim=1)[0::2], rejected_lengths=m.sum(dim=1)[1::2])  # fmt: skip
+                 chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])  # fmt: skip
     for name, estimator in ADVANTAGE_ESTIMATORS.items():
         values = x["values"] if name == "gae" else None
         estimator(token_rewards=token_level_rewards(x["scores"], m), response_mask=m,

@@ -77,7 +77,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
     for checkpointing in (False, True):
         cfg = validate({
             "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"},
-            "rollout": {"n": 2}, "train": {"batch_size": 4, "gradient_checkpointing": checkpointing},
+            "rollout": {"n": 2},
+            "train": {"batch_size": 4, "gradient_checkpointing": checkpointing},
         })  # fmt: skip
         actor = build_workers(cfg, build_spec(cfg), ("actor",), None)["actor"]
         assert actor.model.is_gradient_checkpointing == checkpointing
