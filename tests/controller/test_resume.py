@@ -47,7 +47,21 @@ def stable(rows: list[dict]) -> dict[int, dict]:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_exact_resume(path: Path, tmp_path: Path, tiny_dir: Path):
-    overrides = [*TINY, f"models.actor={tiny_dir}", *RESUME_OVERRIDES.get(path.name, [])]
+    check_exact_resume(path, tmp_path, tiny_dir, [])
+
+
+MIXED = ["grpo_arith_tiny.yaml", "ppo_arith_tiny.yaml"]
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_exact_resume_in_mixed_precision(name: str, tmp_path: Path, tiny_dir: Path):
+    """bf16 autocast over float32 master weights: the checkpoint holds the master weights and
+    the float32 optimizer states, so a resumed run is bitwise the straight one."""
+    check_exact_resume(ROOT / "examples" / name, tmp_path, tiny_dir, ["models.dtype=bfloat16"])
+
+
+def check_exact_resume(path: Path, tmp_path: Path, tiny_dir: Path, extra: list[str]) -> None:
+    overrides = [*TINY, f"models.actor={tiny_dir}", *RESUME_OVERRIDES.get(path.name, []), *extra]
     straight = load_config(path, [*overrides, f"run_dir={tmp_path / 'straight'}"])
     run_training(straight, config_dir=path.parent)
 
