@@ -46,7 +46,14 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert main(["config", "show", str(EXAMPLES / "sft_arith_tiny.yaml")]) == 0
     out = capsys.readouterr().out
     shown = yaml.safe_load(out)  # the comments are YAML comments
-    assert set(shown["rollout"]) == {"engine", "top_p", "max_new_tokens", "batch_size"}
+    assert set(shown["rollout"]) == {
+        "engine",
+        "top_p",
+        "max_new_tokens",
+        "batch_size",
+        "static_cache",
+        "compile",
+    }
     assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]
     assert "ppo_epochs" not in shown["train"] and "reference" not in shown["models"]
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
