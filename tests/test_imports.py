@@ -6,7 +6,7 @@ import sys
 CODE = """
 import sys
 import keel.algo, keel.config
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "transformers")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "transformers", "peft")))
 """
 
 
@@ -17,9 +17,10 @@ def test_algo_and_config_import_neither_ray_nor_transformers():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_runner_imports_ray_only_when_the_ray_backend_is_used():
+def test_the_runner_imports_ray_and_peft_only_when_the_ray_backend_or_lora_is_used():
     code = CODE.replace("keel.algo, keel.config", "keel.controller.runner, keel.workers")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert "'ray'" not in out.stdout
+    assert "'peft'" not in out.stdout

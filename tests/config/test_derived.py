@@ -121,3 +121,26 @@ def test_a_role_in_two_groups_is_refused_with_the_field():
     groups = [{"roles": ["actor"]}, {"roles": ["rollout", "actor"]}]
     msg = algebra_error(resources={"backend": "ray", "groups": groups})
     assert "resources.groups[1].roles" in msg and "'actor'" in msg
+
+
+# --------------------------------------------------------------------------------- LoRA
+def test_lora_is_refused_for_reward_model_training():
+    msg = algebra_error(algorithm="rm", models={"actor": "builtin:tiny", "lora": {"r": 4}})
+    assert "models.lora does not apply to algorithm.name: rm" in msg
+
+
+def test_lora_with_an_fsdp_actor_group_names_the_group_field():
+    groups = [{"roles": ["actor", "rollout"], "workers": 2, "fsdp": True}]
+    msg = algebra_error(
+        models={"actor": "builtin:tiny", "lora": {}},
+        resources={"backend": "ray", "groups": groups},
+        train={"batch_size": 4},
+        rollout={"n": 2},
+    )
+    assert "resources.groups[0].fsdp" in msg and "models.lora" in msg
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "sft", "dpo"])
+def test_lora_is_accepted_for_rl_sft_and_dpo(algorithm):
+    cfg = config(algorithm, models={"actor": "builtin:tiny", "lora": {"r": 4, "alpha": 8}})
+    assert cfg.models.lora.r == 4 and cfg.models.lora.target_modules == "all-linear"

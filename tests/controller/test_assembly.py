@@ -109,3 +109,24 @@ def test_sequences_that_fit_the_context_pass(tiny_dir):
     sets = {"data": {"max_prompt_length": 240}, "rollout": {"max_new_tokens": 16}}
     cfg = validate({"models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"}, **sets})
     check_context_length(cfg, build_spec(cfg))  # 256 = 256
+
+
+def test_lora_reference_is_the_actors_base_unless_another_folder_is_named(tiny_dir, tmp_path):
+    import shutil
+
+    from keel.models.lora import is_lora
+
+    def roles(**models):
+        cfg = validate({"models": {"actor": str(tiny_dir), "lora": {"r": 2}, **models},
+                        "algorithm": {"name": "grpo", "kl_loss_coef": 0.01},
+                        "data": {"arithmetic": {"eval_size": 10}}})  # fmt: skip
+        return build_roles(cfg, build_spec(cfg), build_reward(cfg))
+
+    same = roles(reference=str(tiny_dir))
+    actor = same.actor.workers[0].model
+    assert is_lora(actor) and same.rollout.workers[0].engine.model is actor  # adapter on
+    assert same.reference.workers[0].model is actor and same.reference.workers[0].adapter_off
+    assert any(p.requires_grad for p in actor.parameters())  # the reference froze nothing
+    other = roles(reference=str(shutil.copytree(tiny_dir, tmp_path / "ref")))
+    ref = other.reference.workers[0].model
+    assert not is_lora(ref) and not any(p.requires_grad for p in ref.parameters())

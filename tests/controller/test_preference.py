@@ -92,3 +92,23 @@ def test_pair_stages_need_preference_data(tiny_dir, tmp_path):
     cfg.data.train = str(tmp_path / "p.jsonl")
     data = load_datasets(cfg, build_spec(cfg))
     assert [p.chosen for p in data.train] == ["2"] and data.eval == []
+
+
+def test_lora_dpo_uses_the_base_as_reference_and_trains_the_adapter(tiny_dir, tmp_path):
+    """models.lora with dpo: the (uncached) reference is the actor's module with the adapter
+    off, which stays the base model while the adapter learns."""
+    from keel.engine.forward import response_forward
+    from keel.models import load_causal_lm
+
+    cfg = config(tiny_dir, tmp_path, name="dpo", precompute_ref_logps=False)
+    cfg.models.lora = {"r": 4, "alpha": 8.0}
+    ctl = controller(cfg, tmp_path)
+    actor = ctl.roles.actor.workers[0].model
+    assert ctl.roles.reference.workers[0].model is actor
+    for step in (1, 2):
+        assert ctl.step(step)["actor/grad_norm"] > 0
+    batch = ctl.encode(ctl.train_pairs[:4])
+    ref = ctl.roles.reference.call("compute_ref_logprobs", batch).ref_logprobs
+    with torch.no_grad():
+        assert torch.equal(ref, response_forward(load_causal_lm(tiny_dir).eval(), batch)[0])
+        assert not torch.allclose(ref, response_forward(actor.eval(), batch)[0])

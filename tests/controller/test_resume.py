@@ -282,3 +282,38 @@ def test_a_run_without_a_checkpoint_restarts_with_the_same_config(tiny_grpo):
     assert restart["reason"] == "no_checkpoint" and restart["step"] == 0
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert steps[:rows] == [0, 1] and steps[rows:] == [0, 1, 2]  # appended, nothing lost
+
+
+def test_lora_run_resumes_exactly_from_an_adapter_only_checkpoint(tiny_grpo, tmp_path, tiny_dir):
+    """A LoRA GRPO run (with its adapter-disabled reference): 3 steps straight vs 2 steps, a
+    stop and a resume give identical merged exports and metrics; the checkpoint holds the
+    adapter and optimizer only; model/ is a plain HF folder with the adapter merged in."""
+    from transformers import AutoModelForCausalLM
+
+    lora = ["models.lora.r=4", "models.lora.alpha=8", "train.lr=1e-3", "train.steps=3"]
+    straight = tiny_grpo(*lora, f"run_dir={tmp_path / 'straight'}")
+    assert straight.algorithm.kl_loss_coef > 0  # the reference role exists
+    run_training(straight)
+    split = tiny_grpo(*lora, "checkpoint.save_steps=2", f"run_dir={tmp_path / 'split'}")
+    with pytest.raises(RunPreempted):
+        run_training(split, stop_after=2)
+    [ckpt] = list_checkpoints(tmp_path / "split" / "checkpoints")
+    assert sorted(p.name for p in (ckpt.path / "actor").iterdir()) == ["state.pt"]
+    state = torch.load(ckpt.path / "actor" / "state.pt", weights_only=True)
+    assert state["model"] and all(".lora_" in k for k in state["model"])
+    assert state["optimizer"]["state"] and state["weight_version"] == 2
+    assert run_training(split).resumed_from == 2
+
+    a, b = weights(tmp_path / "straight" / "model"), weights(tmp_path / "split" / "model")
+    assert a.keys() == b.keys() == weights(tiny_dir).keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights differ after resume"
+    base = weights(tiny_dir)
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    assert torch.equal(a["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    rows_a = stable(read_metrics(tmp_path / "straight" / "metrics.jsonl"))
+    assert rows_a == stable(read_metrics(tmp_path / "split" / "metrics.jsonl"))
+    assert not (tmp_path / "straight" / "model" / "adapter_config.json").exists()
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "model")).__name__ == (
+        "LlamaForCausalLM"
+    )

@@ -208,3 +208,46 @@ def _spy(call, seen):
         return call(method, *args, **kwargs)
 
     return wrapped
+
+
+def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_dir):
+    """models.lora: the reference is the actor's module with the adapter off (no second model),
+    equal to the base model before and after updates; only adapter weights move; a separate
+    rollout gets merged plain weights that compute what the actor's LoRA model computes."""
+    from pathlib import Path
+
+    from keel.engine.forward import response_forward
+    from keel.models import load_causal_lm
+    from keel.models.lora import is_lora
+    from keel.workers.build import build_workers
+    from keel.workers.group import LocalWorkerGroup, WeightPush
+
+    lora = {"actor": str(tiny_dir), "lora": {"r": 4, "alpha": 8.0}}
+    graded = {"fn": f"{Path(__file__).parents[1] / 'cli/format_reward.py'}:digit_fraction"}
+    ctl = controller(tiny_dir, {"name": "grpo", "kl_loss_coef": 0.05}, models=lora, reward=graded)
+    actor = ctl.roles.actor.workers[0]
+    assert is_lora(actor.model) and ctl.roles.reference.workers[0].model is actor.model
+    assert all(".lora_" in n for n, p in actor.model.named_parameters() if p.requires_grad)
+    separate = build_workers(ctl.cfg, ctl.spec, ["rollout"], None)["rollout"]
+    assert not is_lora(separate.engine.model)
+    ctl.roles.rollout = LocalWorkerGroup("rollout", [separate])
+    ctl.roles.push_weights = WeightPush(ctl.roles.actor, ctl.roles.rollout)
+    base = load_causal_lm(tiny_dir).eval()
+    frozen = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+
+    def logps(model, batch):
+        with torch.no_grad():
+            return response_forward(model.eval(), batch)[0]
+
+    for step in (1, 2):
+        metrics = ctl.step(step)
+        assert metrics["rollout/weight_version_lag"] == 0
+        batch = ctl.last_batch  # its ref_logprobs were computed before this step's update
+        assert torch.equal(batch.ref_logprobs, logps(base, batch))
+    for name, p in actor.model.named_parameters():
+        assert torch.equal(p, frozen[name]) != p.requires_grad, name  # adapter moved, base not
+    ref = ctl.roles.reference.call("compute_ref_logprobs", batch).ref_logprobs
+    assert torch.equal(ref, logps(base, batch))  # still the base after the updates
+    live = logps(actor.model, batch)
+    assert not torch.allclose(live, ref)
+    torch.testing.assert_close(logps(separate.engine.model, batch), live, atol=1e-5, rtol=0)

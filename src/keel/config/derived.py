@@ -95,6 +95,25 @@ def check_data_parallel(cfg: KeelConfig, mini: int) -> None:
             )
 
 
+def check_lora(cfg: KeelConfig) -> None:
+    """models.lora trains an adapter on a causal LM: the RL stages, sft and dpo (whose reference
+    is the base, the adapter disabled). Raise ValueError naming the keys otherwise."""
+    if cfg.models.lora is None:
+        return
+    if cfg.algorithm.name == "rm":
+        raise ValueError(
+            "models.lora does not apply to algorithm.name: rm (a reward model trains its scalar "
+            "head and every weight); remove models.lora"
+        )
+    for i, group in enumerate(cfg.resources.groups):
+        if cfg.resources.backend == "ray" and group.fsdp and "actor" in group.roles:
+            raise ValueError(
+                f"models.lora cannot be combined with resources.groups[{i}].fsdp: true (the "
+                "group of the actor): set fsdp: false (a LoRA actor's optimizer state is small; "
+                "data parallelism without sharding works) or remove models.lora"
+            )
+
+
 def rank_batch_sizes(plan: BatchPlan, workers: int) -> tuple[int, int]:
     """(mini-batch rows, micro-batch rows) of one of `workers` data-parallel ranks."""
     mini = plan.mini_batch_size // workers

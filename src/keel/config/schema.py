@@ -610,3 +610,10 @@ class KeelConfig(Section):
 
         check_batch_algebra(self)
         return self
+
+    @model_validator(mode="after")
+    def _lora_applies(self) -> KeelConfig:
+        from keel.config.derived import check_lora
+
+        check_lora(self)
+        return self

@@ -31,6 +31,7 @@ from keel.models import (
     load_value_model,
     resolve_model_path,
 )
+from keel.models.lora import wrap_lora
 from keel.rewards import BatchRewardScorer, RewardScorer, load_reward_fn
 from keel.rollout import HFRolloutEngine
 from keel.workers.actor import ActorWorker
@@ -128,7 +129,9 @@ def build_workers(
     shard: applied to the actor, critic and reference models before their optimizers exist
     (FSDP2). A rollout role next to the actor generates with the actor's module. Every model
     is placed on `resources.device`; trained ones keep float32 weights (mixed precision, see
-    keel.engine.devices), frozen ones are stored in models.dtype.
+    keel.engine.devices), frozen ones are stored in models.dtype. models.lora: the actor is its
+    model with a LoRA adapter, and a reference next to it is that module with the adapter
+    disabled (the base model; no second copy is loaded).
     """
     names = [n for n in role_names(spec) if n in names]
     if spec.stage == "rm":
@@ -141,7 +144,7 @@ def build_workers(
     mixed = compute_dtype(cfg.models.dtype)
     out: dict[str, Any] = {}
     if "actor" in names:
-        model = shard(_causal_lm(actor_path, tokenizer, cfg, trained=True), mixed)
+        model = shard(_lora(_causal_lm(actor_path, tokenizer, cfg, trained=True), cfg), mixed)
         actor_cls = DPOWorker if spec.stage == "dpo" else ActorWorker
         out["actor"] = actor_cls(
             model,
@@ -155,9 +158,17 @@ def build_workers(
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
     if "reference" in names:
         ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor)
-        ref_model = shard(_causal_lm(ref_path, tokenizer, cfg, trained=False), None)
+        if "actor" in out and cfg.models.lora and _same_folder(ref_path, actor_path):
+            ref_model, adapter_off = out["actor"].model, True  # the base under the adapter
+        else:
+            ref_model = shard(_causal_lm(ref_path, tokenizer, cfg, trained=False), None)
+            adapter_off = False
         out["reference"] = ReferenceWorker(
-            ref_model, temperature=temperature, micro_batch_size=micro
+            ref_model,
+            temperature=temperature,
+            micro_batch_size=micro,
+            adapter_off=adapter_off,
+            dtype=mixed if adapter_off else None,
         )
     if "critic" in names:
         out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
@@ -186,6 +197,20 @@ def _memory_options(model: Any, cfg: KeelConfig) -> None:
     backward pass (the non-reentrant variant, which works with frozen inputs and FSDP2)."""
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _lora(model: torch.nn.Module, cfg: KeelConfig) -> torch.nn.Module:
+    """The actor's model with a LoRA adapter when models.lora is set (only the adapter trains)."""
+    lora = cfg.models.lora
+    if lora is None:
+        return model
+    return wrap_lora(
+        model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+    )
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
 
 
 def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker:

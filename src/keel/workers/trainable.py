@@ -1,6 +1,7 @@
 """TrainableWorker: what every worker that owns a trained model shares (actor, critic, reward
 model): the model, its tokenizer and GradientStep, mini/micro-batch sizes, HF export, the full
-training state (contract C1) and the guard's LR scale."""
+training state (contract C1) and the guard's LR scale. A LoRA model (keel.models.lora) exports
+its merged weights and keeps only its adapter in the training state."""
 
 from __future__ import annotations
 
@@ -14,9 +15,16 @@ from keel.engine.distributed import (
     load_full_state_dict,
     load_optimizer_state_dict,
     optimizer_state_dict,
+    rank,
     save_hf_folder,
 )
 from keel.engine.update import GradientStep
+from keel.models.lora import (
+    adapter_state_dict,
+    is_lora,
+    load_adapter_state_dict,
+    save_merged,
+)
 
 
 class TrainableWorker:
@@ -43,14 +51,26 @@ class TrainableWorker:
 
     def save_pretrained(self, path: str | Path) -> None:
         """The model as an HF folder (safetensors + tokenizer), loadable by transformers. In a
-        data-parallel group rank 0 writes it (FSDP2: after gathering the shards)."""
-        save_hf_folder(self.model, self.tokenizer, path)
+        data-parallel group rank 0 writes it (FSDP2: after gathering the shards). A LoRA model
+        is written merged (W + scale·B·A): a plain folder that loads without peft."""
+        if not self.adapter_only:
+            save_hf_folder(self.model, self.tokenizer, path)
+        elif rank() == 0:
+            save_merged(self.model, self.tokenizer, path)
+
+    @property
+    def adapter_only(self) -> bool:
+        """True for a LoRA model: `state_dict()["model"]` holds the adapter's (trainable)
+        weights only, the frozen base comes from the model's folder; a checkpoint saves such a
+        worker whole (`state.pt`), not as an HF folder."""
+        return is_lora(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """model, optimizer and scheduler states and the guard's LR scale (torch.save-able).
-        FSDP2: full (unsharded) states, gathered by every rank."""
+        FSDP2: full (unsharded) states, gathered by every rank. LoRA: the adapter's weights."""
+        weights = adapter_state_dict if self.adapter_only else full_state_dict
         state = {
-            "model": full_state_dict(self.model),
+            "model": weights(self.model),
             "optimizer": optimizer_state_dict(self.model, self.step.optimizer),
             "scheduler": self.step.scheduler.state_dict(),
             "lr_scale": self.lr_scale,
@@ -61,11 +81,14 @@ class TrainableWorker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output. The model's weights may omit parameters tied to
-        another one (an HF folder stores a tied lm_head once)."""
-        missing, unexpected = load_full_state_dict(self.model, state["model"])
-        untied = [k for k in missing if not _is_tied(self.model, k)]
-        if untied or unexpected:
-            raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
+        another one (an HF folder stores a tied lm_head once). LoRA: exactly the adapter's."""
+        if self.adapter_only:
+            load_adapter_state_dict(self.model, state["model"])
+        else:
+            missing, unexpected = load_full_state_dict(self.model, state["model"])
+            untied = [k for k in missing if not _is_tied(self.model, k)]
+            if untied or unexpected:
+                raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
         load_optimizer_state_dict(self.model, self.step.optimizer, state["optimizer"])
         self.step.scheduler.load_state_dict(state["scheduler"])
         if self.step.scaler is not None and "grad_scaler" in state:

@@ -1,0 +1,112 @@
+"""LoRA adapters (keel.models.lora): what trains, the adapter-disabled base, the adapter's state,
+and the merged plain folder."""
+
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from keel.models import ModelLoadError, load_causal_lm, load_tokenizer
+from keel.models.lora import (
+    adapter_disabled,
+    adapter_state_dict,
+    base_model_eval,
+    is_lora,
+    load_adapter_state_dict,
+    merged_state_dict,
+    save_merged,
+    wrap_lora,
+)
+
+IDS = torch.tensor([[5, 9, 14, 22, 7, 30, 41, 3], [12, 12, 8, 50, 61, 2, 19, 33]])
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def trained(tiny_dir, **kwargs):
+    """A LoRA model on the tiny model whose adapter is no longer zero (as after training)."""
+    model = wrap_lora(load_causal_lm(tiny_dir), **{"r": 4, "alpha": 8.0, **kwargs}).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_only_the_adapter_trains_and_a_new_adapter_computes_the_base(tiny_dir):
+    base = load_causal_lm(tiny_dir)
+    model = wrap_lora(load_causal_lm(tiny_dir), r=4, alpha=8.0).eval()
+    assert is_lora(model) and not is_lora(base)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert not any("lm_head" in n or "embed" in n for n in trainable)  # all-linear: no head
+    assert torch.equal(logits(model), logits(base))  # B starts at zero
+
+
+def test_target_modules_pick_the_adapted_layers_and_unknown_names_are_errors(tiny_dir):
+    model = wrap_lora(load_causal_lm(tiny_dir), r=2, alpha=2.0, target_modules=["q_proj"])
+    names = {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(n.endswith("self_attn.q_proj") for n in names)
+    with pytest.raises(ModelLoadError, match=r"models\.lora\.target_modules"):
+        wrap_lora(load_causal_lm(tiny_dir), r=2, alpha=2.0, target_modules=["nonexistent"])
+    with pytest.raises(ModelLoadError, match="tied to another weight"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's own warning about adapting a tied layer
+        wrap_lora(load_causal_lm(tiny_dir), r=2, alpha=2.0, target_modules=["embed_tokens"])
+
+
+def test_the_adapter_disabled_is_the_base_model_bit_for_bit(tiny_dir):
+    base, model = load_causal_lm(tiny_dir), trained(tiny_dir)
+    on = logits(model)
+    assert not torch.allclose(on, logits(base))
+    with adapter_disabled(model):
+        assert torch.equal(logits(model), logits(base))
+    model.train()
+    with base_model_eval(model):
+        assert not model.training and torch.equal(logits(model), logits(base))
+    assert model.training  # the trainer's mode comes back, and so does the adapter
+    assert torch.equal(logits(model.eval()), on)
+
+
+def test_the_merged_folder_loads_without_peft_and_computes_the_live_model(tiny_dir, tmp_path):
+    model = trained(tiny_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save_merged(model, load_tokenizer(tiny_dir), tmp_path / "out")
+    for k, v in model.state_dict().items():  # merging never touches the live weights
+        assert torch.equal(v, before[k]), k
+    assert not (tmp_path / "out" / "adapter_config.json").exists()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(plain) is LlamaForCausalLM and not is_lora(plain)
+    torch.testing.assert_close(logits(plain), logits(model), atol=1e-5, rtol=0)
+    # the same tensors as a plain HF folder (the tied lm_head stored once)
+    assert (
+        load_file(tmp_path / "out/model.safetensors").keys()
+        == load_file(tiny_dir / "model.safetensors").keys()
+    )
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_merged_weights_load_into_a_plain_copy_by_name(tiny_dir):
+    model = trained(tiny_dir, target_modules=["q_proj", "down_proj"])
+    plain = load_causal_lm(tiny_dir)
+    state = merged_state_dict(model)
+    assert state.keys() == plain.state_dict().keys()
+    plain.load_state_dict(state)  # strict
+    torch.testing.assert_close(logits(plain), logits(model), atol=1e-5, rtol=0)
+
+
+def test_the_adapter_state_round_trips_exactly_and_names_must_match(tiny_dir):
+    model = trained(tiny_dir)
+    state = adapter_state_dict(model)
+    assert state.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    fresh = wrap_lora(load_causal_lm(tiny_dir), r=4, alpha=8.0).eval()
+    load_adapter_state_dict(fresh, state)
+    assert torch.equal(logits(fresh), logits(model))
+    other = wrap_lora(load_causal_lm(tiny_dir), r=4, alpha=8.0, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="adapter weights do not match"):
+        load_adapter_state_dict(other, state)
