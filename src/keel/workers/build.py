@@ -135,6 +135,7 @@ def build_workers(
             temperature=temperature,
             mini_batch_size=mini,
             micro_batch_size=micro,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         )
     if "rollout" in names:
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
@@ -142,7 +143,10 @@ def build_workers(
         ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor)
         ref_model = shard(_causal_lm(ref_path, tokenizer, cfg))
         out["reference"] = ReferenceWorker(
-            ref_model, temperature=temperature, micro_batch_size=micro
+            ref_model,
+            temperature=temperature,
+            micro_batch_size=micro,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         )
     if "critic" in names:
         out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
@@ -233,6 +237,7 @@ def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> An
         _gradient_step(model, cfg),
         mini_batch_size=mini,
         micro_batch_size=micro,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
     )
 
 
@@ -252,4 +257,5 @@ def build_critic(
         _gradient_step(model, cfg, lr=spec.critic_lr),
         mini_batch_size=mini,
         micro_batch_size=micro,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
     )
