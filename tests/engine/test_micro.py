@@ -121,3 +121,20 @@ def test_merge_restores_order_and_width():
     mask = batch.response_mask.bool()
     assert torch.equal(merged[mask], batch.old_logprobs[mask])
     torch.testing.assert_close(micro.merge([m.scores for m in micro]), batch.scores)
+
+
+def test_data_parallel_ranks_agree_on_the_micro_batch_count(monkeypatch):
+    """Under FSDP2 every forward pass is collective: a rank with fewer micro-batches than
+    another halves its largest ones until the counts match (here: as if another rank had 6)."""
+    import keel.engine.micro as micro_module
+
+    monkeypatch.setattr(micro_module, "world_size", lambda: 2)
+    monkeypatch.setattr(micro_module, "global_max", lambda n: max(n, 6))
+    batch = skewed_batch(PROMPTS, RESPONSES)
+    alone = plan_rows(*[t.tolist() for t in batch.real_lengths()], 100)
+    micro = micro_batches(batch, 1, max_tokens=100)
+    assert len(alone) < 6 and len(micro) == 6
+    assert sorted(i for rows in micro.rows for i in rows) == list(range(8))
+    merged = micro.merge([m.old_logprobs for m in micro])
+    mask = batch.response_mask.bool()
+    assert torch.equal(merged[mask], batch.old_logprobs[mask])
