@@ -55,6 +55,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.exporter
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.reliability
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ray_overhead
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.micro_batching
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

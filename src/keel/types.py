@@ -118,6 +118,46 @@ class Batch:
                 out[f] = [x for v in vals for x in v]
         return Batch(**out, meta=dict(batches[0].meta))
 
+    def real_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt, response) lengths [B] of each row without its padding: the prompt from its
+        first real token to column P, the response up to its last real token (real: attention
+        or response mask set)."""
+        assert self.input_ids is not None and self.attention_mask is not None
+        p, r = self.prompt_length, self.response_length
+        prompt = self.attention_mask[:, :p] != 0
+        response = self.attention_mask[:, p:] != 0
+        if self.response_mask is not None:
+            response = response | (self.response_mask != 0)
+        # prompt column j is p - j columns from the prompt's end; response column j is j + 1
+        return _extent(prompt, torch.arange(p, 0, -1)), _extent(response, torch.arange(1, r + 1))
+
+    def trim_padding(self) -> Batch:
+        """The same rows without the columns that are padding in every row: leading prompt
+        columns and trailing response columns (at least one column of each is kept). Every
+        [B, T] tensor loses the same columns, every [B, R] tensor the same trailing ones, so the
+        layout (prompt left-padded to P' ≤ P, response right-padded to R' ≤ R) still holds;
+        with positions counted from the attention mask, no real token's output changes."""
+        if len(self) == 0:
+            return self
+        prompt_len, response_len = self.real_lengths()
+        p, r = self.prompt_length, self.response_length
+        keep_p = max(int(prompt_len.max()), 1)
+        keep_r = max(int(response_len.max()), 1)
+        if keep_p == p and keep_r == r:
+            return self
+        changes: dict[str, torch.Tensor] = {}
+        for f in _row_fields():
+            v = getattr(self, f)
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                continue
+            if v.shape[1] == p + r:
+                changes[f] = v[:, p - keep_p : p + keep_r].contiguous()
+            elif v.shape[1] == r:
+                changes[f] = v[:, :keep_r].contiguous()
+            else:
+                raise ValueError(f"field {f!r} has width {v.shape[1]}, neither T={p + r} nor R={r}")
+        return self.replace(**changes)
+
     def replace(self, **changes: Any) -> Batch:
         return dataclasses.replace(self, **changes)
 
@@ -150,6 +190,13 @@ def concat_rollouts(batches: list[Batch]) -> Batch:
 
 def _row_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(Batch) if f.name != "meta"]
+
+
+def _extent(mask: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest `reach` of a set column of mask [B, C] (0 for a row with none)."""
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long)
+    return (mask.long() * reach).amax(dim=1)
 
 
 def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -42,6 +42,12 @@ def test_rl_uses_sampling_and_the_guard_and_pair_stages_without_generation_use_n
     assert "rollout" not in generating and "rollout.n" in generating
 
 
+def test_a_token_budget_replaces_the_micro_batch_size():
+    assert "train.micro_batch_size" not in unused(algorithm={"name": "grpo"})
+    budget = unused(algorithm={"name": "grpo"}, train={"max_tokens_per_micro_batch": 4096})
+    assert "max_tokens_per_micro_batch" in budget["train.micro_batch_size"]
+
+
 def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert main(["config", "show", str(EXAMPLES / "sft_arith_tiny.yaml")]) == 0
     out = capsys.readouterr().out

@@ -14,9 +14,12 @@ def sft_loss(
     agg_mode: str = "token-mean",
     num_tokens: int | None = None,
     num_seqs: int | None = None,
+    scale_factor: float | None = None,
 ) -> torch.Tensor:
     """agg(−ℓ, m, mode): cross-entropy on response tokens only (prompt and padding excluded).
 
-    logprobs [B, R] of the target tokens, response_mask [B, R].
+    logprobs [B, R] of the target tokens, response_mask [B, R]; scale_factor: K of
+    seq-mean-token-sum-norm (None: R).
     """
-    return agg_loss(-logprobs, response_mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    counts = {"num_tokens": num_tokens, "num_seqs": num_seqs, "scale_factor": scale_factor}
+    return agg_loss(-logprobs, response_mask, agg_mode, **counts)

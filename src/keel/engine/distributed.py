@@ -52,6 +52,15 @@ def global_count(count: int) -> int:
     return int(t[0])
 
 
+def global_max(count: int) -> int:
+    """The largest of an integer over ranks (e.g. micro-batches per mini-batch)."""
+    if world_size() == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.long, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0])
+
+
 def sum_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """All-reduce (sum) the gradients of replicated `params` in one flat buffer."""
     if world_size() == 1:

@@ -40,6 +40,11 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
                 "never trip; set guard.monitor_metric to a metric it logs (docs/metrics.md) to "
                 "use them",
             ))  # fmt: skip
+    if cfg.train.max_tokens_per_micro_batch is not None:
+        out.append((
+            ["train.micro_batch_size"],
+            "micro-batches are packed by train.max_tokens_per_micro_batch instead",
+        ))  # fmt: skip
     if cfg.models.reward is None and (stage == "rl" or generates_eval):
         out.append((["reward.model"], "no reward model (models.reward is null)"))
     if not spec.needs_reference:

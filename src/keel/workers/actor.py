@@ -43,6 +43,7 @@ class ActorWorker(TrainableWorker):
         temperature: float,
         mini_batch_size: int,
         micro_batch_size: int,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         super().__init__(
             model,
@@ -50,6 +51,7 @@ class ActorWorker(TrainableWorker):
             step,
             mini_batch_size=mini_batch_size,
             micro_batch_size=micro_batch_size,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         )
         self.temperature = temperature
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
@@ -59,11 +61,12 @@ class ActorWorker(TrainableWorker):
     def compute_logprobs(self, batch: Batch) -> Batch:
         """Fills `old_logprobs` [B, R]: the rollout policy's log-probs, recomputed here."""
         self.model.eval()
+        micro_batches = self.micro_batches(batch)
         parts = [
             response_forward(self.model, micro, temperature=self.temperature, dtype=self.dtype)[0]
-            for micro in batch.split(self.micro_batch_size)
+            for micro in micro_batches
         ]
-        return batch.replace(old_logprobs=torch.cat(parts).cpu())
+        return batch.replace(old_logprobs=micro_batches.merge(parts).cpu())
 
     # ------------------------------------------------------------------- update
     def update(
@@ -75,6 +78,7 @@ class ActorWorker(TrainableWorker):
         mini-batch, the controller's shortcut): π_old is the current policy, detached.
         Returns `actor/*` metrics averaged over the updates."""
         beta = spec.kl_loss_coef if kl_coef is None else kl_coef
+        spec = self.width_pinned(spec, batch)
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
@@ -86,7 +90,7 @@ class ActorWorker(TrainableWorker):
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                 )
-                history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+                history.append(self.step.apply(self.micro_batches(mini), loss_fn))
         self.weight_version += 1
         return mean_prefixed(history, "actor/")
 
@@ -143,6 +147,7 @@ class ActorWorker(TrainableWorker):
 
     def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
         """One optimizer update of negative log-likelihood on the response tokens."""
+        width = self.budget_width(batch)
         history = []
         for mini in batch.split(self.mini_batch_size):
             num_tokens, num_seqs = global_denominators(mini.response_mask)
@@ -155,12 +160,13 @@ class ActorWorker(TrainableWorker):
                     agg_mode=spec.agg_mode,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
+                    scale_factor=width,
                 )
                 share = micro.response_mask.bool().sum() / max(num_tokens, 1)
                 nll = masked_mean(-logprobs.detach(), micro.response_mask) * share
                 return loss, {"sft_loss": loss.detach(), "nll_per_token": nll}
 
-            history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+            history.append(self.step.apply(self.micro_batches(mini), loss_fn))
         return mean_prefixed(history, "actor/")
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:

@@ -153,6 +153,7 @@ def build_workers(
             temperature=temperature,
             mini_batch_size=mini,
             micro_batch_size=micro,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         )
     if "rollout" in names:
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
@@ -169,6 +170,7 @@ def build_workers(
             micro_batch_size=micro,
             adapter_off=adapter_off,
             dtype=mixed if adapter_off else None,
+            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         )
     if "critic" in names:
         out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
@@ -306,6 +308,7 @@ def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> An
         _gradient_step(model, cfg),
         mini_batch_size=mini,
         micro_batch_size=micro,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
     )
 
 
@@ -325,6 +328,7 @@ def build_critic(
         _gradient_step(model, cfg, lr=spec.critic_lr),
         mini_batch_size=mini,
         micro_batch_size=micro,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
     )
 
 

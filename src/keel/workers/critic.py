@@ -20,15 +20,14 @@ class CriticWorker(TrainableWorker):
     def compute_values(self, batch: Batch) -> Batch:
         """Fills `values` [B, R]: V_old, frozen for the whole step."""
         self.model.eval()
-        parts = [
-            value_forward(self.model, micro, dtype=self.dtype)
-            for micro in batch.split(self.micro_batch_size)
-        ]
-        return batch.replace(values=torch.cat(parts).cpu())
+        micros = self.micro_batches(batch)
+        parts = [value_forward(self.model, micro, dtype=self.dtype) for micro in micros]
+        return batch.replace(values=micros.merge(parts).cpu())
 
     def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
         """`ppo_epochs` passes over the mini-batches of the clipped value loss (returns and old
         values frozen). Returns `critic/*` metrics averaged over the updates."""
+        spec = self.width_pinned(spec, batch)
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
@@ -37,7 +36,7 @@ class CriticWorker(TrainableWorker):
                 def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                     return self._value_loss(micro, spec, num_tokens, num_seqs)
 
-                history.append(self.step.apply(mini.split(self.micro_batch_size), loss_fn))
+                history.append(self.step.apply(self.micro_batches(mini), loss_fn))
         return mean_prefixed(history, "critic/")
 
     def _value_loss(

@@ -39,7 +39,7 @@ class DPOWorker(ActorWorker):
                 )  # fmt: skip
                 return out.loss, out.metrics
 
-            stats = self.step.apply(mini.split(2 * self.micro_batch_size), loss_fn)
+            stats = self.step.apply(self.micro_batches(mini, pairs=True), loss_fn)
             history.append(stats)
         keys = history[0].keys()
         means = {k: sum(h[k] for h in history) / len(history) for k in keys}
@@ -49,10 +49,11 @@ class DPOWorker(ActorWorker):
     def sequence_logps(self, batch: Batch) -> torch.Tensor:
         """Policy sequence log-probs [B] of every row (eval mode, no grad)."""
         self.model.eval()
+        micros = self.micro_batches(batch, pairs=True)
         parts = [
             sequence_logps(
                 response_forward(self.model, micro, dtype=self.dtype)[0], micro.response_mask
             ).cpu()
-            for micro in batch.split(2 * self.micro_batch_size)
+            for micro in micros
         ]
-        return torch.cat(parts)
+        return micros.merge(parts)

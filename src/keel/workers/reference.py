@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from keel.engine.forward import response_forward
+from keel.engine.micro import micro_batches
 from keel.models.lora import base_model_eval
 from keel.types import Batch
 
@@ -16,7 +17,9 @@ class ReferenceWorker:
     """adapter_off: `model` is the actor's own LoRA model (keel.models.lora) and the reference
     is its base: every forward runs with the adapter disabled, in eval mode, and the module's
     mode and trainable parameters are left as the actor has them (no second model is loaded).
-    dtype: autocast dtype of its forwards (the actor's float32 base under mixed precision)."""
+    dtype: autocast dtype of its forwards (the actor's float32 base under mixed precision).
+    micro_batch_size: rows per forward pass; max_tokens_per_micro_batch: when set, forward
+    passes are formed by this token budget instead (keel.engine.micro)."""
 
     def __init__(
         self,
@@ -26,6 +29,7 @@ class ReferenceWorker:
         micro_batch_size: int,
         adapter_off: bool = False,
         dtype: torch.dtype | None = None,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         self.model = model
         self.adapter_off = adapter_off
@@ -35,15 +39,17 @@ class ReferenceWorker:
             self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
         """Fills `ref_logprobs` [B, R]."""
+        micros = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
         with base_model_eval(self.model) if self.adapter_off else nullcontext():
             parts = [
                 response_forward(self.model, micro, temperature=self.temperature, dtype=self.dtype)[
                     0
                 ]
-                for micro in batch.split(self.micro_batch_size)
+                for micro in micros
             ]
-        return batch.replace(ref_logprobs=torch.cat(parts).cpu())
+        return batch.replace(ref_logprobs=micros.merge(parts).cpu())

@@ -44,7 +44,7 @@ class RewardModelTrainer(TrainableWorker):
                 out = bradley_terry_loss(scores[0::2], scores[1::2], num_pairs=num_pairs)
                 return out.loss, out.metrics
 
-            stats = self.step.apply(mini.split(2 * self.micro_batch_size), loss_fn)
+            stats = self.step.apply(self.micro_batches(mini, pairs=True), loss_fn)
             history.append(stats)
         keys = history[0].keys()
         means = {k: sum(h[k] for h in history) / len(history) for k in keys}
@@ -54,11 +54,9 @@ class RewardModelTrainer(TrainableWorker):
     def score(self, batch: Batch) -> torch.Tensor:
         """Scores [B] of every row, in micro-batches, eval mode."""
         self.model.eval()
-        parts = [
-            sequence_scores(self.model, micro, self.dtype).cpu()
-            for micro in batch.split(2 * self.micro_batch_size)
-        ]
-        return torch.cat(parts)
+        micros = self.micro_batches(batch, pairs=True)
+        parts = [sequence_scores(self.model, micro, self.dtype).cpu() for micro in micros]
+        return micros.merge(parts)
 
 
 class ModelRewardWorker:

@@ -5,11 +5,13 @@ its merged weights and keeps only its adapter in the training state."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from keel.algo.spec import AlgorithmSpec
 from keel.engine.distributed import (
     full_state_dict,
     load_full_state_dict,
@@ -18,6 +20,7 @@ from keel.engine.distributed import (
     rank,
     save_hf_folder,
 )
+from keel.engine.micro import MicroBatches, micro_batches
 from keel.engine.update import GradientStep
 from keel.models.lora import (
     adapter_state_dict,
@@ -25,11 +28,14 @@ from keel.models.lora import (
     load_adapter_state_dict,
     save_merged,
 )
+from keel.types import Batch
 
 
 class TrainableWorker:
     """mini_batch_size / micro_batch_size: rows (or pairs) per optimizer update / per
-    forward-backward. lr_scale: the guard's cumulative LR factor (set_lr_scale)."""
+    forward-backward. max_tokens_per_micro_batch: when set, micro-batches are formed by this
+    token budget instead (keel.engine.micro; micro_batch_size is then not used). lr_scale: the
+    guard's cumulative LR factor (set_lr_scale)."""
 
     def __init__(
         self,
@@ -39,15 +45,40 @@ class TrainableWorker:
         *,
         mini_batch_size: int,
         micro_batch_size: int,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.step = step
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.lr_scale = 1.0
         # autocast dtype of this model's forward passes (mixed precision; None: full precision)
         self.dtype = getattr(step, "compute_dtype", None)
+
+    def micro_batches(self, batch: Batch, *, pairs: bool = False) -> MicroBatches:
+        """`batch` in micro-batches: micro_batch_size rows (pairs: pairs, and a batch of whole
+        pairs keeps each pair in one micro-batch) each, or by the token budget with the padding
+        trimmed; `.merge(parts)` restores the row order."""
+        rows = (2 if pairs else 1) * self.micro_batch_size
+        unit = 2 if pairs and len(batch) % 2 == 0 else 1
+        return micro_batches(batch, rows, self.max_tokens_per_micro_batch, unit=unit)
+
+    def budget_width(self, batch: Batch) -> float | None:
+        """With a token budget, the batch's response width R, else None. Trimmed micro-batches
+        are narrower than the batch, and seq-mean-token-sum-norm without a scale factor divides
+        by the width of the tensor it is given: passing R as the scale factor keeps it R."""
+        if self.max_tokens_per_micro_batch is None:
+            return None
+        return float(batch.response_length)
+
+    def width_pinned(self, spec: AlgorithmSpec, batch: Batch) -> AlgorithmSpec:
+        """`spec` with `budget_width(batch)` as its scale factor where it has none."""
+        width = self.budget_width(batch)
+        if width is None or spec.loss_scale_factor is not None:
+            return spec
+        return dataclasses.replace(spec, loss_scale_factor=width)
 
     def save_pretrained(self, path: str | Path) -> None:
         """The model as an HF folder (safetensors + tokenizer), loadable by transformers. In a
