@@ -96,3 +96,22 @@ def test_the_attention_implementation_reaches_the_models(tiny_dir):
     built = workers(tiny_dir, attn_implementation="eager")
     for w in (built["actor"], built["reference"]):
         assert w.model.config._attn_implementation == "eager"
+
+
+def test_lora_in_mixed_precision_trains_the_float32_adapter_under_autocast(tiny_dir):
+    """LoRA with models.dtype bfloat16: float32 adapter weights and AdamW states, forwards under
+    bf16 autocast, the reference (the base under the disabled adapter) under the same."""
+    built = workers(tiny_dir, dtype="bfloat16", lora={"r": 4})
+    actor, reference = built["actor"], built["reference"]
+    assert reference.model is actor.model and reference.dtype == actor.dtype == torch.bfloat16
+    trained = {n: p for n, p in actor.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trained.items()}
+    batch = synthetic_batch(actor.model.config.vocab_size)
+    batch = reference.compute_ref_logprobs(batch)
+    actor.update(batch, rl_spec("token-mean", kl=0.1))
+    assert {p.dtype for p in trained.values()} == {torch.float32}
+    moved = [n for n, p in trained.items() if not torch.equal(p, before[n])]
+    # B starts at 0, so only B moves on the first update (A's gradient is Bᵀ·…)
+    assert moved and all("lora_B" in n for n in moved)
+    assert len(moved) == sum("lora_B" in n for n in trained)
+    assert {s["exp_avg"].dtype for s in actor.step.optimizer.state.values()} == {torch.float32}
