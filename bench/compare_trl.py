@@ -43,6 +43,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.harness import (
@@ -75,8 +76,10 @@ def summarize(records: list[StepRecord]) -> dict:
         "wall_s_min": min(r.wall_s for r in records),
         "completion_len": statistics.fmean(r.completion_len for r in records),
         "phases": {p: med(r.phases[p] for r in records) for p in PHASES},
+        "phases_cpu": {p: med(r.phases_cpu[p] for r in records) for p in PHASES},
     }
     out["phases"]["other"] = out["wall_s"] - sum(out["phases"].values())
+    out["phases_cpu"]["other"] = out["cpu_s"] - sum(out["phases_cpu"].values())
     timing = [r.extra for r in records if r.extra]
     if timing:
         out["timing"] = {k: med(t[k] for t in timing) for k in timing[0]}
@@ -93,7 +96,8 @@ def run_workload(
         keel = KeelSide(model_dir, w, work, total_steps=total, clock=clock)
         trl = TRLSide(model_dir, w, work, total_steps=total, clock=clock)
         records: dict[str, list[StepRecord]] = {"keel": [], "trl": []}
-        profiles = {"keel": cProfile.Profile(), "trl": cProfile.Profile()}
+        # CPU time of the profiled thread: other processes on the machine do not show up in it.
+        profiles = {side: cProfile.Profile(time.thread_time) for side in ("keel", "trl")}
         for i in range(total):
             if profile_dir is not None and i == warmup:
                 keel.profiler, trl.profiler = profiles["keel"], profiles["trl"]
@@ -142,19 +146,22 @@ def print_table(rows: list[dict], model: str, params: int) -> None:
             f"  {k['completion_len']:>4.1f}/{t['completion_len']:<4.1f}",
             file=sys.stderr,
         )
-    print("\nphases (median s/step):", file=sys.stderr)
     names = [*PHASES, "other"]
-    print(f"{'':<9}{'side':<6}" + "".join(f"{n[:12]:>13}" for n in names), file=sys.stderr)
+    for key, what in (("phases", "wall"), ("phases_cpu", "CPU")):
+        print(f"\nphases, median {what} s/step:", file=sys.stderr)
+        print(f"{'':<9}{'side':<6}" + "".join(f"{n[:12]:>13}" for n in names), file=sys.stderr)
+        for r in rows:
+            for side in ("keel", "trl"):
+                ph = r[side][key]
+                print(
+                    f"{r['workload']:<9}{side:<6}" + "".join(f"{ph[n]:>13.4f}" for n in names),
+                    file=sys.stderr,
+                )
+    print("\nKeel's own stage timings (timing/*, median wall s/step):", file=sys.stderr)
     for r in rows:
-        for side in ("keel", "trl"):
-            ph = r[side]["phases"]
-            print(
-                f"{r['workload']:<9}{side:<6}" + "".join(f"{ph[n]:>13.4f}" for n in names),
-                file=sys.stderr,
-            )
         timing = r["keel"].get("timing", {})
         stages = ", ".join(f"{k.removeprefix('timing/')} {v:.3f}" for k, v in timing.items())
-        print(f"{'':<9}Keel's timing/* (s): {stages}", file=sys.stderr)
+        print(f"{r['workload']:<9}{stages}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
     parser.add_argument("--model", choices=["small", "tiny"], default="small")
-    parser.add_argument("--cprofile", type=Path, help="write <W>_<side>.pstats of timed steps")
+    parser.add_argument(
+        "--cprofile", type=Path, help="write <W>_<side>.pstats of the timed steps (thread CPU s)"
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]

@@ -13,8 +13,12 @@ Equal work on both sides:
 - `digit_reward` (TRL's batched signature; Keel's `reward.signature: trl`) scores both.
 - One optimizer update per step: Keel's mini-batch is the whole step and `ppo_epochs` 1; TRL's
   `per_device_train_batch_size` is the whole step, `gradient_accumulation_steps`,
-  `steps_per_generation` and `num_iterations` 1. No micro-batching and no gradient
-  checkpointing on either side; a constant LR, AdamW, gradient clipping at 1.0 on both.
+  `steps_per_generation` and `num_iterations` 1. With `Workload.micro_rows` both cut the
+  step into micro-batches of that many rows with gradient accumulation (Keel:
+  train.micro_batch_size; TRL: per_device_train_batch_size = micro_rows and
+  gradient_accumulation_steps = steps_per_generation = rows / micro_rows, still one
+  generation per update). No gradient checkpointing on either side; a constant LR, AdamW,
+  gradient clipping at 1.0 on both.
 
 Not equal, by design of the two programs (the phase clocks show the cost): with one update per
 generation TRL skips the no-grad "old log-prob" forward (π_old = π_θ.detach()), Keel runs it.
@@ -55,6 +59,7 @@ class Workload:
     max_new_tokens: int
     kl: float = 0.0  # Keel's algorithm.kl_loss_coef = TRL's beta; > 0 loads a reference model
     lr: float = 1e-5
+    micro_rows: int | None = None  # rows per forward/backward; None: the whole step at once
 
     @property
     def rows(self) -> int:
@@ -155,13 +160,16 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.cpu: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # process CPU seconds
         self.ref_models: set[int] = set()
         self._local = threading.local()
         self._undo: list[Callable[[], None]] = []
         self.cuda_sync = False
 
-    def reset(self) -> dict[str, float]:
-        out, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
+    def reset(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(wall, CPU) seconds per phase since the last reset."""
+        out = self.totals, self.cpu
+        self.totals, self.cpu = dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0)
         return out
 
     @contextmanager
@@ -171,12 +179,13 @@ class PhaseClock:
             return
         self._local.inside = name
         self._sync()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self._sync()
             self.totals[name] += time.perf_counter() - start
+            self.cpu[name] += time.process_time() - cpu
             self._local.inside = None
 
     def _sync(self) -> None:
@@ -266,7 +275,8 @@ def timed_digit_reward(prompts: list[Any], completions: list[Any], **kwargs: Any
 class StepRecord:
     wall_s: float
     cpu_s: float
-    phases: dict[str, float]
+    phases: dict[str, float]  # wall seconds per phase (PhaseClock)
+    phases_cpu: dict[str, float]  # process CPU seconds per phase
     completion_len: float
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -313,6 +323,7 @@ class KeelSide:
                 "lr_schedule": "constant",
                 "warmup_steps": 0,
                 "ppo_epochs": 1,
+                "micro_batch_size": w.micro_rows,
                 "gradient_checkpointing": False,
             },
             "monitor": {"progress": False},
@@ -356,10 +367,12 @@ class KeelSide:
             self.profiler.disable()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         timing = {k: float(v) for k, v in metrics.items() if k.startswith("timing/")}
+        phases, phases_cpu = self.clock.reset()
         return StepRecord(
             wall_s=wall,
             cpu_s=cpu,
-            phases=self.clock.reset(),
+            phases=phases,
+            phases_cpu=phases_cpu,
             completion_len=float(metrics["response/length_mean"]),
             extra=timing,
         )
@@ -433,13 +446,16 @@ class TRLSide:
                 side._finish_step()
 
         cuda = device == "cuda"
+        micro = w.micro_rows or w.rows
+        if w.rows % micro:
+            raise ValueError(f"micro_rows {micro} does not divide the {w.rows} rows of a step")
         args = GRPOConfig(
             output_dir=str(work_dir / f"trl_{w.name}"),
             seed=0,
             max_steps=total_steps + 1,  # the last one is never let through (no train-end work)
-            per_device_train_batch_size=w.rows,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=w.rows // micro,
+            steps_per_generation=w.rows // micro,
             num_iterations=1,
             num_generations=w.n,
             max_completion_length=w.max_new_tokens,
@@ -493,11 +509,13 @@ class TRLSide:
         if self.profiler is not None:
             self.profiler.disable()
         self._pending = None
+        phases, phases_cpu = self.clock.reset()
         self.records.append(
             StepRecord(
                 wall_s=wall,
                 cpu_s=cpu,
-                phases=self.clock.reset(),
+                phases=phases,
+                phases_cpu=phases_cpu,
                 completion_len=self._length,
             )
         )
