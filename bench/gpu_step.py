@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -212,9 +213,8 @@ def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path)
     try:
         placed = next(keel.actor_model.parameters()).device.type
         if placed != device:
-            raise SystemExit(
-                f"bench.gpu_step: resources.device {device} asked, but Keel put the actor on "
-                f"{placed}; nothing to measure"
+            raise RuntimeError(
+                f"resources.device {device} asked, but Keel put the actor on {placed}"
             )
         records = []
         for i in range(args.warmup + args.steps):
@@ -429,7 +429,11 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
         }
         (Path(tmp) / "keel").mkdir()
-        row["keel"] = run_keel(args, model_dir, params, Path(tmp) / "keel")
+        try:
+            row["keel"] = run_keel(args, model_dir, params, Path(tmp) / "keel")
+        except Exception as e:  # still run TRL: its figures on this machine are worth having
+            traceback.print_exc()
+            row["keel"] = {"program": "keel", "error": repr(e)[:500]}
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -446,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     row["total_s"] = time.perf_counter() - start
     print(json.dumps(row), flush=True)
     print_table(row)
+    if "error" in row["keel"] or "error" in row["trl"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
