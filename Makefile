@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-tools lint format bench clean install mutants golden learning
+.PHONY: demo test test-tools lint format bench bench-trl clean install mutants golden learning
 
 install: $(STAMP)
 
@@ -56,6 +56,12 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.reliability
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ray_overhead
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.micro_batching
+
+# Keel against TRL's GRPOTrainer at equal work, step by step (bench/compare_trl.py; TRL from
+# the bench extra). About 10 minutes on 2 cores; docs/performance.md has the figures.
+bench-trl: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.compare_trl
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
