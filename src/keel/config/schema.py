@@ -228,6 +228,11 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="LR warm-up, in optimizer updates")
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    share_prompts: bool = Field(
+        True,
+        description="rows with the same prompt (a group) share one forward pass of it in the "
+        "actor's and reference's log-prob passes; off: every row runs its prompt",
+    )
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, ~30% more compute"
     )

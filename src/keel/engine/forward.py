@@ -25,6 +25,7 @@ def response_forward(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     dtype: torch.dtype | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs [B, R], entropy [B, R] or None) of the response tokens under `model`, on the
     model's device.
@@ -33,6 +34,8 @@ def response_forward(
     onto the vocabulary. Logits are divided by the sampling temperature (ALGORITHMS.md §0).
     entropy_grad False: the entropy is a diagnostic only, computed without an autograd graph.
     dtype: the model runs under autocast in it (mixed precision); None: as its weights are.
+    share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it
+    (`shared_prompt_logits`); the result equals the plain pass up to float rounding.
     """
     assert batch.input_ids is not None and batch.attention_mask is not None
     r = batch.response_length
@@ -40,14 +43,19 @@ def response_forward(
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
     with autocast(device, dtype):
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=position_ids_from_mask(attention),
-            logits_to_keep=r + 1,
-            use_cache=False,
-        )
-    logits = out.logits[:, -(r + 1) : -1, :].float()
+        logits = None
+        if share_prompts:
+            logits = shared_prompt_logits(model, input_ids, attention, r)
+        if logits is None:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=position_ids_from_mask(attention),
+                logits_to_keep=r + 1,
+                use_cache=False,
+            )
+            logits = out.logits[:, -(r + 1) : -1, :]
+    logits = logits.float()
     if temperature not in (0, 1.0):
         logits = logits / temperature
     labels = input_ids[:, -r:]
@@ -57,6 +65,54 @@ def response_forward(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs, entropy
+
+
+def shared_prompt_logits(
+    model: Any, input_ids: torch.Tensor, attention: torch.Tensor, r: int
+) -> torch.Tensor | None:
+    """The logits [B, R, V] that predict the R response tokens, with every distinct prompt
+    run through the model once: the prompts' KV cache (with its autograd graph) is then
+    gathered per row and the responses attend to it, as a decoder does after its prefill.
+    Rows of a GRPO group share their prompt, so a group of n costs one prompt pass instead of
+    n, in the forward and the backward. None (run the plain pass) when every prompt is
+    distinct or the model does not fill a cache here (gradient checkpointing in training).
+
+    input_ids, attention [B, P+R] (prompts left-padded): the logits at the last prompt position
+    predict response token 0; the response tokens 0..R−2, attending to the gathered cache,
+    predict tokens 1..R−1 (the last response token predicts nothing and is not run).
+    """
+    p = input_ids.shape[1] - r
+    prompts = torch.cat([input_ids[:, :p], attention[:, :p]], dim=1)
+    distinct, rows = torch.unique(prompts, dim=0, return_inverse=True)
+    if len(distinct) == len(prompts):
+        return None
+    if getattr(model, "is_gradient_checkpointing", False) and model.training:
+        return None  # transformers turns the cache off under checkpointing in training
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    prompt_mask = distinct[:, p:]
+    out = model(
+        input_ids=distinct[:, :p],
+        attention_mask=prompt_mask,
+        position_ids=position_ids_from_mask(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    first = out.logits[rows, -1:, :]  # [B, 1, V]: predicts response token 0
+    if r == 1:
+        return first
+    cache.batch_select_indices(rows)  # every row's copy of its prompt's keys and values
+    seen = attention[:, : p + r - 1]
+    rest = model(
+        input_ids=input_ids[:, p : p + r - 1],
+        attention_mask=seen,
+        position_ids=position_ids_from_mask(seen)[:, p:],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    return torch.cat([first, rest], dim=1)
 
 
 def head_forward(model: Any, batch: Batch, *, dtype: torch.dtype | None = None) -> torch.Tensor:

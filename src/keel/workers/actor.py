@@ -44,6 +44,7 @@ class ActorWorker(TrainableWorker):
         mini_batch_size: int,
         micro_batch_size: int,
         max_tokens_per_micro_batch: int | None = None,
+        share_prompts: bool = False,
     ):
         super().__init__(
             model,
@@ -54,6 +55,7 @@ class ActorWorker(TrainableWorker):
             max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         )
         self.temperature = temperature
+        self.share_prompts = share_prompts  # train.share_prompts: one pass per distinct prompt
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
 
     # ---------------------------------------------------------------- inference
@@ -63,7 +65,13 @@ class ActorWorker(TrainableWorker):
         self.model.eval()
         micro_batches = self.micro_batches(batch)
         parts = [
-            response_forward(self.model, micro, temperature=self.temperature, dtype=self.dtype)[0]
+            response_forward(
+                self.model,
+                micro,
+                temperature=self.temperature,
+                dtype=self.dtype,
+                share_prompts=self.share_prompts,
+            )[0]
             for micro in micro_batches
         ]
         return batch.replace(old_logprobs=micro_batches.merge(parts).cpu())
@@ -108,6 +116,7 @@ class ActorWorker(TrainableWorker):
             with_entropy=True,
             entropy_grad=spec.entropy_coeff != 0,
             dtype=self.dtype,
+            share_prompts=self.share_prompts,
         )
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         agg = partial(

@@ -27,7 +27,9 @@ class DPOWorker(ActorWorker):
             num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
-                logps = response_forward(self.model, micro, dtype=self.dtype)[0]
+                logps = response_forward(
+                    self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
+                )[0]
                 logps = sequence_logps(logps, micro.response_mask)
                 ref = sequence_logps(micro.ref_logprobs, micro.response_mask)
                 lengths = micro.response_mask.sum(dim=1)
@@ -52,7 +54,10 @@ class DPOWorker(ActorWorker):
         micros = self.micro_batches(batch, pairs=True)
         parts = [
             sequence_logps(
-                response_forward(self.model, micro, dtype=self.dtype)[0], micro.response_mask
+                response_forward(
+                    self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
+                )[0],
+                micro.response_mask,
             ).cpu()
             for micro in micros
         ]

@@ -30,10 +30,12 @@ class ReferenceWorker:
         adapter_off: bool = False,
         dtype: torch.dtype | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        share_prompts: bool = False,
     ):
         self.model = model
         self.adapter_off = adapter_off
         self.dtype = dtype
+        self.share_prompts = share_prompts
         if not adapter_off:
             self.model.eval()
             self.model.requires_grad_(False)
@@ -47,9 +49,13 @@ class ReferenceWorker:
         micros = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
         with base_model_eval(self.model) if self.adapter_off else nullcontext():
             parts = [
-                response_forward(self.model, micro, temperature=self.temperature, dtype=self.dtype)[
-                    0
-                ]
+                response_forward(
+                    self.model,
+                    micro,
+                    temperature=self.temperature,
+                    dtype=self.dtype,
+                    share_prompts=self.share_prompts,
+                )[0]
                 for micro in micros
             ]
         return batch.replace(ref_logprobs=micros.merge(parts).cpu())
