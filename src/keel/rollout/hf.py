@@ -95,7 +95,7 @@ class HFRolloutEngine:
         batch.group_ids = torch.arange(len(examples)).repeat_interleave(sampling.n) + group_offset
         batch.prompts = [ex.prompt for ex in examples for _ in range(sampling.n)]
         batch.answers = [ex.answer for ex in examples for _ in range(sampling.n)]
-        batch.responses = [self._text(r[: lengths[i]]) for i, r in enumerate(responses)]
+        batch.responses = self._texts([r[:n] for r, n in zip(responses, lengths, strict=True)])
         batch.meta["eos_token_ids"] = list(self.eos_ids)
         return batch
 
@@ -106,11 +106,11 @@ class HFRolloutEngine:
                 return i + 1
         return len(ids)
 
-    def _text(self, ids: Sequence[int]) -> str:
-        """The decoded response without its closing EOS (also one that is no special token)."""
-        if ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _texts(self, rows: list[list[int]]) -> list[str]:
+        """The decoded responses without their closing EOS (also one that is no special
+        token), in one batch_decode call."""
+        rows = [ids[:-1] if ids and ids[-1] in self.eos_ids else ids for ids in rows]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams
