@@ -200,6 +200,11 @@ class RolloutConfig(Section):
     return_logprobs: bool = Field(
         False, description="keep the engine's log-probs and log their gap to the trainer's"
     )
+    share_prompt_prefill: bool = Field(
+        True,
+        description="the n responses of a prompt share one prefill pass of it (a KV cache "
+        "repeated n times); not with the static cache",
+    )
     static_cache: bool | None = Field(
         None, description="HF generate with a static KV cache; null: on CUDA only"
     )

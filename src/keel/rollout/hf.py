@@ -11,6 +11,7 @@ import torch
 from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
+from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
 from keel.types import Batch
 
@@ -34,7 +35,9 @@ class HFRolloutEngine:
 
     dtype: autocast dtype of the forward passes (a colocated actor in mixed precision).
     static_cache: a preallocated KV cache (`cache_implementation="static"`), which lets
-    transformers compile the decode step on CUDA when `compile` is on."""
+    transformers compile the decode step on CUDA when `compile` is on.
+    share_prefill: the n rows of a prompt share one prefill (`shared_prefill`; not with the
+    static cache)."""
 
     def __init__(
         self,
@@ -50,6 +53,7 @@ class HFRolloutEngine:
         dtype: torch.dtype | None = None,
         static_cache: bool = False,
         compile: bool = False,
+        share_prefill: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -62,6 +66,7 @@ class HFRolloutEngine:
         self.dtype = dtype
         self.static_cache = static_cache
         self.compile = compile
+        self.share_prefill = share_prefill
         self.eos_ids = eos_token_ids(model, tokenizer)
         first_eos = self.eos_ids[0] if self.eos_ids else None  # the tokenizer's, when it has one
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
@@ -82,7 +87,7 @@ class HFRolloutEngine:
         responses: list[list[int]] = []
         logps: list[list[float]] = []
         for start in range(0, len(rows), chunk):
-            r, lp = self._generate_chunk(rows[start : start + chunk], sampling)
+            r, lp = self._generate_chunk(rows[start : start + chunk], sampling, n=sampling.n)
             responses.extend(r)
             logps.extend(lp)
         lengths = [self._valid_length(r) for r in responses]
@@ -113,8 +118,9 @@ class HFRolloutEngine:
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     def _generate_chunk(
-        self, rows: list[list[int]], sampling: SamplingParams
+        self, rows: list[list[int]], sampling: SamplingParams, n: int = 1
     ) -> tuple[list[list[int]], list[list[float]]]:
+        """rows: prompt token ids, each prompt's `n` copies adjacent."""
         p = max(len(x) for x in rows)
         input_ids = torch.full((len(rows), p), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), p), dtype=torch.long)
@@ -141,6 +147,11 @@ class HFRolloutEngine:
         self.model.eval()
         try:
             with autocast(device, self.dtype):
+                if self.share_prefill and not self.static_cache and n > 1 and p > 1:
+                    cache = shared_prefill(
+                        self.model, input_ids.to(device), attention.to(device), n
+                    )
+                    kwargs["past_key_values"] = cache
                 out = self.model.generate(
                     input_ids=input_ids.to(device),
                     attention_mask=attention.to(device),
@@ -160,6 +171,28 @@ class HFRolloutEngine:
         if recorder is not None:
             logps = recorder.finish(sequences).cpu().tolist()
         return sequences.cpu().tolist(), logps
+
+
+@torch.no_grad()
+def shared_prefill(model: Any, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> Any:
+    """A KV cache of every row's prompt but its last token, filled by one forward pass per
+    distinct prompt and repeated for its `n` adjacent rows: `generate` then runs only the last
+    prompt token and the new ones. input_ids, attention [B, P], B = prompts × n. The sampled
+    tokens are those of a plain `generate` (tested; the logits agree up to float rounding)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    mask = attention[::n, :-1]
+    model(
+        input_ids=input_ids[::n, :-1],
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache.batch_repeat_interleave(n)
+    return cache
 
 
 class ChosenLogprobs:

@@ -238,6 +238,7 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
         dtype=compute_dtype(cfg.models.dtype) if actor is not None else None,
         static_cache=on_cuda if r.static_cache is None else r.static_cache,
         compile=on_cuda if r.compile is None else r.compile,
+        share_prefill=r.share_prompt_prefill,
     )
     return RolloutWorker(engine, weights_from=actor)
 
