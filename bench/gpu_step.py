@@ -24,8 +24,9 @@ Printed (a table on stderr, one JSON line on stdout), per program:
   generate call);
 - train phase: the step less rollout and reward (Keel: old/ref log-probs, advantages and the
   update; TRL: reference forward, the update and its bookkeeping). FLOPs = 6·N·tokens for
-  forward+backward plus 2·N·tokens for each no-grad forward (Keel: old log-probs, and the
-  reference with --kl; TRL skips the old log-probs), tokens = rows × (prompt + response), N =
+  forward+backward plus 2·N·tokens for each no-grad forward (the reference with --kl; both
+  skip the old log-probs with one update per generation), tokens = rows × (prompt + response)
+  on both sides (the useful work: Keel's shared prompt passes do less), N =
   parameters (the tied embedding counted once, as the LM head); attention's own FLOPs left
   out. TFLOP/s = FLOPs / train seconds; MFU = TFLOP/s / the GPU's dense bf16 peak (H100/H200
   989, A100 312; --peak-tflops for another);
@@ -235,7 +236,7 @@ def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path)
             [r.completion_len for r in timed],
             params=params,
             prompt_length=args.prompt_length,
-            no_grad_forwards=1 + (w.kl > 0),
+            no_grad_forwards=int(w.kl > 0),  # the on-policy shortcut skips the old log-probs
             device=device,
             peak=args.peak,
             extra={"timing": timing, "models_dtype": "bfloat16"},
