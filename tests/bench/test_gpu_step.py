@@ -61,7 +61,7 @@ def test_smoke_reports_finite_positive_numbers_for_keel_and_trl():
     row = run_smoke()
     assert row["model"] == "qwen2-tiny" and row["device"] == "cpu"
     assert row["params"] > 0 and row["max_new_tokens"] == 4
-    check_program(row["keel"], no_grad_forwards=1)  # Keel recomputes the old log-probs
+    check_program(row["keel"], no_grad_forwards=0)  # the on-policy shortcut: no old log-probs
     assert row["keel"]["timing"]["timing/rollout_s"] > 0
     if importlib.util.find_spec("trl") is None:
         assert row["trl"] == {"skipped": "trl not importable"}

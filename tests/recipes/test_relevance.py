@@ -58,6 +58,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "max_new_tokens",
         "batch_size",
         "static_cache",
+        "share_prompt_prefill",
         "compile",
     }
     assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]

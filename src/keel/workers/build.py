@@ -154,7 +154,7 @@ def build_workers(
             mini_batch_size=mini,
             micro_batch_size=micro,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-            share_prompts=cfg.train.share_prompts,
+            share_prompts=cfg.train.share_prompts and spec.stage == "rl",
         )
     if "rollout" in names:
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
@@ -172,7 +172,7 @@ def build_workers(
             adapter_off=adapter_off,
             dtype=mixed if adapter_off else None,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-            share_prompts=cfg.train.share_prompts,
+            share_prompts=cfg.train.share_prompts and spec.stage == "rl",
         )
     if "critic" in names:
         out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
