@@ -229,12 +229,14 @@ class PhaseClock:
 
             return make
 
+        import keel.engine.forward
         import keel.workers.actor
-        import keel.workers.reference
 
         self._patch(transformers.GenerationMixin, "generate", timed("generate"))
+        # the training pass (the actor's loss) and the no-grad passes (old and reference
+        # log-probs, through keel.engine.forward.micro_batched_logprobs)
         self._patch(keel.workers.actor, "response_forward", logprob_pass(0))
-        self._patch(keel.workers.reference, "response_forward", logprob_pass(0))
+        self._patch(keel.engine.forward, "response_forward", logprob_pass(0))
         if trl_available():
             from trl import GRPOTrainer
 

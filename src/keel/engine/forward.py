@@ -8,6 +8,7 @@ import torch
 
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
 from keel.engine.devices import autocast, model_device
+from keel.engine.micro import MicroBatches
 from keel.types import Batch
 
 
@@ -65,6 +66,13 @@ def response_forward(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs, entropy
+
+
+@torch.no_grad()
+def micro_batched_logprobs(model: Any, micros: MicroBatches, **options: Any) -> torch.Tensor:
+    """The log-probs [B, R] of every row of `micros`' batch, on the host and in its row order:
+    one no-grad `response_forward(model, micro, **options)` per micro-batch, merged back."""
+    return micros.merge([response_forward(model, micro, **options)[0] for micro in micros]).cpu()
 
 
 def shared_prompt_logits(

@@ -20,7 +20,7 @@ from keel.engine.distributed import (
     global_denominators,
     rank,
 )
-from keel.engine.forward import response_forward
+from keel.engine.forward import micro_batched_logprobs, response_forward
 from keel.engine.update import GradientStep
 from keel.models.lora import merged_state_dict
 from keel.types import Batch
@@ -63,18 +63,14 @@ class ActorWorker(TrainableWorker):
     def compute_logprobs(self, batch: Batch) -> Batch:
         """Fills `old_logprobs` [B, R]: the rollout policy's log-probs, recomputed here."""
         self.model.eval()
-        micro_batches = self.micro_batches(batch)
-        parts = [
-            response_forward(
-                self.model,
-                micro,
-                temperature=self.temperature,
-                dtype=self.dtype,
-                share_prompts=self.share_prompts,
-            )[0]
-            for micro in micro_batches
-        ]
-        return batch.replace(old_logprobs=micro_batches.merge(parts).cpu())
+        logprobs = micro_batched_logprobs(
+            self.model,
+            self.micro_batches(batch),
+            temperature=self.temperature,
+            dtype=self.dtype,
+            share_prompts=self.share_prompts,
+        )
+        return batch.replace(old_logprobs=logprobs)
 
     # ------------------------------------------------------------------- update
     def update(

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from keel.engine.forward import response_forward
+from keel.engine.forward import micro_batched_logprobs
 from keel.engine.micro import micro_batches
 from keel.models.lora import base_model_eval
 from keel.types import Batch
@@ -48,14 +48,11 @@ class ReferenceWorker:
         """Fills `ref_logprobs` [B, R]."""
         micros = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
         with base_model_eval(self.model) if self.adapter_off else nullcontext():
-            parts = [
-                response_forward(
-                    self.model,
-                    micro,
-                    temperature=self.temperature,
-                    dtype=self.dtype,
-                    share_prompts=self.share_prompts,
-                )[0]
-                for micro in micros
-            ]
-        return batch.replace(ref_logprobs=micros.merge(parts).cpu())
+            logprobs = micro_batched_logprobs(
+                self.model,
+                micros,
+                temperature=self.temperature,
+                dtype=self.dtype,
+                share_prompts=self.share_prompts,
+            )
+        return batch.replace(ref_logprobs=logprobs)
