@@ -58,13 +58,15 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "max_new_tokens",
         "batch_size",
         "static_cache",
-        "share_prompt_prefill",
         "compile",
     }
     assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]
     assert "ppo_epochs" not in shown["train"] and "reference" not in shown["models"]
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
-    assert "#   rollout.n, rollout.temperature, rollout.return_logprobs: " in out
+    assert (
+        "#   rollout.n, rollout.temperature, rollout.return_logprobs, "
+        "rollout.share_prompt_prefill: " in out
+    )
     assert "# derived" in out
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0
     grpo = yaml.safe_load(capsys.readouterr().out)

@@ -21,7 +21,8 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
     if stage != "rl":
         if generates_eval:
             out.append((
-                ["rollout.n", "rollout.temperature", "rollout.return_logprobs"],
+                ["rollout.n", "rollout.temperature", "rollout.return_logprobs",
+                 "rollout.share_prompt_prefill"],
                 f"the {stage} stage samples no training responses; its evaluation generates one "
                 "response per prompt (eval.temperature) with rollout.max_new_tokens, top_p and "
                 "batch_size",
@@ -32,6 +33,11 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
                 f"the {stage} stage generates nothing (its evaluation compares pairs)",
             ))  # fmt: skip
         out.append((["train.ppo_epochs"], "passes over a rollout batch: RL only"))
+        out.append((
+            ["train.share_prompts"],
+            "shared prompt passes are for RL groups (the offline stages' policy and reference "
+            "must agree bit for bit)",
+        ))  # fmt: skip
         out.append((["monitor.samples"], f"samples are of RL batches; the {stage} stage has none"))
         if cfg.guard.monitor_metric.startswith("reward/"):
             out.append((
