@@ -115,3 +115,21 @@ def test_lora_in_mixed_precision_trains_the_float32_adapter_under_autocast(tiny_
     assert moved and all("lora_B" in n for n in moved)
     assert len(moved) == sum("lora_B" in n for n in trained)
     assert {s["exp_avg"].dtype for s in actor.step.optimizer.state.values()} == {torch.float32}
+
+
+def test_float16_scales_the_loss_and_checkpoints_the_scaler(tiny_dir):
+    """models.dtype float16: float32 master weights, fp16 autocast and a GradScaler, whose
+    state (scale, growth tracker) is part of the worker's state and is restored."""
+    actor = workers(tiny_dir, ("actor",), dtype="float16")["actor"]
+    assert actor.step.scaler is not None and actor.dtype == torch.float16
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    metrics = actor.update(synthetic_batch(actor.model.config.vocab_size), rl_spec("token-mean"))
+    assert metrics["actor/skipped"] == 0.0
+    assert any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters(), strict=True))
+    actor.step.scaler.update(new_scale=128.0)  # as after overflows
+    state = actor.state_dict()
+    assert state["grad_scaler"]["scale"] == 128.0
+    other = workers(tiny_dir, ("actor",), dtype="float16")["actor"]
+    assert other.step.scaler.get_scale() != 128.0
+    other.load_state_dict(state)
+    assert other.step.scaler.get_scale() == 128.0
