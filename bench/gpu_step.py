@@ -195,12 +195,18 @@ def finish(
     }
 
 
-def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path) -> dict:
-    w, device = workload(args), args.device
+def started_clock(device: str) -> PhaseClock:
+    """The phase clock installed for one program's run, with the peak-memory count reset."""
     clock = PhaseClock().install()
     clock.cuda_sync = device == "cuda"
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    return clock
+
+
+def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path) -> dict:
+    w, device = workload(args), args.device
+    clock = started_clock(device)
     keel = KeelSide(
         model_dir,
         w,
@@ -248,10 +254,7 @@ def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path)
 
 def run_trl(args: argparse.Namespace, model_dir: Path, params: int, work: Path) -> dict:
     w, device = workload(args), args.device
-    clock = PhaseClock().install()
-    clock.cuda_sync = device == "cuda"
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    clock = started_clock(device)
     trl = TRLSide(
         model_dir,
         w,

@@ -54,8 +54,6 @@ class TrainableWorker:
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.lr_scale = 1.0
-        # autocast dtype of this model's forward passes (mixed precision; None: full precision)
-        self.dtype = getattr(step, "compute_dtype", None)
 
     def micro_batches(self, batch: Batch, *, pairs: bool = False) -> MicroBatches:
         """`batch` in micro-batches: micro_batch_size rows (pairs: pairs, and a batch of whole
@@ -79,6 +77,12 @@ class TrainableWorker:
         if width is None or spec.loss_scale_factor is not None:
             return spec
         return dataclasses.replace(spec, loss_scale_factor=width)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype of this model's forward passes (mixed precision; None: full
+        precision): its GradientStep's."""
+        return getattr(self.step, "compute_dtype", None)
 
     def save_pretrained(self, path: str | Path) -> None:
         """The model as an HF folder (safetensors + tokenizer), loadable by transformers. In a
