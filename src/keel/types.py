@@ -32,7 +32,8 @@ class Batch:
       returns          [B, R] float  per-token returns
       scores           [B]    float  one scalar score (reward) per sequence
       group_ids        [B]    long   rows with the same id were sampled from the same prompt
-    Per-row metadata (lists of length B): prompts, responses (decoded text), answers.
+    Per-row metadata (lists of length B): prompts, responses (decoded text), answers,
+    finish_reasons ("stop": the response ended with an EOS; "length": cut at the budget).
     """
 
     input_ids: torch.Tensor | None = None
@@ -50,6 +51,7 @@ class Batch:
     prompts: list[str] | None = None
     responses: list[str] | None = None
     answers: list[Any] | None = None
+    finish_reasons: list[str] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape

@@ -71,6 +71,11 @@ class Actor:
 class Engine:
     def __init__(self):
         self.model = torch.nn.Linear(2, 2)
+        self.versions = []
+
+    def update_weights(self, state, version):
+        self.model.load_state_dict(state)
+        self.versions.append(version)
 
 
 def test_the_weight_push_copies_the_actors_weights_and_version():
@@ -81,8 +86,20 @@ def test_the_weight_push_copies_the_actors_weights_and_version():
     push = WeightPush(LocalWorkerGroup("actor", [actor]), LocalWorkerGroup("rollout", [rollout]))
     metrics = push()
     assert metrics["rollout/weight_version"] == 3 and metrics["rollout/weight_push_s"] >= 0
-    assert rollout.weight_version == 3
+    assert rollout.weight_version == 3 and rollout.engine.versions == [3]
     assert torch.equal(rollout.engine.model.weight, actor.model.weight)
+
+
+def test_weights_are_pushed_only_to_rollout_workers_with_their_own_copy():
+    from keel.workers.group import weight_push
+    from keel.workers.rollout import RolloutWorker
+
+    actor = LocalWorkerGroup("actor", [Actor()])
+    shared = LocalWorkerGroup("rollout", [RolloutWorker(Engine(), weights_from=Actor())])
+    assert weight_push(actor, shared)() == {}
+    assert weight_push(actor, None)() == {}
+    own = LocalWorkerGroup("rollout", [RolloutWorker(Engine())])
+    assert isinstance(weight_push(actor, own), WeightPush)
 
 
 def test_fewer_rows_than_ranks_still_call_every_rank_and_keep_one_result_per_row():

@@ -188,10 +188,37 @@ class RewardConfig(Section):
     )
 
 
-class RolloutConfig(Section):
-    """Sampling: n responses per prompt (the group), temperature, nucleus, length."""
+class VLLMConfig(Section):
+    """Options of the vLLM rollout engine (rollout.engine: vllm; the `keel[vllm]` extra)."""
 
-    engine: Literal["hf"] = "hf"
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="fraction of GPU memory vLLM may take (weights + KV cache)"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="longest prompt + response; default: prompt + new-token budgets"
+    )
+    enforce_eager: bool = Field(
+        True, description="no CUDA graphs / torch.compile: fast start-up, slower decoding"
+    )
+    kv_cache_space_gb: float = Field(
+        1.0, gt=0, description="KV-cache memory on CPU (VLLM_CPU_KVCACHE_SPACE), in GiB"
+    )
+
+
+class RolloutConfig(Section):
+    """Sampling: n responses per prompt (the group), temperature, nucleus, length; the engine
+    that generates and how far behind the trainer it may run."""
+
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: transformers generate; vllm: the vLLM engine (keel[vllm] extra)"
+    )
+    vllm: VLLMConfig = VLLMConfig()
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="k ≥ 1: the next batches are generated while the current one trains, with "
+        "weights at most k updates old; 0: synchronous",
+    )
     n: int = Field(8, ge=1, description="responses sampled per prompt (the GRPO group size)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

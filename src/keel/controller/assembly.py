@@ -31,6 +31,7 @@ from keel.workers.build import (
     role_names,
     roles_from_groups,
 )
+from keel.workers.group import weight_push
 
 __all__ = [
     "BUILTIN_TASK", "PAIR_STAGES", "PREFERENCE_TASK", "ROLES", "Datasets", "Roles",
@@ -228,4 +229,10 @@ def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> R
     """Load the models and wire the role workers (local, in-process)."""
     workers = build_workers(cfg, spec, ROLES, scorer)
     groups = {name: LocalWorkerGroup(name, [w]) for name, w in workers.items()}
-    return roles_from_groups(cfg, groups)
+    rollout = groups.get("rollout")
+    return roles_from_groups(
+        cfg,
+        groups,
+        push_weights=weight_push(groups["actor"], rollout),
+        close=(lambda: rollout.call_all("close")) if rollout is not None else (lambda: None),
+    )

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,22 +12,14 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
+from keel.rollout.protocol import SamplingParams
 from keel.types import Batch
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """n responses per prompt; temperature 0 means greedy decoding."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-
-
 class HFRolloutEngine:
-    """Generates with the model it is given (colocated: the actor's own module, so the weights
-    are always the latest). Rows of one prompt are adjacent and share a group id.
+    """A `RolloutEngine` on the model it is given: colocated, the actor's own module
+    (`shares_module`: the weights are always the latest); separate, its own copy, which
+    `update_weights` loads new weights into. Rows of one prompt are adjacent and share a group id.
 
     A response ends at the first of any EOS id (`eos_token_ids`: the tokenizer's and those of
     the model's generation config); its response_mask includes that token.
@@ -54,8 +45,10 @@ class HFRolloutEngine:
         static_cache: bool = False,
         compile: bool = False,
         share_prefill: bool = False,
+        shares_module: bool = False,
     ):
         self.model = model
+        self.shares_module = shares_module
         self.tokenizer = tokenizer
         self.chat = chat
         self.max_prompt_length = max_prompt_length
@@ -101,8 +94,27 @@ class HFRolloutEngine:
         batch.prompts = [ex.prompt for ex in examples for _ in range(sampling.n)]
         batch.answers = [ex.answer for ex in examples for _ in range(sampling.n)]
         batch.responses = self._texts([r[:n] for r, n in zip(responses, lengths, strict=True)])
+        batch.finish_reasons = [
+            "stop" if n and r[n - 1] in self.eos_ids else "length"
+            for r, n in zip(responses, lengths, strict=True)
+        ]
         batch.meta["eos_token_ids"] = list(self.eos_ids)
         return batch
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the policy's full weights (strict: every parameter name must match)."""
+        if self.shares_module:
+            raise RuntimeError("this engine generates with the actor's module: nothing to load")
+        self.model.load_state_dict(dict(state))
+
+    def sleep(self) -> None:
+        """Nothing to free: the model stays where it is."""
+
+    def wake(self) -> None:
+        """Nothing to restore."""
+
+    def close(self) -> None:
+        """Nothing to release (the model belongs to the worker that built it)."""
 
     def _valid_length(self, ids: Sequence[int]) -> int:
         """Tokens up to and including the first EOS (any EOS id); all of them without one."""

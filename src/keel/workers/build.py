@@ -17,7 +17,6 @@ from keel.config.schema import KeelConfig
 from keel.engine import GradientStep, build_optimizer, build_scheduler
 from keel.engine.devices import (
     compute_dtype,
-    model_device,
     place,
     resolve_device,
     trained_weights_dtype,
@@ -33,7 +32,7 @@ from keel.models import (
 )
 from keel.models.lora import wrap_lora
 from keel.rewards import BatchRewardScorer, RewardScorer, load_reward_fn
-from keel.rollout import HFRolloutEngine
+from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
 from keel.workers.dpo import DPOWorker
@@ -218,29 +217,28 @@ def _same_folder(a: Path, b: Path) -> bool:
 
 
 def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker:
-    """Colocated (`actor` given): the engine generates with the actor's own module, so the
-    weights are always the latest. Separate: its own copy of models.actor, updated by pushes."""
-    if actor is not None:
-        model = actor.model
-    else:
-        model = _causal_lm(resolve_model_path(cfg.models.actor), tokenizer, cfg, trained=False)
-    on_cuda = model_device(model).type == "cuda"
-    r = cfg.rollout
-    engine = HFRolloutEngine(
-        model,
-        tokenizer,
+    """The rollout engine `rollout.engine` names (keel.rollout.engines). Colocated (`actor`
+    given): an HF engine generates with the actor's own module, so the weights are always the
+    latest; other engines, and asynchronous rollout, hold their own copy of the policy and
+    receive the actor's weights after each update (`Roles.push_weights`). Separate: its own
+    copy of models.actor, updated by pushes."""
+    path = resolve_model_path(cfg.models.actor)
+    module = actor.model if actor is not None else None
+    inputs = EngineInputs(
+        model_path=path,
+        tokenizer=tokenizer,
         chat=cfg.data.apply_chat_template,
         max_prompt_length=cfg.data.max_prompt_length,
         truncation=cfg.data.truncation,
-        batch_size=cfg.rollout.batch_size,
-        return_logprobs=cfg.rollout.return_logprobs,
-        synced=is_sharded(model),
-        dtype=compute_dtype(cfg.models.dtype) if actor is not None else None,
-        static_cache=on_cuda if r.static_cache is None else r.static_cache,
-        compile=on_cuda if r.compile is None else r.compile,
-        share_prefill=r.share_prompt_prefill,
+        dtype=cfg.models.dtype,
+        device=resolve_device(cfg.resources.device),
+        actor_module=module,
+        autocast=compute_dtype(cfg.models.dtype),
+        load_copy=lambda: _causal_lm(path, tokenizer, cfg, trained=False),
+        synced=module is not None and is_sharded(module),
     )
-    return RolloutWorker(engine, weights_from=actor)
+    engine = build_rollout_engine(cfg.rollout, inputs)
+    return RolloutWorker(engine, weights_from=actor if engine.shares_module else None)
 
 
 def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:

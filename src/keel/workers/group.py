@@ -160,3 +160,12 @@ class WeightPush:
             "rollout/weight_push_s": time.perf_counter() - start,
             "rollout/weight_version": float(version),
         }
+
+
+def weight_push(actor: WorkerGroup, rollout: WorkerGroup | None) -> Callable[[], dict[str, float]]:
+    """A WeightPush when the rollout workers hold their own copy of the policy (a separate
+    group, an engine such as vLLM, asynchronous rollout), else a no-op (the engine generates
+    with the actor's module)."""
+    if rollout is None or not any(rollout.call_all("needs_weights")):
+        return lambda: {}
+    return WeightPush(actor, rollout)

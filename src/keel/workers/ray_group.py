@@ -38,7 +38,7 @@ from keel.workers.build import (
     role_names,
     roles_from_groups,
 )
-from keel.workers.group import LocalWorkerGroup, WeightPush, WorkerLostError, dispatch
+from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch, weight_push
 
 FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TRAINED = ("actor", "critic")
@@ -193,17 +193,11 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec) -> Roles:
         release(hosts_all, pgs)
         raise
     return roles_from_groups(
-        cfg, groups, push_weights=weight_push(cfg, groups), close=lambda: release(hosts_all, pgs)
+        cfg,
+        groups,
+        push_weights=weight_push(groups["actor"], groups.get("rollout")),
+        close=lambda: release(hosts_all, pgs),
     )
-
-
-def weight_push(cfg: KeelConfig, groups: dict[str, Any]) -> Any:
-    """A WeightPush when the rollout role is not hosted with the actor, else a no-op."""
-    rollout = groups.get("rollout")
-    actor_group = cfg.resources.group_of("actor")
-    if rollout is None or (actor_group is not None and "rollout" in actor_group.roles):
-        return lambda: {}
-    return WeightPush(groups["actor"], rollout)
 
 
 def place_group(

@@ -1,4 +1,5 @@
-"""RolloutWorker: generates responses with its rollout engine, stamped with a weight version."""
+"""RolloutWorker: generates responses with its rollout engine (a `keel.rollout.RolloutEngine`),
+stamped with a weight version."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from typing import Any
 import torch
 
 from keel.data.examples import Example
-from keel.rollout.hf import SamplingParams
+from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
 
 
 class RolloutWorker:
     """`weights_from`: the colocated actor worker whose module the engine generates with (its
-    weights are always current); None for a separate rollout worker, which holds its own copy
-    of the policy and receives new weights through `load_weights` after each update."""
+    weights are always current); None when the engine holds its own copy of the policy (a
+    separate rollout worker, a vLLM engine, asynchronous rollout), which receives new weights
+    through `load_weights` after each update."""
 
-    def __init__(self, engine: Any, weights_from: Any = None):
+    def __init__(self, engine: RolloutEngine, weights_from: Any = None):
         self.engine = engine
         self.weights_from = weights_from
         self._version = 0
@@ -38,5 +40,13 @@ class RolloutWorker:
         """New policy weights (a full state dict) and their version."""
         if state is None:
             raise ValueError("load_weights got no weights (the actor's rank 0 exports them)")
-        self.engine.model.load_state_dict(state)
+        self.engine.update_weights(state, int(version))
         self._version = int(version)
+
+    def needs_weights(self) -> bool:
+        """True when the engine holds its own copy of the policy (pushed after each update)."""
+        return self.weights_from is None
+
+    def close(self) -> None:
+        """Release the engine's processes and memory."""
+        self.engine.close()

@@ -1,0 +1,69 @@
+"""The rollout engine seam: what the rollout worker asks of any engine (HF `generate`, vLLM).
+
+The controller and the workers hold a `RolloutEngine`; they never name an engine class. The
+engine for `rollout.engine` is built by `keel.rollout.engines.build_rollout_engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from keel.data.examples import Example
+from keel.types import Batch
+
+# Why a response ended: its first EOS token ("stop") or the max_new_tokens budget ("length").
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """n responses per prompt; temperature 0 means greedy decoding."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates responses for prompts with the policy's weights.
+
+    `generate(examples, sampling, group_offset)` returns a new `Batch` of
+    B = len(examples) × sampling.n rows, the n rows of one prompt adjacent:
+      input_ids        [B, P + R] long   prompt (left-padded) + response (right-padded)
+      attention_mask   [B, P + R] long
+      response_mask    [B, R] float      1 up to and including the first EOS
+      group_ids        [B] long          group_offset + the prompt's index in `examples`
+      rollout_logprobs [B, R] float      the sampled tokens' log-probs under logits/temperature
+                                         (when the engine returns them; 0 past the mask)
+      prompts, answers, responses (decoded, without the closing EOS), finish_reasons
+      ("stop" | "length", FINISH_REASONS) per row; meta["eos_token_ids"].
+    A prompt is text or a list of chat messages (through the tokenizer's chat template).
+
+    `update_weights(state, version)`: the policy's full weights (HF parameter names → tensors,
+    as `ActorWorker.export_weights` gives them) and the number of updates they have seen; the
+    next `generate` uses them (any cache computed under older weights is dropped).
+    `shares_module`: True when the engine generates with the trained module itself (colocated
+    HF), so its weights are always current and nothing is pushed to it.
+    `sleep`/`wake` free and restore the engine's memory between rollouts where the engine can
+    (no-ops elsewhere); `close` releases its processes and memory (idempotent).
+    """
+
+    shares_module: bool
+
+    def generate(
+        self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
+    ) -> Batch: ...
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,63 @@
+"""Building engines from rollout.engine, and the HF engine against the engine conformance checks."""
+
+import pytest
+import torch
+
+from keel.config.schema import RolloutConfig
+from keel.models import load_causal_lm, load_tokenizer
+from keel.rollout import RolloutEngine
+from keel.rollout.engines import ENGINE_BUILDERS, EngineInputs, build_rollout_engine
+from tests.rollout.conformance import check_engine
+
+
+def inputs(tiny_dir, actor_module=None):
+    tok = load_tokenizer(tiny_dir)
+    return EngineInputs(
+        model_path=tiny_dir,
+        tokenizer=tok,
+        chat=False,
+        max_prompt_length=32,
+        truncation="error",
+        dtype="float32",
+        device=torch.device("cpu"),
+        actor_module=actor_module,
+        autocast=None,
+        load_copy=lambda: load_causal_lm(tiny_dir).eval(),
+    )
+
+
+def other_weights(tiny_dir):
+    torch.manual_seed(1)
+    model = load_causal_lm(tiny_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    return model.state_dict()
+
+
+def test_every_configurable_engine_has_a_builder():
+    assert set(ENGINE_BUILDERS) == set(RolloutConfig.model_fields["engine"].annotation.__args__)
+
+
+def test_a_separate_hf_engine_passes_the_engine_checks(tiny_dir):
+    engine = build_rollout_engine(RolloutConfig(return_logprobs=True), inputs(tiny_dir))
+    assert not engine.shares_module
+    check_engine(engine, load_tokenizer(tiny_dir), other_weights(tiny_dir))
+
+
+def test_a_colocated_hf_engine_generates_with_the_actors_module(tiny_dir):
+    actor = load_causal_lm(tiny_dir)
+    engine = build_rollout_engine(RolloutConfig(), inputs(tiny_dir, actor_module=actor))
+    assert engine.shares_module and engine.model is actor
+    check_engine(engine, load_tokenizer(tiny_dir), {})
+    with pytest.raises(RuntimeError, match="actor's module"):
+        engine.update_weights(actor.state_dict(), 1)
+
+
+def test_asynchronous_rollout_gives_the_hf_engine_its_own_copy(tiny_dir):
+    actor = load_causal_lm(tiny_dir)
+    engine = build_rollout_engine(
+        RolloutConfig(max_staleness=1), inputs(tiny_dir, actor_module=actor)
+    )
+    assert isinstance(engine, RolloutEngine)
+    assert not engine.shares_module and engine.model is not actor
