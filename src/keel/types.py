@@ -160,6 +160,15 @@ class Batch:
                 raise ValueError(f"field {f!r} has width {v.shape[1]}, neither T={p + r} nor R={r}")
         return self.replace(**changes)
 
+    def to_state(self) -> dict[str, Any]:
+        """Plain containers of tensors, lists and numbers (a checkpoint's `weights_only` load
+        reads them back); `Batch.from_state` restores the batch."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Batch)}
+
+    @staticmethod
+    def from_state(state: dict[str, Any]) -> Batch:
+        return Batch(**state)
+
     def replace(self, **changes: Any) -> Batch:
         return dataclasses.replace(self, **changes)
 

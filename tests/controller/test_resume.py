@@ -27,7 +27,7 @@ TINY = [
 ]  # fmt: skip
 # A graded reward so that GRPO's advantages are not all zero on the untrained tiny model.
 RESUME_OVERRIDES: dict[str, list[str]] = {"grpo_arith_tiny.yaml": [REWARD]}
-VOLATILE = ("timing/", "perf/", "checkpoint/")
+VOLATILE = ("timing/", "perf/", "checkpoint/", "rollout/weight_push_s")
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -58,6 +58,17 @@ def test_exact_resume_in_mixed_precision(name: str, tmp_path: Path, tiny_dir: Pa
     """bf16 autocast over float32 master weights: the checkpoint holds the master weights and
     the float32 optimizer states, so a resumed run is bitwise the straight one."""
     check_exact_resume(ROOT / "examples" / name, tmp_path, tiny_dir, ["models.dtype=bfloat16"])
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_exact_resume_with_asynchronous_rollout(staleness: int, tmp_path: Path, tiny_dir: Path):
+    """The batches generated ahead of the checkpoint are in it: the resumed run trains on the
+    very batches the straight run trained on, and its generation continues the same RNG."""
+    path = ROOT / "examples" / "grpo_arith_tiny.yaml"
+    check_exact_resume(path, tmp_path, tiny_dir, [f"rollout.max_staleness={staleness}"])
+    rows = stable(read_metrics(tmp_path / "split" / "metrics.jsonl"))
+    lags = [rows[s]["rollout/weight_version_lag"] for s in (1, 2, 3, 4)]
+    assert lags == [min(s, staleness) for s in range(4)]
 
 
 def check_exact_resume(path: Path, tmp_path: Path, tiny_dir: Path, extra: list[str]) -> None:

@@ -1,6 +1,8 @@
 """The RL step for the new algorithms: PPO's critic warm-up and adaptive KL in the reward, DAPO's
 overlong shaping and filtering, and the controller's own state (C1)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -251,3 +253,27 @@ def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_di
     live = logps(actor.model, batch)
     assert not torch.allclose(live, ref)
     torch.testing.assert_close(logps(separate.engine.model, batch), live, atol=1e-5, rtol=0)
+
+
+def test_asynchronous_rollout_trains_with_a_bounded_weight_lag(tiny_grpo):
+    from keel.controller import run_training
+    from keel.monitor import read_metrics
+
+    cfg = tiny_grpo("train.steps=3", "rollout.max_staleness=1", "checkpoint.save_steps=0")
+    run_training(cfg)
+    rows = [r for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["step"] > 0]
+    assert [r["rollout/weight_version_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0]  # pushed each step
+    assert all("timing/rollout_wait_s" in r and r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_a_batch_older_than_max_staleness_is_refused(tiny_grpo):
+    from keel.controller.rl import RLController
+
+    controller = RLController.__new__(RLController)
+    controller.weight_version, controller.max_staleness = 5, 2
+    ok = Batch(meta={"weight_version": 3})
+    controller.check_weight_version(ok)
+    assert ok.meta["weight_version_lag"] == 2
+    with pytest.raises(RuntimeError, match="max_staleness 2 allows 3 to 5"):
+        controller.check_weight_version(Batch(meta={"weight_version": 2}))

@@ -71,8 +71,8 @@ def test_short_steps_warn_at_the_first_then_at_most_every_50_steps():
     warnings = {}
     for step in range(1, 121):
         make = varied if step % 2 else same  # odd steps fill the batch, even ones keep nothing
-        sampler.sample(lambda make=make: make(next(calls)))
-        if message := sampler.short_warning(step):
+        _, metrics = sampler.sample(lambda make=make: make(next(calls)))
+        if message := sampler.short_warning(step, metrics):
             warnings[step] = message
     assert list(warnings) == [2, 52, 102]
     assert "kept 0 of 2 groups (train.batch_size) after 2 generation rounds" in warnings[2]

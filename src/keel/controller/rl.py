@@ -25,6 +25,7 @@ from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
+from keel.controller.pipeline import RolloutPipeline
 from keel.controller.sampling import DynamicSampler
 from keel.data import BatchStream
 from keel.monitor import StageTimer
@@ -53,6 +54,8 @@ class RLController:
             if spec.dynamic_sampling
             else None
         )
+        self.rollouts = RolloutPipeline(self.produce, r.max_staleness)
+        self.max_staleness = r.max_staleness
         self.last_batch: Batch | None = None
         self.warnings: list[tuple[str, str]] = []  # (rule, message), emitted by the run loop
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
@@ -70,8 +73,9 @@ class RLController:
 
     # ------------------------------------------------------- guard actions
     def skip_batches(self, n: int) -> None:
-        """Advance the prompt stream past `n` batches without training on them."""
-        for _ in range(n):
+        """Skip `n` batches without training on them: those generated ahead first, then the
+        prompt stream's next ones."""
+        for _ in range(n - self.rollouts.drop(n)):
             self.prompts.next_batch()
 
     def set_kl_scale(self, scale: float) -> None:
@@ -92,12 +96,10 @@ class RLController:
         """One RL step; returns its metrics."""
         start = time.perf_counter()
         roles, t, spec = self.roles, self.timer, self.spec
-        if self.sampler is None:
-            batch, extra = self.generate(), {}
-        else:
-            batch, extra = self.sampler.sample(self.generate)
-            if message := self.sampler.short_warning(step):
-                self.warnings.append(("dynamic_sampling", message))
+        batch, extra = self.rollouts.next(remaining=self.cfg.train.steps - step)
+        self.check_weight_version(batch)
+        if self.sampler is not None and (message := self.sampler.short_warning(step, extra)):
+            self.warnings.append(("dynamic_sampling", message))
         batch, shaping = self.shape_rewards(batch)
         with t("old_logprobs"):  # ≈ 0 s under the on-policy shortcut
             if not (self.on_policy_shortcut and len(batch) <= self.mini_batch_rows):
@@ -125,7 +127,7 @@ class RLController:
                     )
                 )
             self.weight_version += 1
-            metrics.update(roles.push_weights())
+            metrics.update(self.rollouts.push(roles.push_weights))
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
         return {
@@ -136,28 +138,41 @@ class RLController:
             "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
         }
 
-    def generate(self) -> Batch:
+    def produce(self) -> tuple[Batch, dict[str, float]]:
+        """The batch of one step and its sampling/timing metrics: one generation round, or
+        dynamic sampling's rounds. On the pipeline's thread when rollout.max_staleness ≥ 1
+        (its own StageTimer: the step's runs concurrently)."""
+        timer = StageTimer()
+        if self.sampler is None:
+            batch, extra = self.generate(timer), {}
+        else:
+            batch, extra = self.sampler.sample(lambda: self.generate(timer))
+        return batch, {**extra, **timer.pop()}
+
+    def generate(self, timer: StageTimer) -> Batch:
         """The next train.batch_size prompts, rollout.n responses each, scored."""
         examples = self.prompts.next_batch()
-        with self.timer("rollout"):
+        with timer("rollout"):
             batch = self.roles.rollout.call(
                 "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
             )
         self.groups_seen += len(examples)
-        self.check_weight_version(batch)
-        with self.timer("reward"):
+        with timer("reward"):
             return self.roles.reward.call("score", batch)
 
     def check_weight_version(self, batch: Batch) -> None:
-        """The rollout must have used the policy of the latest update: a lag means the rollout
-        workers missed a weight push, and training on it would be silently off-policy."""
+        """The rollout must have used weights at most rollout.max_staleness updates old (0:
+        those of the latest update). A larger lag means the rollout workers missed a weight
+        push, and training on the batch would be more off-policy than configured."""
         version = batch.meta.get("weight_version", self.weight_version)
         lag = self.weight_version - version
         batch.meta["weight_version_lag"] = lag
-        if lag != 0:
+        if not 0 <= lag <= self.max_staleness:
             raise RuntimeError(
                 f"the rollout generated with weight version {version}, expected "
-                f"{self.weight_version}: the rollout workers missed a weight push"
+                f"{self.weight_version} (rollout.max_staleness {self.max_staleness} allows "
+                f"{max(0, self.weight_version - self.max_staleness)} to {self.weight_version}): "
+                "the rollout workers missed a weight push"
             )
 
     def shape_rewards(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -208,6 +223,7 @@ class RLController:
             "kl_scale": self.kl_scale,
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "rollouts_ahead": self.rollouts.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -220,6 +236,7 @@ class RLController:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.sampler is not None and state.get("sampler") is not None:
             self.sampler.load_state_dict(state["sampler"])
+        self.rollouts.load_state_dict(state.get("rollouts_ahead", []))
 
 
 def batch_eos_ids(meta: dict[str, Any]) -> list[int]:

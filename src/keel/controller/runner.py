@@ -289,7 +289,8 @@ class TrainingLoop:
         return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
-        metrics.update(self.pending)
+        for key, value in self.pending.items():  # the step's own values win (e.g. a weight
+            metrics.setdefault(key, value)  # push at resume, then the step's push)
         self.pending = {}
         self.monitor.log(step, metrics)
 

@@ -37,7 +37,6 @@ class DynamicSampler:
         self.target_groups = target_groups
         self.max_rounds = max_rounds
         self.totals = {"rounds": 0, "dropped_groups": 0}
-        self.last = (target_groups, 0)  # (groups kept, rounds) of the last sample()
         self.short_steps = 0  # short steps not yet reported
         self.warned_at: int | None = None
 
@@ -62,7 +61,6 @@ class DynamicSampler:
         out = first_groups(concat_rollouts(kept), self.target_groups) if kept else batch
         self.totals["rounds"] += rounds
         self.totals["dropped_groups"] += dropped
-        self.last = (min(n_kept, self.target_groups), rounds)
         return out, {
             "sampling/gen_rounds": float(rounds),
             "sampling/dropped_groups": float(dropped),
@@ -71,11 +69,12 @@ class DynamicSampler:
             "sampling/score_mean_all": torch.cat(scores).float().mean().item(),
         }
 
-    def short_warning(self, step: int) -> str | None:
-        """A warning when the last sample() kept fewer than SHORT_FRACTION of the target groups
-        (the round cap was hit): at the first such step, then at most once every
-        SHORT_WARN_EVERY steps, with the number of short steps since the previous warning."""
-        kept, rounds = self.last
+    def short_warning(self, step: int, metrics: dict[str, float]) -> str | None:
+        """A warning when the sample() whose `metrics` step `step` trains on kept fewer than
+        SHORT_FRACTION of the target groups (the round cap was hit): at the first such step,
+        then at most once every SHORT_WARN_EVERY steps, with the number of short steps since
+        the previous warning."""
+        kept, rounds = int(metrics["sampling/kept_groups"]), int(metrics["sampling/gen_rounds"])
         if kept >= SHORT_FRACTION * self.target_groups:
             return None
         self.short_steps += 1

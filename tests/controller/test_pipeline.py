@@ -1,0 +1,100 @@
+"""The asynchronous rollout pipeline: generation ahead of training, bounded weight lag, pushes
+only between generations, and the batches ahead as checkpointable state."""
+
+import threading
+
+import pytest
+import torch
+
+from keel.controller.pipeline import RolloutPipeline
+from keel.types import Batch
+
+
+class Engine:
+    """Generates batches stamped with the version of the weights it holds; records overlaps."""
+
+    def __init__(self, wait: float = 1.0):
+        self.wait = wait  # how long a generation waits to see an update running
+        self.version = 0
+        self.produced = 0
+        self.busy = False
+        self.training = threading.Event()  # set by the "trainer" while it updates
+        self.seen = threading.Event()  # a generation saw the update running
+        self.overlapped = 0
+
+    def produce(self):
+        self.busy = True
+        if self.training.wait(timeout=self.wait):
+            self.overlapped += 1
+            self.seen.set()
+        self.produced += 1
+        batch = Batch(scores=torch.tensor([float(self.produced)]), meta={"v": self.version})
+        self.busy = False
+        return batch, {"timing/rollout_s": 0.0}
+
+    def push(self, version):
+        assert not self.busy, "weights were pushed while the engine was generating"
+        self.version = version
+        return {"rollout/weight_version": float(version)}
+
+
+def run(pipeline, engine, steps):
+    """(index of the batch, weight version it was generated with) per step."""
+    seen = []
+    for step in range(1, steps + 1):
+        batch, metrics = pipeline.next(remaining=steps - step)
+        assert ("timing/rollout_wait_s" in metrics) == bool(pipeline.max_staleness)
+        seen.append((int(batch.scores[0]), batch.meta["v"]))
+        engine.training.set()  # the update runs while the next batch is generated
+        if not all(job.done() for job in pipeline.queue):
+            assert engine.seen.wait(timeout=5.0), "no generation ran during the update"
+        engine.seen.clear()
+        engine.training.clear()
+        pipeline.push(lambda step=step: engine.push(step))
+    return seen
+
+
+def test_synchronous_pipeline_generates_each_batch_with_the_latest_weights():
+    engine = Engine(wait=0.0)
+    pipeline = RolloutPipeline(engine.produce, max_staleness=0)
+    assert run(pipeline, engine, 4) == [(1, 0), (2, 1), (3, 2), (4, 3)]
+    assert pipeline.executor is None and engine.produced == 4
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_batches_are_generated_k_updates_behind_and_never_beyond_the_last_step(k):
+    engine = Engine()
+    pipeline = RolloutPipeline(engine.produce, max_staleness=k)
+    seen = run(pipeline, engine, 6)
+    assert [index for index, _ in seen] == [1, 2, 3, 4, 5, 6]  # data order unchanged
+    lags = [step - version for step, (_, version) in enumerate(seen)]
+    assert lags == [min(step, k) for step in range(6)]
+    assert engine.produced == 6  # nothing generated for steps the run does not have
+    assert engine.overlapped == 6 - 1  # every batch but the first was generated during an update
+    pipeline.close()
+
+
+def test_the_batches_ahead_survive_a_checkpoint_and_can_be_skipped():
+    engine = Engine(wait=0.0)
+    pipeline = RolloutPipeline(engine.produce, max_staleness=2)
+    pipeline.next(remaining=10)
+    state = pipeline.state_dict()
+    assert [int(item["batch"]["scores"][0]) for item in state] == [2, 3]
+    restored = RolloutPipeline(Engine(wait=0.0).produce, max_staleness=2)
+    restored.load_state_dict(state)
+    batch, _ = restored.next(remaining=0)
+    assert int(batch.scores[0]) == 2 and batch.meta == {"v": 0}
+    assert restored.drop(5) == 1  # one batch was left ahead
+    assert restored.state_dict() == []
+    pipeline.close()
+    restored.close()
+
+
+def test_a_failed_generation_is_raised_in_the_step():
+    def produce():
+        raise ValueError("reward server down")
+
+    pipeline = RolloutPipeline(produce, max_staleness=1)
+    with pytest.raises(ValueError, match="reward server down"):
+        pipeline.next(remaining=3)
+    pipeline.close()
