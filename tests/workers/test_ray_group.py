@@ -88,6 +88,27 @@ def test_two_ray_workers_make_the_same_update_as_one_local_worker(
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
+def test_asynchronous_rollout_on_a_separate_ray_group_matches_the_local_thread(
+    ray_session, tiny_dir, tmp_path
+):
+    """max_staleness 1: the separate rollout worker generates the next batch while the actor
+    ranks train (the local run: on a background thread), with the same one-step-old weights."""
+    local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
+    cfg = tiny_grpo(tiny_dir, local_dir)
+    cfg.rollout.max_staleness = 1
+    run_training(cfg)
+    cfg = tiny_grpo(tiny_dir, ray_dir, **ray_groups())
+    cfg.rollout.max_staleness = 1
+    run_training(cfg)
+    local, dist = weights(local_dir), weights(ray_dir)
+    worst = max((local[k] - dist[k]).abs().max().item() for k in local)
+    assert worst <= TOLERANCE, f"max |θ_ray − θ_local| = {worst}"
+    for run_dir in (local_dir, ray_dir):
+        rows = metrics(run_dir)[1:]
+        assert [r["rollout/weight_version_lag"] for r in rows] == [0.0, 1.0, 1.0]
+        assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+
+
 def kill_when(path, step, name_part):
     """Background: once metrics.jsonl shows `step`, ray.kill rank 1 of the Ray actors named
     *name_part* (a real worker process of a 2-rank group)."""
