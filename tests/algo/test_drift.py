@@ -35,12 +35,13 @@ def test_drift_statistics_by_hand():
     = (2 − ln 2.25)/4. Cap 2: weights [1, 2, 0.5, 1.5], one clipped: 1/4, mean 5/4."""
     rollout, trainer, mask = drift_batch()
     out = logprob_drift(rollout, trainer, mask, tis_cap=2.0)
-    assert_close(out.abs_diff_mean, torch.tensor(LN(9) / 4))
-    assert_close(out.abs_diff_max, torch.tensor(LN(3)))
-    assert_close(out.kl_k1, torch.tensor(-LN(2.25) / 4))
-    assert_close(out.kl_k3, torch.tensor((2 - LN(2.25)) / 4))
-    assert_close(out.tis_clip_frac, torch.tensor(0.25))
-    assert_close(out.tis_weight_mean, torch.tensor(1.25))
+    approx = functools.partial(pytest.approx, rel=1e-6)
+    assert out.abs_diff_mean.item() == approx(LN(9) / 4)
+    assert out.abs_diff_max.item() == approx(LN(3))
+    assert out.kl_k1.item() == approx(-LN(2.25) / 4)
+    assert out.kl_k3.item() == approx((2 - LN(2.25)) / 4)
+    assert out.tis_clip_frac.item() == 0.25
+    assert out.tis_weight_mean.item() == approx(1.25)
     assert logprob_drift(rollout, trainer, mask).tis_clip_frac is None  # no cap: no TIS stats
 
 
@@ -52,6 +53,17 @@ def test_identical_logprobs_drift_zero_and_an_empty_mask_gives_zeros():
     assert same.tis_clip_frac.item() == 0.0 and same.tis_weight_mean.item() == 1.0
     empty = logprob_drift(rollout, rollout + 1, torch.zeros_like(mask), tis_cap=2.0)
     assert empty.abs_diff_mean.item() == 0.0 and empty.abs_diff_max.item() == 0.0
+
+
+def test_the_kl_of_a_tiny_gap_is_resolved():
+    """A healthy engine's gap is ~1e-6 … 1e-4 nats, where k3 ≈ d²/2 is below float32's
+    resolution next to 1: the estimate must still be d²/2, not 0 or rounding noise."""
+    rollout = torch.full((2, 3), -2.0)
+    for gap in (1e-4, 3e-6):
+        d = torch.tensor([[gap, -gap, gap], [-gap, gap, -gap]])
+        out = logprob_drift(rollout, rollout + d, torch.ones(2, 3))
+        exact = ((rollout + d).double() - rollout.double()) ** 2 / 2  # the float32 inputs' d
+        assert out.kl_k3.item() == pytest.approx(exact.mean().item(), rel=1e-3)
 
 
 def test_k3_is_unbiased_for_the_kl_between_two_categoricals():
