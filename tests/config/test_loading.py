@@ -229,3 +229,14 @@ def test_config_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_bytes(b"\xef\xbb\xbfmodels: {actor: builtin:tiny}\nalgorithm: {name: grpo}\n")
     assert load_config(path, environ={}).models.actor == "builtin:tiny"
+
+
+def test_tis_cap_needs_the_engines_logprobs_and_names_both_fields(tmp_path):
+    msg = load_error(write_config(tmp_path, rollout={"tis_cap": 2.0}))
+    assert "rollout.tis_cap" in msg and "rollout.return_logprobs" in msg
+    assert "greater than 0" in load_error(write_config(
+        tmp_path, rollout={"tis_cap": 0, "return_logprobs": True}))  # fmt: skip
+    cfg = load_config(write_config(tmp_path, rollout={"tis_cap": 2.0, "return_logprobs": True}),
+                      environ={})  # fmt: skip
+    assert cfg.rollout.tis_cap == 2.0
+    assert load_config(write_config(tmp_path), environ={}).rollout.tis_cap is None  # off

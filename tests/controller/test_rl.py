@@ -1,6 +1,7 @@
 """The RL step for the new algorithms: PPO's critic warm-up and adaptive KL in the reward, DAPO's
 overlong shaping and filtering, and the controller's own state (C1)."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from keel.controller.rl import (
     RLController,
     batch_eos_ids,
     batch_metrics,
+    drift_metrics,
     mask_truncated,
     truncated_rows,
 )
@@ -195,13 +197,48 @@ def test_no_shortcut_where_old_logprobs_are_read_before_the_update(tiny_dir):
     ctl = controller(tiny_dir, {"name": "grpo"}, rollout={
         "n": 2, "max_new_tokens": 4, "return_logprobs": True})  # fmt: skip
     assert not ctl.on_policy_shortcut
-    assert "rollout/logprob_abs_diff" in ctl.step(1)
+    metrics = ctl.step(1)
+    assert {"rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max", "rollout/logprob_kl",
+            "rollout/logprob_kl_k1"} <= metrics.keys()  # fmt: skip
+    assert not any(k.startswith("rollout/tis_") for k in metrics)  # no cap, no TIS diagnostics
     two_minis = controller(tiny_dir, {"name": "grpo"}, train={
         "batch_size": 4, "mini_batch_size": 4, "lr": 1e-3, "steps": 4})  # fmt: skip
     seen = []
     two_minis.roles.actor.call = _spy(two_minis.roles.actor.call, seen)
     two_minis.step(1)
     assert "compute_logprobs" in seen
+
+
+def test_tis_steps_log_the_drift_and_the_weights(tiny_dir):
+    """rollout.tis_cap reaches the actor through the spec; the step logs the TIS diagnostics
+    next to the drift. The colocated HF engine samples with the trainer's own weights, so the
+    drift is ≈ 0 and the weights ≈ 1 (none capped)."""
+    ctl = controller(tiny_dir, {"name": "grpo"}, rollout={
+        "n": 2, "max_new_tokens": 4, "return_logprobs": True, "tis_cap": 2.0})  # fmt: skip
+    assert ctl.spec.tis_cap == 2.0 and not ctl.on_policy_shortcut
+    before = params(ctl.roles.actor)
+    metrics = ctl.step(1)
+    assert not same(before, params(ctl.roles.actor))
+    assert metrics["rollout/logprob_kl"] < 1e-4 and metrics["rollout/logprob_abs_diff_max"] < 1e-2
+    assert metrics["rollout/tis_clip_frac"] == 0.0
+    assert metrics["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_drift_metrics_of_a_batch_by_hand():
+    """r = π_old/π_rollout = [1, 3] on the response tokens, garbage in the masked one."""
+    rollout = torch.tensor([[-1.0, -2.0, float("nan")]])
+    old = rollout + torch.tensor([[0.0, math.log(3), 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    metrics = drift_metrics(rollout, old, mask, tis_cap=2.0)
+    assert metrics == pytest.approx({
+        "rollout/logprob_abs_diff": math.log(3) / 2,
+        "rollout/logprob_abs_diff_max": math.log(3),
+        "rollout/logprob_kl": (2 - math.log(3)) / 2,
+        "rollout/logprob_kl_k1": -math.log(3) / 2,
+        "rollout/tis_clip_frac": 0.5,
+        "rollout/tis_weight_mean": 1.5,
+    })  # fmt: skip
+    assert "rollout/tis_clip_frac" not in drift_metrics(rollout, old, mask, tis_cap=None)
 
 
 def _spy(call, seen):

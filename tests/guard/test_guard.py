@@ -43,6 +43,22 @@ def test_ceilings_and_floors():
     assert verdict.action == "stop" and verdict.state == 3 and not verdict.healthy
 
 
+def test_drift_ceiling_on_the_engine_vs_trainer_kl():
+    """guard.drift_kl_max: a ceiling on rollout/logprob_kl with its own action (warn by
+    default); off by default, and silent when the metric is absent (no rollout log-probs)."""
+    assert Guard(GuardConfig()).check(1, {"rollout/logprob_kl": 5.0}).action == "ok"
+    guard = Guard(GuardConfig(drift_kl_max=0.01))
+    assert guard.check(1, {"rollout/logprob_kl": 0.01}).action == "ok"  # at the ceiling
+    assert guard.check(2, {"reward/mean": 1.0}).action == "ok"  # not logged this run
+    verdict = guard.check(3, {"rollout/logprob_kl": 0.02})
+    assert verdict.action == "warn" and verdict.cause.rule == "drift"
+    assert "rollout/logprob_kl 0.02 is above 0.01" in verdict.cause.message
+    guard = Guard(GuardConfig(drift_kl_max=0.01, drift_action="rollback"))
+    assert guard.check(1, {"rollout/logprob_kl": 0.5}).action == "rollback"
+    guard = Guard(GuardConfig(drift_kl_max=0.01, drift_action="stop"))
+    assert guard.check(1, {"rollout/logprob_kl": 0.5}).state == 3
+
+
 def test_rollback_cap_turns_into_stop():
     guard = Guard(GuardConfig(window=1, max_drop_frac=0.5, max_rollbacks=1))
     feed(guard, [1.0])

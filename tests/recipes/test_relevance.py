@@ -42,6 +42,15 @@ def test_rl_uses_sampling_and_the_guard_and_pair_stages_without_generation_use_n
     assert "rollout" not in generating and "rollout.n" in generating
 
 
+def test_the_drift_guard_needs_the_engines_logprobs_in_an_rl_run():
+    grpo = unused(algorithm={"name": "grpo"})
+    assert "rollout.return_logprobs" in grpo["guard.drift_kl_max"] and "guard.drift_action" in grpo
+    logged = unused(algorithm={"name": "grpo"}, rollout={"return_logprobs": True})
+    assert "guard.drift_kl_max" not in logged and "rollout.tis_cap" not in logged
+    sft = unused(algorithm={"name": "sft"}, rollout={"return_logprobs": True, "tis_cap": 2.0})
+    assert "guard.drift_kl_max" in sft and "rollout.tis_cap" in sft
+
+
 def test_a_token_budget_replaces_the_micro_batch_size():
     assert "train.micro_batch_size" not in unused(algorithm={"name": "grpo"})
     budget = unused(algorithm={"name": "grpo"}, train={"max_tokens_per_micro_batch": 4096})
@@ -65,7 +74,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
     assert (
         "#   rollout.n, rollout.temperature, rollout.return_logprobs, "
-        "rollout.share_prompt_prefill: " in out
+        "rollout.share_prompt_prefill, rollout.tis_cap: " in out
     )
     assert "# derived" in out
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0

@@ -91,6 +91,34 @@ def test_non_finite_gradient_skips_the_update(tiny_dir):
         assert torch.equal(v, before[k]), k
 
 
+def with_tis(spec: AlgorithmSpec, cap: float | None) -> AlgorithmSpec:
+    return AlgorithmSpec(**{**spec.__dict__, "tis_cap": cap})
+
+
+def test_truncated_importance_sampling_in_the_update(tiny_dir):
+    """rollout.tis_cap: engine log-probs equal to π_old (w = 1) give today's update bit for
+    bit; a gap that caps every weight at 2 doubles the gradient (SGD: twice the step); a batch
+    without the engine's log-probs is an error naming the setting."""
+    tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = synthetic_batch(len(tok))
+    spec = rl_spec("token-mean")
+
+    def step(b: Batch, s: AlgorithmSpec) -> list[torch.Tensor]:
+        model = copy.deepcopy(base)
+        sgd_actor(model, tok, 4).update(b, s)
+        return [p.detach() - q.detach() for p, q in zip(model.parameters(), base.parameters(),
+                                                        strict=True)]  # fmt: skip
+
+    plain = step(batch, spec)
+    same = step(batch.replace(rollout_logprobs=batch.old_logprobs.clone()), with_tis(spec, 2.0))
+    assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
+    capped = step(batch.replace(rollout_logprobs=batch.old_logprobs - 1.0), with_tis(spec, 2.0))
+    for a, b in zip(plain, capped, strict=True):
+        torch.testing.assert_close(b, 2 * a, atol=1e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"rollout\.tis_cap"):
+        step(batch, with_tis(spec, 2.0))
+
+
 class EmbeddingLM(torch.nn.Module):
     """A causal-LM-shaped module (embedding → linear head) whose forward is value-independent,
     so it runs on the meta device (transformers' mask building reads values)."""
@@ -107,16 +135,18 @@ class EmbeddingLM(torch.nn.Module):
 
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_the_actor_loss_runs_on_the_meta_device(tiny_dir, policy_loss):
-    """The actor's loss (log-probs, policy loss, entropy, KL, aggregation, metrics) and its
-    backward allocate nothing on the host: on the `meta` device any host tensor mixed in
-    would raise (a GPU run would crash the same way)."""
+    """The actor's loss (log-probs, policy loss, TIS weights, entropy, KL, aggregation,
+    metrics) and its backward allocate nothing on the host: on the `meta` device any host
+    tensor mixed in would raise (a GPU run would crash the same way)."""
     tok = load_tokenizer(tiny_dir)
     with torch.device("meta"):
         model = EmbeddingLM(len(tok))
     spec = rl_spec("seq-mean-token-mean", kl=0.1, entropy=0.01)
-    spec = AlgorithmSpec(**{**spec.__dict__, "policy_loss": policy_loss, "policy_loss_kwargs": {}})
+    spec = AlgorithmSpec(**{**spec.__dict__, "policy_loss": policy_loss, "policy_loss_kwargs": {},
+                            "tis_cap": 2.0})  # fmt: skip
     actor = ActorWorker(model, tok, None, temperature=0.7, mini_batch_size=8, micro_batch_size=8)
-    batch = synthetic_batch(len(tok)).to("meta")
+    batch = synthetic_batch(len(tok))
+    batch = batch.replace(rollout_logprobs=batch.old_logprobs - 0.5).to("meta")
     loss, metrics = actor._policy_loss(batch, spec=spec, kl_coef=0.1, num_tokens=25, num_seqs=7)
     loss.backward()
     assert loss.device.type == "meta"

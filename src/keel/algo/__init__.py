@@ -1,4 +1,5 @@
-"""Pure RL math: losses, advantages, KL estimators. Tensors and numbers in, tensors out.
+"""Pure RL math: losses, advantages, KL estimators, rollout drift and truncated importance
+sampling. Tensors and numbers in, tensors out.
 
 Nothing here imports transformers, ray or vllm, and nothing reads a config object: every formula
 is testable in milliseconds. The formulas follow ../shared/docs/ALGORITHMS.md (verl semantics).
@@ -13,6 +14,7 @@ from keel.algo.advantages import (
     token_level_rewards,
 )
 from keel.algo.aggregation import AGG_MODES, agg_loss, loss_denominators
+from keel.algo.drift import LogprobDrift, logprob_drift, truncated_is_weights
 from keel.algo.kl import KL_ESTIMATORS, kl_penalty
 from keel.algo.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
@@ -29,6 +31,7 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "LogprobDrift",
     "PolicyLossOutput",
     "agg_loss",
     "build_kl_controller",
@@ -39,6 +42,7 @@ __all__ = [
     "grpo_outcome_advantage",
     "gspo_loss",
     "kl_penalty",
+    "logprob_drift",
     "logprobs_from_logits",
     "loss_denominators",
     "masked_explained_variance",
@@ -50,5 +54,6 @@ __all__ = [
     "rloo_outcome_advantage",
     "sft_loss",
     "token_level_rewards",
+    "truncated_is_weights",
     "varied_groups",
 ]

@@ -39,6 +39,7 @@ def ppo_clip_loss(
     num_tokens: int | None = None,
     num_seqs: int | None = None,
     scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO-clip with dual-clip (Schulman 2017 arXiv:1707.06347; Ye 2019 arXiv:1912.09729).
 
@@ -46,7 +47,9 @@ def ppo_clip_loss(
     L1 = −A·ρ, L2 = −A·clip(ρ, 1−ε_low, 1+ε_high), L = max(L1, L2);
     for A < 0: L ← min(L, −c·A)  (c = clip_ratio_c; float('inf') disables dual-clip).
     clipfrac = masked mean[L2 > L1]; clipfrac_lower = masked mean[(max(L1,L2) > −c·A) ∧ A < 0];
-    ppo_kl = masked mean(ℓ_old − ℓ). The loss is agg(L, m, agg_mode).
+    ppo_kl = masked mean(ℓ_old − ℓ). The loss is agg(w·L, m, agg_mode), w = token_weights
+    [B, R] (detached: constants of the loss, e.g. `truncated_is_weights`; None: no weighting,
+    the loss untouched bit for bit). The diagnostics ignore w.
     """
     m = response_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -58,7 +61,7 @@ def ppo_clip_loss(
     clipped = torch.maximum(loss1, loss2)
     loss3 = -adv * clip_ratio_c
     dual = torch.minimum(loss3, clipped)
-    per_token = torch.where(adv < 0, dual, clipped)
+    per_token = _weighted(torch.where(adv < 0, dual, clipped), token_weights, m)
     loss = agg_loss(
         per_token, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor
     )
@@ -67,6 +70,16 @@ def ppo_clip_loss(
         clipfrac_lower = masked_mean(((clipped > loss3) & (adv < 0)).float(), m)
         ppo_kl = masked_mean(-log_ratio, m)
     return PolicyLossOutput(loss, clipfrac, clipfrac_lower, ppo_kl)
+
+
+def _weighted(
+    per_token: torch.Tensor, token_weights: torch.Tensor | None, m: torch.Tensor
+) -> torch.Tensor:
+    """per_token [B, R] × the detached token weights [B, R] (0 outside m); unchanged for None."""
+    if token_weights is None:
+        return per_token
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    return per_token * torch.where(m, token_weights.detach().to(per_token.dtype), zero)
 
 
 def _sequence_log_ratio(
@@ -101,6 +114,7 @@ def gspo_loss(
     num_seqs: int | None = None,
     scale_factor: float | None = None,
     token_level: bool = False,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GSPO (arXiv:2507.18071, ALGORITHMS.md §6). ℓ, ℓ_old, A, m: [B, R].
 
@@ -108,8 +122,9 @@ def gspo_loss(
     mean of A over row i, L_i = max(−Â_i·s_i, −Â_i·clip(s_i, 1−ε_l, 1+ε_r)) on every token of
     the row. GSPO-token: s_{i,t} = exp(sg[log s_i] + ℓ_t − sg[ℓ_t]) (value s_i, gradient of
     token t only), L_{i,t} = max(−A_{i,t}·s_{i,t}, −A_{i,t}·clip(s_{i,t})). log s clamped at
-    max 10 (verl); no dual-clip. The loss is agg(L, m, agg_mode); both variants are equal when
-    A_{i,t} = Â_i.
+    max 10 (verl); no dual-clip. The loss is agg(w·L, m, agg_mode), w = token_weights [B, R]
+    as in `ppo_clip_loss` (each token's share of its sequence's term; None: no weighting);
+    both variants are equal when A_{i,t} = Â_i.
     """
     m = response_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -127,6 +142,7 @@ def gspo_loss(
         per_seq, clipped_seq = _clipped_objective(ratio, seq_adv, clip_ratio_low, clip_ratio_high)
         per_token = per_seq.unsqueeze(1).expand(m.shape)
         clipped = clipped_seq.unsqueeze(1).expand(m.shape)
+    per_token = _weighted(per_token, token_weights, m)
     loss = agg_loss(
         per_token, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor
     )

@@ -38,6 +38,9 @@ class AlgorithmSpec:
       until the batch is full, at most max_gen_batches generation rounds per step (0: no cap).
     mask_truncated: responses cut at the length budget (no EOS) get response mask 0.
     overlong_buffer_len, overlong_penalty_factor: soft overlong punishment (0: off).
+    tis_cap: truncated importance sampling (keel.algo.drift): the policy loss's per-token terms
+      are weighted by min(π_old/π_rollout, tis_cap), detached; None: off. Needs the rollout
+      engine's log-probs in the batch (`rollout_logprobs`).
     """
 
     name: str
@@ -67,6 +70,7 @@ class AlgorithmSpec:
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     critic_lr: float | None = None
+    tis_cap: float | None = None
 
     @property
     def needs_reference(self) -> bool:

@@ -238,6 +238,21 @@ class RolloutConfig(Section):
     compile: bool | None = Field(
         None, description="torch.compile the decode step (static cache only); null: on CUDA"
     )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="truncated importance sampling: each token's policy-loss term × "
+        "min(π_train/π_rollout, tis_cap) (verl suggests 2); needs return_logprobs; null: off",
+    )
+
+    @model_validator(mode="after")
+    def _tis_needs_logprobs(self) -> RolloutConfig:
+        if self.tis_cap is not None and not self.return_logprobs:
+            raise ValueError(
+                "rollout.tis_cap needs the engine's log-probs: set rollout.return_logprobs: true "
+                "(or rollout.tis_cap: null)"
+            )
+        return self
 
 
 class TrainConfig(Section):
@@ -334,6 +349,13 @@ class GuardConfig(Section):
     entropy_action: GuardAction = "warn"
     length_max: float | None = Field(None, gt=0, description="ceiling on response/length_mean")
     length_action: GuardAction = "warn"
+    drift_kl_max: float | None = Field(
+        None,
+        gt=0,
+        description="ceiling on rollout/logprob_kl, the engine-vs-trainer KL (needs "
+        "rollout.return_logprobs)",
+    )
+    drift_action: GuardAction = "warn"
     lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback")
     kl_factor: float = Field(1.0, ge=1, description="KL coefficient multiplier per rollback")
     skip_data: bool = Field(True, description="after a rollback, skip the batches that led to it")

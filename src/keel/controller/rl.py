@@ -19,6 +19,7 @@ from keel.algo import (
     token_level_rewards,
 )
 from keel.algo.advantages import group_statistics
+from keel.algo.drift import logprob_drift
 from keel.algo.kl import batch_mean_kl
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan
@@ -112,7 +113,7 @@ class RLController:
                 batch = roles.critic.call("compute_values", batch)
         with t("advantage"):
             batch, kl_metrics = self.compute_advantages(batch)
-        metrics = {**batch_metrics(batch), **extra, **shaping, **kl_metrics}
+        metrics = {**batch_metrics(batch, spec.tis_cap), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
         if spec.mask_truncated:  # overlong filtering: after the advantages, loss mask only
             batch, metrics["response/truncated_masked"] = mask_truncated(batch)
@@ -267,8 +268,9 @@ def mask_truncated(batch: Batch) -> tuple[Batch, float]:
     return batch.replace(response_mask=mask), cut.float().mean().item()
 
 
-def batch_metrics(batch: Batch) -> dict[str, float]:
-    """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch."""
+def batch_metrics(batch: Batch, tis_cap: float | None = None) -> dict[str, float]:
+    """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch; the
+    TIS diagnostics when `tis_cap` (the spec's) is set."""
     scores, mask = batch.scores, batch.response_mask
     lengths = mask.sum(dim=1)
     truncated = truncated_rows(batch).float()
@@ -292,6 +294,24 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         ev = masked_explained_variance(batch.values, batch.returns, mask)  # the fresh returns
         metrics["critic/vf_explained_var"] = ev.item()
     if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
-        gap = (batch.rollout_logprobs - batch.old_logprobs).abs()
-        metrics["rollout/logprob_abs_diff"] = masked_mean(gap, mask).item()
+        metrics.update(drift_metrics(batch.rollout_logprobs, batch.old_logprobs, mask, tis_cap))
     return metrics
+
+
+def drift_metrics(
+    rollout_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    tis_cap: float | None,
+) -> dict[str, float]:
+    """rollout/logprob_* (engine vs trainer, keel.algo.drift) and, with a cap, rollout/tis_*."""
+    drift = logprob_drift(rollout_logprobs, old_logprobs, mask, tis_cap=tis_cap)
+    metrics = {
+        "rollout/logprob_abs_diff": drift.abs_diff_mean,
+        "rollout/logprob_abs_diff_max": drift.abs_diff_max,
+        "rollout/logprob_kl": drift.kl_k3,
+        "rollout/logprob_kl_k1": drift.kl_k1,
+        "rollout/tis_clip_frac": drift.tis_clip_frac,
+        "rollout/tis_weight_mean": drift.tis_weight_mean,
+    }
+    return {k: v.item() for k, v in metrics.items() if v is not None}

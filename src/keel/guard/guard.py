@@ -102,6 +102,7 @@ class Guard:
             ("kl", "actor/kl", rules.above, c.kl_max, c.kl_action),
             ("entropy", "actor/entropy", rules.below, c.entropy_min, c.entropy_action),
             ("length", "response/length_mean", rules.above, c.length_max, c.length_action),
+            ("drift", "rollout/logprob_kl", rules.above, c.drift_kl_max, c.drift_action),
         ):
             if key in metrics and (msg := check(metrics[key], limit, key)):
                 out.append((rule, action, msg))

@@ -62,6 +62,7 @@ def _ppo_clip_fields(
         kl_loss_type=algo.kl_loss_type,
         entropy_coeff=algo.entropy_coeff,
         ppo_epochs=cfg.train.ppo_epochs,
+        tis_cap=cfg.rollout.tis_cap,
     )
 
 

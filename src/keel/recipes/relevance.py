@@ -22,7 +22,7 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
         if generates_eval:
             out.append((
                 ["rollout.n", "rollout.temperature", "rollout.return_logprobs",
-                 "rollout.share_prompt_prefill"],
+                 "rollout.share_prompt_prefill", "rollout.tis_cap"],
                 f"the {stage} stage samples no training responses; its evaluation generates one "
                 "response per prompt (eval.temperature) with rollout.max_new_tokens, top_p and "
                 "batch_size",
@@ -46,6 +46,12 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
                 "never trip; set guard.monitor_metric to a metric it logs (docs/metrics.md) to "
                 "use them",
             ))  # fmt: skip
+    if stage != "rl" or not cfg.rollout.return_logprobs:
+        out.append((
+            ["guard.drift_kl_max", "guard.drift_action"],
+            "rollout/logprob_kl (the engine-vs-trainer drift) is logged only by RL steps with "
+            "rollout.return_logprobs",
+        ))  # fmt: skip
     if cfg.train.max_tokens_per_micro_batch is not None:
         out.append((
             ["train.micro_batch_size"],

@@ -13,6 +13,7 @@ from keel.algo import (
     kl_penalty,
     masked_mean,
     sft_loss,
+    truncated_is_weights,
 )
 from keel.algo.spec import AlgorithmSpec
 from keel.engine.distributed import (
@@ -115,6 +116,7 @@ class ActorWorker(TrainableWorker):
             share_prompts=self.share_prompts,
         )
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+        weights = self._tis_weights(micro, old, spec.tis_cap)
         agg = partial(
             agg_loss,
             mode=spec.agg_mode,
@@ -131,6 +133,7 @@ class ActorWorker(TrainableWorker):
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             scale_factor=spec.loss_scale_factor,
+            token_weights=weights,
             **spec.policy_loss_kwargs,
         )
         entropy_term = agg(entropy, mask)
@@ -149,6 +152,22 @@ class ActorWorker(TrainableWorker):
             metrics["kl"] = kl.detach()
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+    @staticmethod
+    def _tis_weights(micro: Batch, old: torch.Tensor, cap: float | None) -> torch.Tensor | None:
+        """Truncated importance sampling (spec.tis_cap): min(π_old/π_rollout, cap) per token,
+        detached; None when off. π_old is the trainer's log-prob of the behaviour batch (the
+        recomputed old_logprobs, or under the on-policy shortcut the current ones, detached:
+        the same numbers), so the weight corrects the engine's mismatch and stays fixed over
+        the PPO epochs, while PPO's ratio π_θ/π_old follows the updates (as in verl)."""
+        if cap is None:
+            return None
+        if micro.rollout_logprobs is None:
+            raise ValueError(
+                "rollout.tis_cap is set but the batch has no rollout_logprobs: the rollout "
+                "engine returned no log-probs (rollout.return_logprobs)"
+            )
+        return truncated_is_weights(old, micro.rollout_logprobs, micro.response_mask, cap)
 
     def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
         """One optimizer update of negative log-likelihood on the response tokens."""
