@@ -69,12 +69,13 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "static_cache",
         "compile",
     }
+    assert "#   rollout.vllm: options of the vLLM engine; rollout.engine is hf" in out
     assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]
     assert "ppo_epochs" not in shown["train"] and "reference" not in shown["models"]
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
     assert (
         "#   rollout.n, rollout.temperature, rollout.return_logprobs, "
-        "rollout.share_prompt_prefill, rollout.tis_cap: " in out
+        "rollout.share_prompt_prefill, rollout.tis_cap, rollout.max_staleness: " in out
     )
     assert "# derived" in out
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0

@@ -22,7 +22,7 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
         if generates_eval:
             out.append((
                 ["rollout.n", "rollout.temperature", "rollout.return_logprobs",
-                 "rollout.share_prompt_prefill", "rollout.tis_cap"],
+                 "rollout.share_prompt_prefill", "rollout.tis_cap", "rollout.max_staleness"],
                 f"the {stage} stage samples no training responses; its evaluation generates one "
                 "response per prompt (eval.temperature) with rollout.max_new_tokens, top_p and "
                 "batch_size",
@@ -52,6 +52,8 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
             "rollout/logprob_kl (the engine-vs-trainer drift) is logged only by RL steps with "
             "rollout.return_logprobs",
         ))  # fmt: skip
+    if generates_eval and cfg.rollout.engine != "vllm":
+        out.append((["rollout.vllm"], "options of the vLLM engine; rollout.engine is hf"))
     if cfg.train.max_tokens_per_micro_batch is not None:
         out.append((
             ["train.micro_batch_size"],
