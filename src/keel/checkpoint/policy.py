@@ -1,0 +1,80 @@
+"""Which HF folder a user means by MODEL (`keel generate`, `keel eval`, `keel serve`): a run
+directory, one checkpoint of it, or a plain HF folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from keel.checkpoint.state import info_of, list_checkpoints
+
+CHECKPOINTS = "checkpoints"
+EXPORTED = "model"  # RUN_DIR/model: the policy a finished run exports
+
+
+class PolicyNotFound(ValueError):
+    """MODEL names nothing a policy can be loaded from; the message says what was looked for."""
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """folder: an HF causal-LM folder (config.json, weights, tokenizer). step: the training
+    step its weights are from (None for a plain HF folder or an exported model). run_dir: the
+    run it belongs to (None for a plain HF folder), whose config.yaml holds the run's data,
+    reward and prompt settings."""
+
+    folder: Path
+    step: int | None = None
+    run_dir: Path | None = None
+
+
+def resolve_policy(model: str | Path) -> PolicySource:
+    """MODEL → the policy folder.
+
+    - an HF folder (config.json): itself;
+    - a checkpoint (RUN_DIR/checkpoints/step_N, complete): its actor/ folder;
+    - a run directory: RUN_DIR/model when the run has finished and exported it, else the
+      newest healthy checkpoint's actor/.
+    A checkpoint that holds only a LoRA adapter is not a loadable folder: the error says to
+    use the run's exported (merged) model/."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise PolicyNotFound(f"{model}: no such file or directory")
+    if (path / "config.json").is_file():
+        run_dir = (
+            path.parent if path.name == EXPORTED and (path.parent / CHECKPOINTS).is_dir() else None
+        )
+        return PolicySource(path, None, run_dir)
+    if (path / "meta.json").is_file() and (path / "actor").exists():
+        return _checkpoint(path)
+    if (path / CHECKPOINTS).is_dir() or (path / EXPORTED).is_dir():
+        if (path / EXPORTED / "config.json").is_file():
+            return PolicySource(path / EXPORTED, None, path)
+        healthy = [c for c in list_checkpoints(path / CHECKPOINTS) if c.healthy]
+        if not healthy:
+            raise PolicyNotFound(
+                f"{model}: a run directory with neither an exported model/ nor a complete "
+                "healthy checkpoint under checkpoints/"
+            )
+        return _checkpoint(healthy[-1].path)
+    raise PolicyNotFound(
+        f"{model}: not an HF model folder (no config.json), a checkpoint (no meta.json and "
+        "actor/) or a run directory (no model/ or checkpoints/)"
+    )
+
+
+def newest_healthy_checkpoint(run_dir: Path) -> PolicySource | None:
+    """The newest complete healthy checkpoint of `run_dir` as a policy, or None."""
+    healthy = [c for c in list_checkpoints(run_dir / CHECKPOINTS, warn=False) if c.healthy]
+    return _checkpoint(healthy[-1].path) if healthy else None
+
+
+def _checkpoint(path: Path) -> PolicySource:
+    info = info_of(path)
+    actor = path / "actor"
+    if not (actor / "config.json").is_file():
+        raise PolicyNotFound(
+            f"{path}: this checkpoint holds only a LoRA adapter (actor/state.pt); use the run's "
+            f"exported model ({path.parent.parent / EXPORTED}, merged weights) instead"
+        )
+    return PolicySource(actor, info.step, path.parent.parent)
