@@ -1,4 +1,5 @@
-"""`keel` command line: train, config validate/show, demo, report, model create-tiny.
+"""`keel` command line: train, eval, generate, config validate/show, demo, report, model
+create-tiny.
 
 Bad input (config, data, model folder, reward function, run directory) prints one line
 `keel: error: …` and exits with status 2; `--debug` shows the traceback instead.
@@ -11,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_GUARD_STOP = 3  # the guard stopped the run (a stop rule, or the rollback cap)
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a run the guard stopped: reset its rollback budget and LR/KL scales",
     )
 
+    _add_eval(sub)
+    _add_generate(sub)
+
     config = sub.add_parser("config", help="check a config before running it")
     csub = config.add_subparsers(dest="config_command", required=True)
     for name, text in (("validate", "check a config"), ("show", "print the resolved config")):
@@ -74,6 +79,89 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MODEL_HELP = "a run directory, one of its checkpoints (RUN_DIR/checkpoints/step_N) or an HF folder"
+
+
+def _add_eval(sub: Any) -> None:
+    ev = sub.add_parser(
+        "eval", help="held-out evaluation of a saved policy: metrics and every prediction"
+    )
+    ev.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    ev.add_argument(
+        "--data",
+        metavar="FILE",
+        help="a .jsonl/.parquet file or builtin:arithmetic "
+        "(its held-out split); default: the run's eval data",
+    )
+    ev.add_argument(
+        "--reward",
+        metavar="SPEC",
+        help="builtin:NAME (or NAME), path/file.py:fn "
+        "or module:fn; default: the run's reward, else builtin:numeric_match",
+    )
+    ev.add_argument(
+        "--out",
+        type=Path,
+        help="output folder; default RUN_DIR/eval/step_N (or "
+        "RUN_DIR/eval/model), else ./keel-eval/NAME-TIME",
+    )
+    ev.add_argument("--temperature", type=_non_negative, default=0.0, help="0 (default): greedy")
+    ev.add_argument("--max-new-tokens", type=_positive, help="default: the run's eval length")
+    ev.add_argument("--batch-size", type=_positive, help="prompts per generate call")
+    ev.add_argument("--limit", type=_positive, metavar="N", help="only the first N examples")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_overrides(ev)
+
+
+def _add_generate(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="the policy's responses to prompts (greedy by default)")
+    gen.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    gen.add_argument(
+        "prompts",
+        nargs="+",
+        metavar="PROMPT",
+        help="a prompt; - reads one prompt per line of stdin",
+    )
+    gen.add_argument("--temperature", type=_non_negative, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (temperature > 0)")
+    gen.add_argument(
+        "--max-new-tokens", type=_positive, help="default: the run's eval length, else 64"
+    )
+    gen.add_argument("-n", type=_positive, default=1, help="responses per prompt")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the tokenizer's chat template (default: the run's)",
+    )
+    gen.add_argument(
+        "--max-prompt-length",
+        type=_positive,
+        help="default: the run's, else 1024 (within the model's context)",
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON line per response (finish reason, token count)",
+    )
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    _add_overrides(gen)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
 def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-6 (repeatable)")  # fmt: skip
@@ -84,7 +172,8 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 # was never imported cannot have been raised, and `keel config validate` stays free of torch
 # and transformers imports.
 USER_ERRORS = (
-    ("keel.checkpoint.state", "CheckpointError"), ("keel.config.loading", "ConfigError"),
+    ("keel.checkpoint.policy", "PolicyNotFound"), ("keel.checkpoint.state", "CheckpointError"),
+    ("keel.config.loading", "ConfigError"),
     ("keel.controller.resume", "RunDirError"), ("keel.data.files", "DataError"),
     ("keel.guard.decisions", "GuardStateError"), ("keel.models.loading", "ModelLoadError"),
     ("keel.monitor.optional", "MissingPackageError"),
@@ -144,6 +233,24 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.config, args.set, run_dir=args.run_dir, overwrite=args.overwrite,
             resume=args.resume, reset_guard=args.reset_guard,
         )  # fmt: skip
+    if args.command == "eval":
+        from keel.cli.eval_cmd import EvalOptions, eval_model
+
+        options = EvalOptions(
+            data=args.data, reward=args.reward, temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
+            out=args.out, progress=not args.no_progress,
+        )  # fmt: skip
+        return eval_model(args.model, options, args.set)
+    if args.command == "generate":
+        from keel.cli.generate_cmd import GenerateOptions, generate
+
+        options = GenerateOptions(
+            temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+            n=args.n, chat=args.chat, max_prompt_length=args.max_prompt_length, json=args.json,
+            seed=args.seed,
+        )  # fmt: skip
+        return generate(args.model, args.prompts, options, args.set)
     if args.command == "demo":
         from keel.cli.demo import demo
 

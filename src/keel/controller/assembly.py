@@ -16,6 +16,7 @@ from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts
+from keel.data.examples import Example
 from keel.data.preference import load_preference_pairs, preference_splits
 from keel.data.saved import choose_split
 from keel.models import ModelLoadError, resolve_model_path
@@ -36,7 +37,7 @@ from keel.workers.group import weight_push
 __all__ = [
     "BUILTIN_TASK", "PAIR_STAGES", "PREFERENCE_TASK", "ROLES", "Datasets", "Roles",
     "assemble_roles", "build_reward", "build_roles", "build_workers", "check_context_length",
-    "fit_prompt_lengths", "load_datasets", "role_names",
+    "fit_prompt_lengths", "load_datasets", "load_eval_examples", "role_names",
 ]  # fmt: skip
 
 BUILTIN_TASK = "builtin:arithmetic"
@@ -81,19 +82,45 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec) -> Datasets:
         d,
         BUILTIN_TASK,
         lambda: arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed),
-        lambda path: load_examples(
-            path,
-            prompt_key=d.prompt_key,
-            answer_key=d.answer_key,
-            response_key=d.response_key,
-            messages_key=d.messages_key,
-            require=need,
-            on_bad_row=d.on_bad_row,
-            bad_rows=bad_rows,
-        ),
+        _example_file(d, need, bad_rows),
     )
     data.bad_rows = bad_rows
     return data
+
+
+def load_eval_examples(cfg: KeelConfig, bad_rows: list[str] | None = None) -> list[Example]:
+    """The held-out examples training evaluates on (`keel eval`): data.eval, or the built-in
+    task's held-out split when data.train is the task. Rows need a prompt; the errors of rows
+    left out under `data.on_bad_row: skip` are appended to `bad_rows`."""
+    d, a = cfg.data, cfg.data.arithmetic
+    source = d.eval or (BUILTIN_TASK if d.train == BUILTIN_TASK else None)
+    if source is None:
+        raise DataError(
+            f"data.eval: no held-out data (data.train is {d.train} and data.eval is unset); "
+            "name a .jsonl/.parquet file or builtin:arithmetic"
+        )
+    if source == BUILTIN_TASK:
+        return arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)[1]
+    if source.startswith("builtin:"):
+        raise DataError(f"data.eval: unknown built-in dataset {source!r} (known: {BUILTIN_TASK})")
+    load = _example_file(d, ("prompt",), [] if bad_rows is None else bad_rows)
+    return load(choose_split(Path(source), "eval"))
+
+
+def _example_file(
+    d: DataConfig, need: tuple[str, ...], bad_rows: list[str]
+) -> Callable[[Path], list[Example]]:
+    """Loads the Examples of one file with the data section's keys and bad-row policy."""
+    return lambda path: load_examples(
+        path,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        response_key=d.response_key,
+        messages_key=d.messages_key,
+        require=need,
+        on_bad_row=d.on_bad_row,
+        bad_rows=bad_rows,
+    )
 
 
 def _load_sources(
@@ -148,7 +175,7 @@ def fit_prompt_lengths(tokenizer: Any, data: Datasets, cfg: DataConfig) -> Datas
         return replace(data, truncated_prompts=len(found), long_prompts=_describe(found))
     too_long = {id(ex) for ex, _ in found}
     train = [ex for ex in data.train if id(ex) not in too_long]
-    if not train:
+    if data.train and not train:
         raise DataError(
             f"data.train ({cfg.train}): every prompt is longer than data.max_prompt_length "
             f"({limit}), so data.truncation: drop leaves nothing to train on"

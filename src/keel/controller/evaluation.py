@@ -1,15 +1,126 @@
-"""Held-out evaluation: generate (greedy by default), score, report accuracy."""
+"""Held-out evaluation: generate (greedy by default), score, report accuracy.
+
+One function, `evaluate_examples`, serves training's periodic evaluation (the `eval/*` metrics)
+and `keel eval` (the same metrics plus every example's prediction)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from keel.config.schema import EvalConfig, KeelConfig, RolloutConfig
 from keel.data.examples import Example
 from keel.rollout import SamplingParams
+from keel.types import Batch
 from keel.workers.group import WorkerGroup
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One evaluated example: the prompt as in the dataset (text or chat messages), the
+    generated response, the reference answer, its score, the response's length in tokens (EOS
+    included, as eval/length_mean counts it), why it ended (`stop` | `length`) and where the
+    example came from (file:line, or builtin:…#i)."""
+
+    prompt: str | list[dict[str, Any]]
+    response: str
+    answer: str | None
+    score: float
+    length: int
+    finish_reason: str
+    source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The prediction as one JSON object (a row of predictions.jsonl)."""
+        return {
+            "source": self.source,
+            "prompt": self.prompt,
+            "response": self.response,
+            "answer": self.answer,
+            "score": self.score,
+            "length": self.length,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class Evaluation:
+    """metrics: eval/accuracy, eval/reward_mean, eval/length_mean, eval/reward_errors;
+    predictions: one per example, in the examples' order."""
+
+    metrics: dict[str, float]
+    predictions: list[Prediction]
+
+
+def eval_sampling(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> SamplingParams:
+    """One response per prompt at eval.temperature (greedy at 0, the default); top-p as the
+    rollout's when sampling; eval.max_new_tokens, default rollout.max_new_tokens."""
+    return SamplingParams(
+        n=1,
+        temperature=eval_cfg.temperature,
+        top_p=1.0 if eval_cfg.temperature == 0 else rollout_cfg.top_p,
+        max_new_tokens=eval_cfg.max_new_tokens or rollout_cfg.max_new_tokens,
+    )
+
+
+def evaluate_examples(
+    rollout: WorkerGroup,
+    reward: WorkerGroup,
+    examples: Sequence[Example],
+    eval_cfg: EvalConfig,
+    rollout_cfg: RolloutConfig,
+    on_batch: Callable[[int], None] | None = None,
+) -> Evaluation:
+    """Generate for `examples` in chunks of eval.batch_size, score with the reward role (its
+    running statistics untouched), and measure. eval/accuracy: fraction of responses scoring
+    ≥ eval.correct_threshold; eval/reward_mean; eval/length_mean (response tokens, EOS
+    included); eval/reward_errors (responses scored with reward.fallback_score because the
+    reward function failed). `on_batch(n)` is told how many examples each chunk finished."""
+    sampling = eval_sampling(eval_cfg, rollout_cfg)
+    scores, lengths, errors = [], [], 0
+    predictions: list[Prediction] = []
+    for start in range(0, len(examples), eval_cfg.batch_size):
+        chunk = list(examples[start : start + eval_cfg.batch_size])
+        batch = rollout.call("generate", chunk, sampling=sampling)
+        batch = reward.call("score", batch, update_stats=False)  # eval never moves the stats
+        scores.append(batch.scores)
+        errors += int(batch.meta.get("reward_errors", 0))
+        lengths.append(batch.response_mask.sum(dim=1))
+        predictions.extend(_predictions(batch, chunk))
+        if on_batch is not None:
+            on_batch(len(chunk))
+    s, n = torch.cat(scores), torch.cat(lengths)
+    metrics = {
+        "eval/accuracy": (s >= eval_cfg.correct_threshold).float().mean().item(),
+        "eval/reward_mean": s.mean().item(),
+        "eval/length_mean": n.float().mean().item(),
+        "eval/reward_errors": float(errors),
+    }
+    return Evaluation(metrics, predictions)
+
+
+def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
+    """The scored rows of `batch` (one per example, in order) as predictions."""
+    assert batch.scores is not None and batch.responses is not None
+    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    reasons = batch.finish_reasons or [""] * len(batch)
+    return [
+        Prediction(
+            prompt=ex.prompt,
+            response=response,
+            answer=ex.answer,
+            score=float(score),
+            length=int(length),
+            finish_reason=reason,
+            source=ex.source,
+        )
+        for ex, response, score, length, reason in zip(
+            examples, batch.responses, batch.scores.tolist(), lengths, reasons, strict=True
+        )
+    ]
 
 
 def evaluate(
@@ -19,30 +130,8 @@ def evaluate(
     eval_cfg: EvalConfig,
     rollout_cfg: RolloutConfig,
 ) -> dict[str, float]:
-    """eval/accuracy: fraction of responses scoring ≥ eval.correct_threshold;
-    eval/reward_mean; eval/length_mean (response tokens, EOS included); eval/reward_errors
-    (responses scored with reward.fallback_score because the reward function failed)."""
-    sampling = SamplingParams(
-        n=1,
-        temperature=eval_cfg.temperature,
-        top_p=1.0 if eval_cfg.temperature == 0 else rollout_cfg.top_p,
-        max_new_tokens=eval_cfg.max_new_tokens or rollout_cfg.max_new_tokens,
-    )
-    scores, lengths, errors = [], [], 0
-    for start in range(0, len(examples), eval_cfg.batch_size):
-        chunk = list(examples[start : start + eval_cfg.batch_size])
-        batch = rollout.call("generate", chunk, sampling=sampling)
-        batch = reward.call("score", batch, update_stats=False)  # eval never moves the stats
-        scores.append(batch.scores)
-        errors += int(batch.meta.get("reward_errors", 0))
-        lengths.append(batch.response_mask.sum(dim=1))
-    s, n = torch.cat(scores), torch.cat(lengths)
-    return {
-        "eval/accuracy": (s >= eval_cfg.correct_threshold).float().mean().item(),
-        "eval/reward_mean": s.mean().item(),
-        "eval/length_mean": n.float().mean().item(),
-        "eval/reward_errors": float(errors),
-    }
+    """The eval/* metrics of `evaluate_examples` (training logs these)."""
+    return evaluate_examples(rollout, reward, examples, eval_cfg, rollout_cfg).metrics
 
 
 def evaluate_policy(roles, examples: Sequence[Example], cfg: KeelConfig) -> dict[str, float]:

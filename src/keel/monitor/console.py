@@ -1,4 +1,5 @@
-"""The console sink: a rich progress bar whose description carries the headline numbers."""
+"""The console: the training sink (a rich progress bar whose description carries the headline
+numbers) and a plain progress bar over items (`ItemProgress`, for `keel eval`)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,39 @@ def headline(metrics: Mapping[str, float], measured_at: Mapping[str, int] | None
                 part += f" (step {measured_at[key]})"
             parts.append(part)
     return "  ".join(parts)
+
+
+class ItemProgress:
+    """A progress bar over `total` items (e.g. the examples `keel eval` answers) on stderr when
+    it is a terminal; nothing when it is not, or when `enabled` is False. A context manager."""
+
+    def __init__(self, total: int, *, title: str, enabled: bool = True):
+        self.console = Console(stderr=True)
+        self.progress: Progress | None = None
+        if enabled and self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]{task.fields[title]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self.task = self.progress.add_task("", total=total, title=title)
+            self.progress.start()
+
+    def advance(self, n: int) -> None:
+        """`n` more items are done."""
+        if self.progress is not None:
+            self.progress.update(self.task, advance=n)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> ItemProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
