@@ -10,6 +10,7 @@ checkpoint), RUN_DIR/eval/model (the run's exported model) or ./keel-eval/NAME-T
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ class EvalOptions:
 
     data: str | None = None
     reward: str | None = None
-    temperature: float = 0.0
+    temperature: float | None = None
     max_new_tokens: int | None = None
     batch_size: int | None = None
     limit: int | None = None
@@ -67,8 +68,11 @@ def eval_model(model: str, options: EvalOptions, overrides: Sequence[str] = ()) 
 
 def _settings(options: EvalOptions) -> dict[str, Any]:
     """The config keys the command's options set (None: left as the config has them)."""
+    data = options.data
+    if data is not None and not data.startswith("builtin:"):
+        data = os.path.abspath(os.path.expanduser(data))  # relative to the working directory
     return {
-        "data.eval": options.data,
+        "data.eval": data,
         "reward.fn": reward_spec(options.reward) if options.reward is not None else None,
         "eval.temperature": options.temperature,
         "eval.max_new_tokens": options.max_new_tokens,
@@ -117,9 +121,9 @@ def _summary(source: Any, cfg: Any, job: Any, metrics: dict[str, float]) -> dict
     return {
         "metrics": metrics,
         "examples": len(job.examples),
-        "model": str(source.folder),
+        "model": os.path.abspath(source.folder),
         "step": source.step,
-        "run_dir": str(source.run_dir) if source.run_dir is not None else None,
+        "run_dir": os.path.abspath(source.run_dir) if source.run_dir is not None else None,
         "data": cfg.data.eval or cfg.data.train,
         "reward": cfg.models.reward or cfg.reward.fn,
         "sampling": {

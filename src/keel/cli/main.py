@@ -105,7 +105,11 @@ def _add_eval(sub: Any) -> None:
         help="output folder; default RUN_DIR/eval/step_N (or "
         "RUN_DIR/eval/model), else ./keel-eval/NAME-TIME",
     )
-    ev.add_argument("--temperature", type=_non_negative, default=0.0, help="0 (default): greedy")
+    ev.add_argument(
+        "--temperature",
+        type=_non_negative,
+        help="0: greedy; default: the run's eval.temperature (0 unless the run set it)",
+    )
     ev.add_argument("--max-new-tokens", type=_positive, help="default: the run's eval length")
     ev.add_argument("--batch-size", type=_positive, help="prompts per generate call")
     ev.add_argument("--limit", type=_positive, metavar="N", help="only the first N examples")
