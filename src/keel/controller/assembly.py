@@ -97,7 +97,7 @@ def load_eval_examples(cfg: KeelConfig, bad_rows: list[str] | None = None) -> li
     if source is None:
         raise DataError(
             f"data.eval: no held-out data (data.train is {d.train} and data.eval is unset); "
-            "name a .jsonl/.parquet file or builtin:arithmetic"
+            "name a .jsonl/.parquet file or builtin:arithmetic (keel eval: --data)"
         )
     if source == BUILTIN_TASK:
         return arithmetic_splits(a.max_operand, a.ops, a.eval_size, a.seed)[1]

@@ -81,11 +81,23 @@ def check_fits(cfg: KeelConfig, max_new_tokens: int) -> None:
         )
 
 
-def build_rollout(cfg: KeelConfig) -> WorkerGroup:
+def policy_tokenizer(cfg: KeelConfig) -> Any:
+    """The policy's tokenizer; a ModelLoadError when data.apply_chat_template is on and it has
+    no chat template."""
+    tokenizer = load_tokenizer(cfg.models.actor)
+    if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(
+            f"{cfg.models.actor}: its tokenizer has no chat template, so prompts cannot be "
+            "wrapped as chat messages (data.apply_chat_template, --chat); use plain prompts"
+        )
+    return tokenizer
+
+
+def build_rollout(cfg: KeelConfig, tokenizer: Any = None) -> WorkerGroup:
     """A rollout worker group on the engine rollout.engine names, with its own frozen copy of
     models.actor on resources.device (in models.dtype) and the data section's prompt options
     (chat template, max_prompt_length, truncation)."""
-    tokenizer = load_tokenizer(cfg.models.actor)
+    tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(cfg)
     return LocalWorkerGroup("rollout", [rollout_worker(cfg, tokenizer, None)])
 
 
@@ -125,9 +137,8 @@ def prepare_eval(cfg: KeelConfig, limit: int | None = None) -> EvalJob:
     examples = load_eval_examples(cfg, bad_rows)
     if limit is not None:
         examples = examples[:limit]
-    fitted = fit_prompt_lengths(
-        load_tokenizer(cfg.models.actor), Datasets(train=[], eval=examples), cfg.data
-    )
+    tokenizer = policy_tokenizer(cfg)
+    fitted = fit_prompt_lengths(tokenizer, Datasets(train=[], eval=examples), cfg.data)
     if not fitted.eval:
         raise DataError(
             f"data.eval ({cfg.data.eval or cfg.data.train}): every prompt is longer than "
@@ -138,7 +149,7 @@ def prepare_eval(cfg: KeelConfig, limit: int | None = None) -> EvalJob:
     return EvalJob(
         cfg,
         fitted.eval,
-        build_rollout(cfg),
+        build_rollout(cfg, tokenizer),
         LocalWorkerGroup("reward", [reward_worker(cfg, scorer)]),
         bad_rows,
         dropped=fitted.dropped_prompts,
