@@ -160,10 +160,41 @@ class RewardModelConfig(Section):
     batch_size: int = Field(64, ge=1, description="sequences per reward-model forward")
 
 
+class RewardHTTPConfig(Section):
+    """Requests to a reward service (reward.url)."""
+
+    batch_size: int = Field(64, ge=1, description="rows per request")
+    timeout_s: float = Field(30.0, gt=0, description="time limit of one request attempt")
+    retries: int = Field(
+        3,
+        ge=0,
+        description="retries of a request that failed to connect, timed out, or got "
+        "429 or a 5xx status",
+    )
+    backoff_s: float = Field(0.5, ge=0, description="wait before retry k: backoff_s · 2^k")
+    api_key_env: str = Field(
+        "KEEL_REWARD_API_KEY",
+        description="environment variable holding a bearer token for the service (unset: none)",
+    )
+
+
+def _http_url(url: str | None) -> str | None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    return url
+
+
 class RewardConfig(Section):
-    """The reward: a built-in verifier or a user function `module:fn` / `path/file.py:fn`."""
+    """The reward: a built-in verifier, a user function `module:fn` / `path/file.py:fn`, or an
+    HTTP reward service (`url`)."""
 
     fn: str = Field("builtin:numeric_match", description="builtin:NAME, module:fn or file.py:fn")
+    url: Annotated[str | None, AfterValidator(_http_url)] = Field(
+        None,
+        description="score through an HTTP reward service (keel serve --reward, docs/serving.md) "
+        "instead of reward.fn",
+    )
+    http: RewardHTTPConfig = RewardHTTPConfig()
     signature: Literal["row", "trl"] = Field(
         "row",
         description="row: fn(prompt, response, answer, **kwargs) -> float per row; trl: "

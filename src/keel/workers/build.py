@@ -4,6 +4,7 @@ and every Ray rank (keel.workers.ray_group) call build_workers; `Roles` holds th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from keel.models import (
 )
 from keel.models.lora import wrap_lora
 from keel.rewards import BatchRewardScorer, RewardScorer, load_reward_fn
+from keel.rewards.remote import RemoteRewardScorer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
@@ -61,24 +63,34 @@ class Roles:
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer:
-    """The reward.fn scorer: per row, or with reward.signature: trl one call per batch."""
+    """The reward scorer: the HTTP service at reward.url, or reward.fn per row, or with
+    reward.signature: trl one call per batch."""
     r, answer_key = cfg.reward, cfg.data.answer_key
+    policy = {
+        "kwargs": dict(r.kwargs),
+        "on_error": r.on_error,
+        "fallback_score": r.fallback_score,
+        "timeout_s": r.timeout_s,
+        "max_concurrency": r.max_concurrency,
+        "max_error_rate": r.max_error_rate,
+        "max_hung_calls": r.max_hung_calls,
+        "max_abs": r.max_abs,
+    }
+    if r.url is not None:
+        h = r.http
+        return RemoteRewardScorer(
+            r.url,
+            batch_size=h.batch_size,
+            retries=h.retries,
+            backoff_s=h.backoff_s,
+            request_timeout_s=h.timeout_s,
+            api_key=os.environ.get(h.api_key_env) or None,
+            **policy,
+        )
     fn = load_reward_fn(r.fn, signature=r.signature, keywords=[answer_key, *r.kwargs])
-    batched = {"answer_key": answer_key} if r.signature == "trl" else {}
-    scorer_cls = BatchRewardScorer if batched else RewardScorer
-    return scorer_cls(
-        fn,
-        **batched,
-        kwargs=dict(cfg.reward.kwargs),
-        on_error=cfg.reward.on_error,
-        fallback_score=cfg.reward.fallback_score,
-        timeout_s=cfg.reward.timeout_s,
-        max_concurrency=cfg.reward.max_concurrency,
-        max_error_rate=cfg.reward.max_error_rate,
-        max_hung_calls=cfg.reward.max_hung_calls,
-        max_abs=cfg.reward.max_abs,
-        name=cfg.reward.fn,
-    )
+    if r.signature == "trl":
+        return BatchRewardScorer(fn, answer_key=answer_key, name=r.fn, **policy)
+    return RewardScorer(fn, name=r.fn, **policy)
 
 
 ROLES = ("actor", "rollout", "reference", "critic", "reward")

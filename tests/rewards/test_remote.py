@@ -1,0 +1,142 @@
+"""Scoring through an HTTP reward service: a real server on 127.0.0.1 that scores, fails,
+stalls and refuses as told, against the retries, time-outs and the error policy."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from keel.rewards import RewardError
+from keel.rewards.remote import RemoteRewardScorer
+
+
+class Service:
+    """A reward service: score = len(response) + the answer; `plan` gives, per request, what
+    to do instead: an HTTP status to fail with, "stall" (sleep past the client's time-out) or
+    "short" (one score too few)."""
+
+    def __init__(self):
+        self.plan: list = []
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with service.lock:
+                    service.requests.append(body)
+                    service.headers.append(dict(self.headers))
+                    action = service.plan.pop(0) if service.plan else None
+                    service.in_flight += 1
+                    service.max_in_flight = max(service.max_in_flight, service.in_flight)
+                try:
+                    time.sleep(0.05)  # long enough for concurrent requests to overlap
+                    if action == "stall":
+                        time.sleep(1.0)
+                    if isinstance(action, int):
+                        self.reply(action, {"error": {"message": f"told to fail with {action}"}})
+                        return
+                    items = body["items"]
+                    scores = [len(i["response"]) + float(i["answer"] or 0) for i in items]
+                    self.reply(200, {"scores": scores[:-1] if action == "short" else scores})
+                finally:
+                    with service.lock:
+                        service.in_flight -= 1
+
+            def reply(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def service():
+    s = Service()
+    yield s
+    s.server.shutdown()
+    s.server.server_close()
+
+
+ROWS = (
+    ["p"] * 7,
+    ["a", "bb", "ccc", "dddd", "e", "ff", "ggg"],
+    ["1", "0", "1", "0", "1", "0", "1"],
+)
+
+
+def scorer(url, **kw):
+    options = {"batch_size": 3, "backoff_s": 0.01, "request_timeout_s": 0.5, "retries": 2}
+    return RemoteRewardScorer(url, **{**options, **kw})
+
+
+def test_rows_are_scored_in_order_in_concurrent_batches_with_the_token(service):
+    scores, errors = scorer(service.url, max_concurrency=2, api_key="s3cret").score(*ROWS)
+    assert scores == [2.0, 2.0, 4.0, 4.0, 2.0, 2.0, 4.0] and errors == 0
+    assert [len(r["items"]) for r in service.requests] == [3, 3, 1]
+    assert service.max_in_flight == 2  # two requests at once, never more
+    assert all(h["Authorization"] == "Bearer s3cret" for h in service.headers)
+    assert service.requests[0]["items"][0] == {"prompt": "p", "response": "a", "answer": "1"}
+
+
+def test_transient_failures_are_retried_with_backoff(service):
+    service.plan = [503, 429, "stall"]  # the first request fails three times, then succeeds
+    start = time.perf_counter()
+    scores, errors = scorer(service.url, retries=3, backoff_s=0.05).score(*ROWS)
+    assert errors == 0 and scores[0] == 2.0
+    assert len(service.requests) == 3 + 3  # 3 failed attempts, then 3 batches
+    assert time.perf_counter() - start >= 0.05 + 0.1 + 0.2  # backoff 0.05 · 2^k
+
+
+def test_a_request_that_keeps_failing_goes_through_the_error_policy(service):
+    service.plan = [500] * 3
+    with pytest.raises(RewardError, match=r"3 attempts failed, the last with HTTP 500"):
+        scorer(service.url).score(*ROWS)
+    service.plan = [500] * 3
+    scores, errors = scorer(service.url, on_error="fallback", fallback_score=-1.0).score(*ROWS)
+    assert scores[:3] == [-1.0] * 3 and scores[3:] == [4.0, 2.0, 2.0, 4.0] and errors == 3
+
+
+def test_a_refusal_is_not_retried_and_says_why(service):
+    service.plan = [401]
+    with pytest.raises(RewardError, match=r"refused the request: HTTP 401: .*told to fail"):
+        scorer(service.url).score(*ROWS)
+    assert len(service.requests) == 3  # one per batch: the refused one was not retried
+
+
+def test_a_wrong_number_of_scores_and_a_dead_service_are_errors(service):
+    service.plan = ["short"]
+    with pytest.raises(RewardError, match="answered 2 instead of"):
+        scorer(service.url).score(*ROWS)
+    url = service.url
+    service.server.shutdown()
+    service.server.server_close()
+    with pytest.raises(RewardError, match="3 attempts failed"):
+        scorer(url).score(*ROWS)
+
+
+def test_grpo_trains_with_rewards_from_the_service(service, tiny_grpo):
+    from keel.controller import run_training
+    from keel.monitor import read_metrics
+
+    cfg = tiny_grpo("train.steps=1", f"reward.url={service.url}", "reward.http.batch_size=5")
+    run_training(cfg)
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    step = next(r for r in rows if r["step"] == 1)
+    assert step["reward/mean"] > 0 and step["reward/errors"] == 0
+    assert sum(len(r["items"]) for r in service.requests) >= 16  # the step's 16 rows
