@@ -17,7 +17,8 @@ LAYERS = {
     "rollout": 3, "checkpoint": 3,
     "workers": 4,
     "controller": 5,
-    "cli": 6,
+    "serve": 6,
+    "cli": 7,
 }  # fmt: skip
 
 

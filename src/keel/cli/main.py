@@ -1,5 +1,5 @@
 """`keel` command line: train, eval, generate, config validate/show, demo, report, model
-create-tiny.
+create-tiny, serve.
 
 Bad input (config, data, model folder, reward function, run directory) prints one line
 `keel: error: …` and exits with status 2; `--debug` shows the traceback instead.
@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from keel.cli.serve_cmd import add_serve_parser
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_GUARD_STOP = 3  # the guard stopped the run (a stop rule, or the rollback cap)
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
+    add_serve_parser(sub)
     return parser
 
 
@@ -263,6 +266,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from keel.cli.report_cmd import report
 
         return report(args.run_dirs, args.out)
+    if args.command == "serve":
+        from keel.cli.serve_cmd import serve
+
+        return serve(args)
     if args.command == "model":
         from keel.models import TinyModelSpec, create_tiny_model
 

@@ -1,0 +1,83 @@
+"""Generation on the served `RolloutEngine`: the batching queue's runner for text requests.
+
+Every row of a batch is one prompt (a request with n > 1 or several prompts submits several
+rows), sampled with `n = 1`, so requests that differ only in n or in their prompts share one
+`engine.generate` call. The key of a row is its sampling settings (`SamplingParams` with n = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from keel.data.examples import Example
+from keel.rollout.protocol import RolloutEngine, SamplingParams
+from keel.types import Batch
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response.
+
+    token_ids: the response's tokens without a closing EOS; text: their decoded text;
+    logprobs: each token's log-prob under logits / temperature (None when the engine gives none);
+    tokens: every token the engine generated (the EOS included), for usage;
+    finish_reason: "stop" (an EOS) or "length"; step: the training step of the weights."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    tokens: int
+    finish_reason: str
+    step: int | None
+
+
+class GenerationRunner:
+    """Runs batches of prompts on `engine` (a `BatchRunner` of `keel.serve.batching`).
+
+    step: the training step of the engine's weights (None: not from a checkpoint);
+    `load_weights` replaces them (call it on the queue's worker thread, between batches)."""
+
+    def __init__(self, engine: RolloutEngine, step: int | None):
+        self.engine = engine
+        self.step = step
+
+    def __call__(self, key: SamplingParams, rows: Sequence[Example]) -> list[Generation]:
+        batch = self.engine.generate(list(rows), key)
+        return generations(batch, self.step)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+        """The engine answers with `state` (HF names → tensors) from the next batch on."""
+        self.engine.update_weights(state, step)
+        self.step = step
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def generations(batch: Batch, step: int | None) -> list[Generation]:
+    """One `Generation` per row of an engine's batch (layout of `RolloutEngine.generate`)."""
+    assert batch.input_ids is not None and batch.response_mask is not None
+    assert batch.responses is not None and batch.finish_reasons is not None
+    width = batch.response_mask.shape[1]
+    responses = batch.input_ids[:, -width:].tolist()
+    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    logps = batch.rollout_logprobs.tolist() if batch.rollout_logprobs is not None else None
+    eos = set(batch.meta.get("eos_token_ids", ()))
+    out = []
+    for i, (ids, n) in enumerate(zip(responses, lengths, strict=True)):
+        kept = ids[:n]
+        visible = n - 1 if kept and kept[-1] in eos else n
+        out.append(
+            Generation(
+                token_ids=kept[:visible],
+                text=batch.responses[i],
+                logprobs=logps[i][:visible] if logps is not None else None,
+                tokens=n,
+                finish_reason=batch.finish_reasons[i],
+                step=step,
+            )
+        )
+    return out

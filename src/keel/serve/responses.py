@@ -1,0 +1,223 @@
+"""Turning generations into OpenAI's response bodies and stream chunks.
+
+Stop sequences: the engine generates up to max_tokens (HF `generate` has no stop strings), then
+the text is cut before the first stop sequence it contains, the finish reason becomes "stop", and
+the tokens, log-probs and completion-token count keep only the tokens that produced the kept text.
+
+Streaming: the engine returns a finished generation, so a stream delivers it as one chunk per
+token (the text each token adds) once the whole batch is done, then the finish reason and
+`data: [DONE]`: the chunks and the final text are OpenAI's, the time to the first token is the
+time to the last."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from keel.serve.generation import Generation
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One choice as answered: its text, why it ended, the completion tokens it counts, and per
+    token (when asked for) the text each token adds and its log-prob."""
+
+    text: str
+    finish_reason: str
+    tokens: int
+    pieces: list[str] | None = None
+    logprobs: list[float] | None = None
+
+
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The text each token adds to the decoded text (prefix decoding, so multi-token characters
+    and tokenizers that merge spaces come out right); the pieces join to the whole text."""
+    pieces: list[str] = []
+    shown = ""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if text.endswith("\ufffd") and k < len(ids):  # half a character: wait for the rest
+            pieces.append("")
+            continue
+        pieces.append(text[len(shown) :])  # (a decoder that rewrites earlier text: approximate)
+        shown = text
+    return pieces
+
+
+def answer(gen: Generation, stops: Sequence[str], tokenizer: Any, per_token: bool) -> Answer:
+    """`gen` as answered: cut at the first stop sequence; per_token: with pieces and log-probs."""
+    pieces = token_pieces(tokenizer, gen.token_ids) if (per_token or stops) else None
+    cut = first_stop(gen.text, stops)
+    if cut is None:
+        return Answer(gen.text, gen.finish_reason, gen.tokens, pieces, gen.logprobs)
+    assert pieces is not None
+    kept: list[str] = []
+    used = 0
+    for piece in pieces:
+        if used >= cut:
+            break
+        kept.append(piece[: cut - used])
+        used += len(piece)
+    logprobs = gen.logprobs[: len(kept)] if gen.logprobs is not None else None
+    return Answer(gen.text[:cut], "stop", len(kept), kept, logprobs)
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop sequence starts in `text` (None: none occurs)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, answers: Sequence[Answer]) -> dict[str, int]:
+    completion = sum(a.tokens for a in answers)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def fingerprint(step: int | None) -> str:
+    """system_fingerprint: which weights answered (the training step of the checkpoint)."""
+    return "keel" if step is None else f"keel-step-{step}"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body of one request shares."""
+
+    id: str
+    model: str
+    step: int | None
+    created: int
+
+    @classmethod
+    def new(cls, prefix: str, model: str, step: int | None) -> Reply:
+        return cls(new_id(prefix), model, step, int(time.time()))
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": fingerprint(self.step),
+        }
+
+
+# ---------------------------------------------------------------------------- completions
+def completion_logprobs(a: Answer) -> dict[str, Any] | None:
+    if a.pieces is None or a.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for piece in a.pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {
+        "tokens": a.pieces,
+        "token_logprobs": a.logprobs,
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def completion_body(
+    reply: Reply, answers: Sequence[Answer], prompt_tokens: int, logprobs: bool
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "text": a.text,
+            "logprobs": completion_logprobs(a) if logprobs else None,
+            "finish_reason": a.finish_reason,
+        }
+        for i, a in enumerate(answers)
+    ]
+    return {
+        **reply.head("text_completion"),
+        "choices": choices,
+        "usage": usage(prompt_tokens, answers),
+    }
+
+
+def completion_chunks(
+    reply: Reply, answers: Sequence[Answer], prompt_tokens: int, include_usage: bool
+) -> Iterator[bytes]:
+    """SSE events of a streamed completion: each choice's pieces, its finish, [DONE]."""
+    head = reply.head("text_completion")
+    for i, a in enumerate(answers):
+        for piece in a.pieces or [a.text]:
+            if piece:
+                choice = {"index": i, "text": piece, "logprobs": None, "finish_reason": None}
+                yield sse({**head, "choices": [choice]})
+        done = {"index": i, "text": "", "logprobs": None, "finish_reason": a.finish_reason}
+        yield sse({**head, "choices": [done]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, answers)})
+    yield DONE
+
+
+# ---------------------------------------------------------------------------- chat
+def chat_logprobs(a: Answer) -> dict[str, Any] | None:
+    if a.pieces is None or a.logprobs is None:
+        return None
+    content = [
+        {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")), "top_logprobs": []}
+        for p, lp in zip(a.pieces, a.logprobs, strict=False)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def chat_body(
+    reply: Reply, answers: Sequence[Answer], prompt_tokens: int, logprobs: bool
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": a.text, "refusal": None},
+            "logprobs": chat_logprobs(a) if logprobs else None,
+            "finish_reason": a.finish_reason,
+        }
+        for i, a in enumerate(answers)
+    ]
+    return {
+        **reply.head("chat.completion"),
+        "choices": choices,
+        "usage": usage(prompt_tokens, answers),
+    }
+
+
+def chat_chunks(
+    reply: Reply, answers: Sequence[Answer], prompt_tokens: int, include_usage: bool
+) -> Iterator[bytes]:
+    """SSE events of a streamed chat completion: per choice a role delta, its content deltas
+    and its finish; then [DONE]."""
+    head = reply.head("chat.completion.chunk")
+
+    def event(i: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse({**head, "choices": [choice]})
+
+    for i, a in enumerate(answers):
+        yield event(i, {"role": "assistant", "content": ""})
+        for piece in a.pieces or [a.text]:
+            if piece:
+                yield event(i, {"content": piece})
+        yield event(i, {}, a.finish_reason)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, answers)})
+    yield DONE
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

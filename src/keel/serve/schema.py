@@ -1,0 +1,176 @@
+"""The request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Unknown parameters are refused (400, naming the parameter), as OpenAI refuses them; parameters
+OpenAI has and Keel does not implement are accepted only at their neutral value (penalties 0, no
+logit bias, no echo). `seed` and `user` are accepted and ignored: rows of many requests share one
+sampling pass, so a seed cannot make one request reproducible."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from keel.serve.errors import APIError, bad_request
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+class Request(BaseModel):
+    """What every generation request has."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str
+    n: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self) -> Request:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop: at most {MAX_STOP} sequences")
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+            raise ValueError("stop: a stop sequence must not be empty")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class CompletionRequest(Request):
+    """POST /v1/completions."""
+
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of = n)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: the list is empty")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A chat message; content as text or as a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(Request):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        if self.top_logprobs:
+            raise ValueError("top_logprobs is not supported (only the sampled tokens' log-probs)")
+        return self
+
+    def token_budget(self, default: int) -> int:
+        """max_completion_tokens, else max_tokens, else `default`."""
+        return self.max_completion_tokens or self.max_tokens or default
+
+    @property
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+def parse_body(body: bytes, model: type[Request]) -> Any:
+    """The request `model` from a JSON body; malformed JSON and invalid parameters are 400s
+    naming the problem (and the parameter)."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(
+            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"unrecognized request argument: {param}", code="unknown_parameter",
+                           param=param)  # fmt: skip
+    if err["type"] == "missing":
+        return bad_request(f"missing required parameter: {param}", code="missing_parameter",
+                           param=param)  # fmt: skip
+    msg = err["msg"].removeprefix("Value error, ")
+    where = f"{param}: " if param and err["type"] != "value_error" else ""
+    code = "unsupported_parameter" if "not supported" in msg else "invalid_value"
+    return bad_request(f"{where}{msg}", code=code, param=param)
+
+
+Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

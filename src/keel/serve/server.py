@@ -1,0 +1,120 @@
+"""Running `keel serve`: resolve MODEL, load the policy, start uvicorn (optionally with TLS and
+`--follow`), and on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish
+(at most serve.drain_timeout_s), drain the batching queue, and exit 0."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from keel.checkpoint.policy import PolicySource, newest_healthy_checkpoint, resolve_policy
+from keel.config.loading import ConfigError
+from keel.models import resolve_model_path
+from keel.serve.app import build_app
+from keel.serve.config import ServeFileConfig
+from keel.serve.follow import CheckpointFollower
+from keel.serve.policy import ServedPolicy, read_weights
+
+BUILTIN = "builtin:"
+log = logging.getLogger(__name__)
+
+
+def policy_source(model: str, follow: bool) -> PolicySource:
+    """MODEL → the folder to serve: `builtin:NAME`, an HF folder, a checkpoint or a run
+    directory (keel.checkpoint.policy). With --follow, a run's newest healthy checkpoint (not
+    its exported model/), so that newer checkpoints can follow it."""
+    if model.startswith(BUILTIN):
+        if follow:
+            raise ConfigError(f"--follow needs a run directory, not {model}")
+        return PolicySource(resolve_model_path(model))
+    source = resolve_policy(model)
+    if not follow:
+        return source
+    if source.run_dir is None:
+        raise ConfigError(f"--follow needs a run directory (or a checkpoint of one): {model}")
+    return newest_healthy_checkpoint(source.run_dir) or source
+
+
+def model_name(model: str, cfg: ServeFileConfig) -> str:
+    """serve.model_name, else MODEL's last path component (`tiny` for builtin:tiny)."""
+    if cfg.serve.model_name:
+        return cfg.serve.model_name
+    if model.startswith(BUILTIN):
+        return model.removeprefix(BUILTIN)
+    return Path(model).expanduser().resolve().name
+
+
+def check_tls(cfg: ServeFileConfig) -> dict[str, str]:
+    """uvicorn's ssl options; the files must exist."""
+    s = cfg.serve
+    if s.tls_certfile is None or s.tls_keyfile is None:
+        return {}
+    for key, path in (("serve.tls_certfile", s.tls_certfile), ("serve.tls_keyfile", s.tls_keyfile)):
+        if not Path(path).is_file():
+            raise ConfigError(f"{key}: no such file: {path}")
+    return {"ssl_certfile": s.tls_certfile, "ssl_keyfile": s.tls_keyfile}
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that marks the policy draining (/readyz 503) as shutdown begins, says
+    where it listens once it does, and exits 0 after a graceful SIGTERM instead of re-raising
+    the signal."""
+
+    def __init__(self, config: uvicorn.Config, policy: ServedPolicy):
+        super().__init__(config)
+        self.policy = policy
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                scheme = "https" if self.config.ssl_certfile else "http"
+                print(f"keel serve: {self.policy.name} (step {self.policy.step}) on "
+                      f"{scheme}://{host}:{port}", file=sys.stderr, flush=True)  # fmt: skip
+
+    async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[override]
+        self.policy.draining = True
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()  # handled: drained, exit normally
+
+
+def serve(model: str, cfg: ServeFileConfig, *, host: str, port: int, follow: bool) -> int:
+    """Serve MODEL until SIGTERM/SIGINT; 0 after a graceful drain."""
+    tls = check_tls(cfg)
+    source = policy_source(model, follow)
+    policy = ServedPolicy(source, cfg, model_name(model, cfg))
+    app = build_app(policy, cfg.serve)
+    follower = None
+    if follow:
+        assert source.run_dir is not None
+        follower = CheckpointFollower(
+            source.run_dir, policy, lambda folder: read_weights(folder, cfg),
+            cfg.serve.follow_interval_s,
+        )  # fmt: skip
+        follower.start()
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+        timeout_graceful_shutdown=cfg.serve.drain_timeout_s, **tls,
+    )  # fmt: skip
+    server = DrainingServer(config, policy)
+    try:
+        server.run()
+    finally:
+        if follower is not None:
+            follower.stop()
+        policy.close(timeout=cfg.serve.drain_timeout_s)
+    print("keel serve: stopped", file=sys.stderr, flush=True)
+    return 0 if server.started else 1

@@ -1,0 +1,207 @@
+"""`keel serve` as a user meets it: one real server process on the tiny model, the official
+`openai` client, every bad request answered with a clear 4xx while the server keeps serving,
+batching of concurrent requests, /metrics."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import openai
+import pytest
+
+from keel.serve.metrics import NAMES
+from tests.serve.live_server import LiveServer
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMITS = [
+    "--set", "serve.max_prompt_tokens=64", "--set", "serve.max_new_tokens=48",
+    "--set", "serve.max_body_bytes=4096", "--set", "serve.max_batch_size=16",
+    "--set", "serve.max_pending_requests=24", "--set", "serve.max_wait_ms=20",
+    "--set", "serve.model_name=tiny",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    live = LiveServer(tiny_dir, *LIMITS, log=tmp_path_factory.mktemp("serve") / "serve.log",
+                      env={"KEEL_API_KEY": KEY})  # fmt: skip
+    yield live
+    assert live.stop() == 0, live.text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def completion(server: LiveServer, **body) -> tuple[int, dict]:
+    return server.request("POST", "/v1/completions", {"model": "tiny", **body}, AUTH)
+
+
+def test_openai_client_completions_with_n_logprobs_and_usage(client):
+    out = client.completions.create(model="tiny", prompt="1+1=", max_tokens=6, n=2, logprobs=1)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == 4
+    assert out.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) + (c.finish_reason == "stop") for c in out.choices
+    )
+    for c in out.choices:
+        assert c.finish_reason in ("stop", "length")
+        assert "".join(c.logprobs.tokens) == c.text
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    several = client.completions.create(model="tiny", prompt=["1+1=", "2+2="], max_tokens=3, n=2)
+    assert len(several.choices) == 4 and several.usage.prompt_tokens == 8
+
+
+def test_openai_client_chat_and_streams(client):
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True
+    )
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant"
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts, finished, usage = ["", ""], set(), None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1} and usage.completion_tokens >= 2
+    pieces = [
+        c.text
+        for chunk in client.completions.create(model="tiny", prompt="7", max_tokens=4, stream=True)
+        for c in chunk.choices
+    ]
+    assert pieces and pieces[-1] == ""  # the last chunk carries the finish reason
+
+
+def test_stop_cuts_the_text_and_ends_with_stop(server):
+    _, greedy = completion(server, prompt="12+30=", max_tokens=12, temperature=0)
+    text = greedy["choices"][0]["text"]
+    if len(text) < 4:
+        pytest.skip(f"the greedy answer is too short to cut: {text!r}")
+    stop = text[2:4]
+    status, cut = completion(server, prompt="12+30=", max_tokens=12, temperature=0, stop=[stop],
+                             logprobs=1)  # fmt: skip
+    assert status == 200
+    (choice,) = cut["choices"]
+    assert choice["text"] == text[: text.find(stop)]
+    assert choice["finish_reason"] == "stop"
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert cut["usage"]["completion_tokens"] == len(choice["logprobs"]["tokens"])
+
+
+BAD = {
+    "malformed JSON": (b'{"model": "tiny", "prompt": ', 400, "invalid_json"),
+    "not an object": (b"[1, 2]", 400, "invalid_json"),
+    "unknown model": ({"model": "gpt-9", "prompt": "1"}, 404, "model_not_found"),
+    "too many tokens": ({"model": "tiny", "prompt": "1", "max_tokens": 49}, 400,
+                        "max_tokens_too_large"),
+    "prompt too long": ({"model": "tiny", "prompt": "1" * 65}, 400, "context_length_exceeded"),
+    "oversized body": ({"model": "tiny", "prompt": "1", "user": "x" * 5000}, 413,
+                       "request_too_large"),
+    "unknown parameter": ({"model": "tiny", "prompt": "1", "tools": []}, 400,
+                          "unknown_parameter"),
+    "missing prompt": ({"model": "tiny"}, 400, "missing_parameter"),
+    "bad temperature": ({"model": "tiny", "prompt": "1", "temperature": 3}, 400,
+                        "invalid_value"),
+    "too many choices": ({"model": "tiny", "prompt": "1", "n": 17}, 400, "invalid_value"),
+    "empty prompt": ({"model": "tiny", "prompt": ""}, 400, "invalid_value"),
+    "unsupported echo": ({"model": "tiny", "prompt": "1", "echo": True}, 400,
+                         "unsupported_parameter"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, case):
+    body, status, code = BAD[case]
+    got, answer = server.request("POST", "/v1/completions", body, AUTH)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert completion(server, prompt="1", max_tokens=1)[0] == 200
+
+
+def test_auth_routes_and_methods(server):
+    body = {"model": "tiny", "prompt": "1", "max_tokens": 1}
+    assert server.request("POST", "/v1/completions", body)[1]["error"]["code"] == "missing_api_key"
+    status, answer = server.request("POST", "/v1/completions", body, {"Authorization": "Bearer x"})
+    assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+    assert server.request("GET", "/v1/models")[0] == 401
+    assert server.request("GET", "/healthz")[0] == 200  # probes need no key
+    assert server.request("GET", "/v1/nothing", headers=AUTH)[1]["error"]["code"] == "not_found"
+    assert server.request("GET", "/v1/completions", headers=AUTH)[0] == 405
+    status, models = server.request("GET", "/v1/models", headers=AUTH)
+    assert status == 200 and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["step"] is None  # an HF folder: no training step
+
+
+def test_client_disconnects_do_not_break_the_server(server):
+    body = b'{"model": "tiny", "prompt": "1", "max_tokens": 40, "n": 4, "stream": true}'
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    for read in (0, 200):  # gone before the answer; gone mid-stream
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(request)
+            if read:
+                assert sock.recv(read)
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+    assert completion(server, prompt="1", max_tokens=1)[0] == 200
+    assert server.request("GET", "/readyz")[0] == 200
+
+
+def test_concurrent_requests_share_generate_calls(server):
+    batches = server.metric("keel_serve_batch_rows_count")
+    rows = server.metric("keel_serve_batch_rows_sum")
+    statuses = run_concurrently(server, 12, {"prompt": "3+4=", "max_tokens": 8})
+    assert statuses == [200] * 12
+    assert server.metric("keel_serve_batch_rows_sum") - rows == 12
+    assert server.metric("keel_serve_batch_rows_count") - batches < 12
+
+
+def test_a_full_queue_answers_429_and_recovers(server):
+    statuses = run_concurrently(server, 60, {"prompt": "3+4=", "max_tokens": 48, "n": 2})
+    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses
+    assert server.metric('keel_serve_errors_total{kind="queue_full"}') >= statuses.count(429)
+    assert completion(server, prompt="1", max_tokens=1)[0] == 200
+
+
+def test_metrics_and_probes(server):
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    for name in NAMES:
+        assert name in text, name
+    assert server.metric('keel_serve_requests_total{endpoint="/v1/completions",status="200"}') > 0
+    assert server.metric("keel_serve_generated_tokens_total") > 0
+    assert server.metric("keel_serve_model_step") == -1
+    assert server.request("GET", "/readyz")[1]["status"] == "ready"
+
+
+def run_concurrently(server: LiveServer, count: int, body: dict) -> list[int]:
+    """Statuses of `count` completions sent at once from threads."""
+    statuses = [0] * count
+    barrier = threading.Barrier(count)
+
+    def send(i: int) -> None:
+        barrier.wait()
+        statuses[i] = completion(server, **body)[0]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return statuses
