@@ -1,0 +1,172 @@
+"""`keel serve` starting and stopping: HTTPS with a self-signed certificate, a graceful drain on
+SIGTERM, serving a run as it trains (`--follow`), and bad MODEL arguments."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.cli.main import main
+from tests.serve.live_server import LiveServer
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (cryptography, else the openssl command)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("neither cryptography nor openssl to make a test certificate")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+             "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return cert, key
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert, key
+
+
+def without_eos(tiny_dir: Path, folder: Path) -> Path:
+    """A copy of the tiny model that never samples EOS: every answer runs to max_tokens."""
+    from transformers import GenerationConfig
+
+    shutil.copytree(tiny_dir, folder)
+    gen = GenerationConfig.from_pretrained(folder)
+    gen.suppress_tokens = [0, 1, 2]  # <pad>, <eos>, <unk>
+    gen.save_pretrained(folder)
+    return folder
+
+
+def test_https_and_a_graceful_drain_on_sigterm(tiny_dir, tmp_path):
+    cert, key = self_signed(tmp_path)
+    model = without_eos(tiny_dir, tmp_path / "model")
+    server = LiveServer(
+        model, "--set", f"serve.tls_certfile={cert}", "--set", f"serve.tls_keyfile={key}",
+        "--set", "serve.max_new_tokens=400", log=tmp_path / "serve.log", cafile=cert,
+    )  # fmt: skip
+    assert server.base_url.startswith("https://")
+    assert server.request("GET", "/healthz") == (200, {"status": "ok"})
+    body = {"model": "model", "prompt": "1+1=", "max_tokens": 300}
+    answers: list[tuple[int, dict]] = []
+    threads = [
+        threading.Thread(
+            target=lambda: answers.append(server.request("POST", "/v1/completions", body))
+        )
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.metric("keel_serve_requests_in_flight") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(OSError):  # no longer accepting
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    for t in threads:
+        t.join(60)
+    assert server.proc.wait(60) == 0, server.text()
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert all(a["usage"]["completion_tokens"] == 300 for _, a in answers)
+    assert "keel serve: stopped" in server.text()
+
+
+def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, tmp_path):
+    from keel.controller import run_training
+    from keel.controller.runner import RunPreempted
+
+    cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1", "checkpoint.keep=3")
+    with pytest.raises(RunPreempted):
+        run_training(cfg, stop_after=1)  # step 1 is checkpointed, the run is still going
+    run_dir = Path(cfg.run_dir)
+    server = LiveServer(
+        run_dir, "--follow", "--set", "serve.follow_interval_s=0.2", log=tmp_path / "serve.log"
+    )
+    try:
+        assert models(server)["step"] == 1
+        statuses, stop = [], threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                body = {"model": "run", "prompt": "1+1=", "max_tokens": 4}
+                statuses.append(server.request("POST", "/v1/completions", body)[0])
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        run_training(cfg)  # resumes from step 1 and trains step 2
+        deadline = time.monotonic() + 30
+        while models(server)["step"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        stop.set()
+        loader.join(30)
+        assert models(server)["step"] == 2, server.text()
+        assert statuses and set(statuses) == {200}
+        _, answer = server.request("POST", "/v1/completions", {"model": "run", "prompt": "1"})
+        assert answer["system_fingerprint"] == "keel-step-2"
+        assert server.metric("keel_serve_reloads_total") == 1
+        assert server.metric("keel_serve_model_step") == 2
+    finally:
+        assert server.stop() == 0, server.text()
+
+
+def models(server: LiveServer) -> dict:
+    status, body = server.request("GET", "/v1/models")
+    assert status == 200, body
+    return body["data"][0]
+
+
+def test_bad_model_arguments_are_clear_errors(tmp_path, tiny_dir, capsys):
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main(["serve", str(tiny_dir), "--follow"]) == 2
+    assert "--follow needs a run directory" in capsys.readouterr().err
+    assert main(["serve", str(tiny_dir), "--set", "serve.max_batch_sise=2"]) == 2
+    assert "serve.max_batch_sise: unknown key" in capsys.readouterr().err
+    bad_tls = [
+        "--set",
+        f"serve.tls_certfile={tmp_path}/c.pem",
+        "--set",
+        f"serve.tls_keyfile={tmp_path}/k.pem",
+    ]
+    assert main(["serve", str(tiny_dir), *bad_tls]) == 2
+    assert "no such file" in capsys.readouterr().err
