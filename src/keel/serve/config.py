@@ -48,6 +48,12 @@ class ServeConfig(Section):
     drain_timeout_s: float = Field(
         30.0, gt=0, description="SIGTERM: longest wait for in-flight requests to finish"
     )
+    switch_interval_ms: float = Field(
+        1.0,
+        gt=0,
+        description="Python's thread switch interval (sys.setswitchinterval): how long the "
+        "generating thread may hold the GIL while requests wait to be read and answered",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of the generating thread; null: torch's"
     )

@@ -11,6 +11,7 @@ time to the last."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -74,8 +75,14 @@ def first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+_PROCESS = uuid.uuid4().hex[:12]
+_COUNTER = itertools.count()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    """A unique response id: this process's random part and a counter (no system call per
+    request, which would hand the GIL to the generating thread)."""
+    return f"{prefix}-{_PROCESS}{next(_COUNTER):012x}"
 
 
 def usage(prompt_tokens: int, answers: Sequence[Answer]) -> dict[str, int]:

@@ -94,6 +94,7 @@ class DrainingServer(uvicorn.Server):
 def serve(model: str, cfg: ServeFileConfig, *, host: str, port: int, follow: bool) -> int:
     """Serve MODEL until SIGTERM/SIGINT; 0 after a graceful drain."""
     tls = check_tls(cfg)
+    sys.setswitchinterval(cfg.serve.switch_interval_ms / 1000)
     source = policy_source(model, follow)
     policy = ServedPolicy(source, cfg, model_name(model, cfg))
     app = build_app(policy, cfg.serve)
