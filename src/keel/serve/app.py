@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -92,10 +93,8 @@ def build_app(policy: ServedPolicy, cfg: ServeConfig) -> FastAPI:
         req: CompletionRequest = parse_body(await _body(request, cfg), CompletionRequest)
         _check_model(policy, req.model)
         prompts: list[Prompt] = list(req.prompts)
-        return await _generate(
-            policy, cfg, req, prompts, req.max_tokens, "prompt", bool(req.logprobs is not None),
-            "cmpl", completion_body, completion_chunks,
-        )  # fmt: skip
+        logprobs = req.logprobs is not None
+        return await _generate(policy, cfg, COMPLETIONS, req, prompts, req.max_tokens, logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -105,25 +104,34 @@ def build_app(policy: ServedPolicy, cfg: ServeConfig) -> FastAPI:
         prompts: list[Prompt] = [req.template_messages]
         budget = req.token_budget(cfg.max_new_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        return await _generate(
-            policy, cfg, req, prompts, budget, "messages", req.logprobs, "chatcmpl", chat_body,
-            chat_chunks, budget_param=param,
-        )  # fmt: skip
+        return await _generate(policy, cfg, CHAT, req, prompts, budget, req.logprobs, param)
 
     return app
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How a generation endpoint answers: its response id prefix, JSON body and SSE chunks, and
+    the name of its prompt parameter (for errors)."""
+
+    id_prefix: str
+    body: Callable[..., dict[str, Any]]
+    chunks: Callable[..., Iterable[bytes]]
+    prompt_param: str
+
+
+COMPLETIONS = Endpoint("cmpl", completion_body, completion_chunks, "prompt")
+CHAT = Endpoint("chatcmpl", chat_body, chat_chunks, "messages")
 
 
 async def _generate(
     policy: ServedPolicy,
     cfg: ServeConfig,
+    endpoint: Endpoint,
     req: APIRequest,
     prompts: list[Prompt],
     max_tokens: int,
-    prompt_param: str,
     logprobs: bool,
-    id_prefix: str,
-    body: Callable[..., dict[str, Any]],
-    chunks: Callable[..., Iterable[bytes]],
     budget_param: str = "max_tokens",
 ) -> Response:
     """Check the limits, generate n answers per prompt, answer as JSON or as an SSE stream."""
@@ -139,7 +147,7 @@ async def _generate(
             f"{rows} completions asked (prompts × n), more than this server allows in one "
             f"request ({cfg.max_batch_size}, serve.max_batch_size)", param="n",
         )  # fmt: skip
-    prompt_tokens = sum(_prompt_tokens(policy, p, cfg, prompt_param) for p in prompts)
+    prompt_tokens = sum(_prompt_tokens(policy, p, cfg, endpoint.prompt_param) for p in prompts)
     sampling = SamplingParams(
         n=1, temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_tokens
     )
@@ -147,11 +155,11 @@ async def _generate(
     per_token = logprobs or req.stream
     answers = [answer(g, req.stops, policy.tokenizer, per_token) for g in gens]
     policy.metrics.add_tokens(prompt_tokens, sum(g.tokens for g in gens))
-    reply = Reply.new(id_prefix, policy.name, gens[0].step if gens else policy.step)
+    reply = Reply.new(endpoint.id_prefix, policy.name, gens[0].step if gens else policy.step)
     if req.stream:
-        events = chunks(reply, answers, prompt_tokens, req.include_usage)
+        events = endpoint.chunks(reply, answers, prompt_tokens, req.include_usage)
         return StreamingResponse(_iterate(events), media_type="text/event-stream")
-    return _json(body(reply, answers, prompt_tokens, logprobs))
+    return _json(endpoint.body(reply, answers, prompt_tokens, logprobs))
 
 
 async def _iterate(events: Iterable[bytes]) -> AsyncIterator[bytes]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from keel.checkpoint.policy import PolicySource
+from keel.config.schema import RolloutConfig
 from keel.data.encoding import render_prompt
 from keel.data.examples import Example
 from keel.engine.devices import place, resolve_device
@@ -59,7 +60,7 @@ def build_engine(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> RolloutE
     return build_rollout_engine(rollout, inputs)
 
 
-def serving_rollout(cfg: ServeFileConfig) -> Any:
+def serving_rollout(cfg: ServeFileConfig) -> RolloutConfig:
     """The rollout section as serving uses it: log-probs on, synchronous (no trainer)."""
     return cfg.rollout.model_copy(update={"return_logprobs": True, "max_staleness": 0})
 
