@@ -61,8 +61,21 @@ def build_engine(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> RolloutE
 
 
 def serving_rollout(cfg: ServeFileConfig) -> RolloutConfig:
-    """The rollout section as serving uses it: log-probs on, synchronous (no trainer)."""
-    return cfg.rollout.model_copy(update={"return_logprobs": True, "max_staleness": 0})
+    """The rollout section as serving uses it: log-probs on, synchronous (no trainer), the
+    new-token budget serve.max_new_tokens (engines that size their context by it), and the
+    HF static KV cache and compiled decode step off unless set: their CUDA default suits
+    training's fixed batch shapes, while every served batch has its own size and prompt length
+    (each new shape would compile again, on the request path)."""
+    r = cfg.rollout
+    return r.model_copy(
+        update={
+            "return_logprobs": True,
+            "max_staleness": 0,
+            "max_new_tokens": cfg.serve.max_new_tokens,
+            "static_cache": bool(r.static_cache),
+            "compile": bool(r.compile),
+        }
+    )
 
 
 def read_weights(folder: Path, cfg: ServeFileConfig) -> dict[str, torch.Tensor]:
