@@ -75,8 +75,10 @@ class DrainingServer(uvicorn.Server):
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
                 scheme = "https" if self.config.ssl_certfile else "http"
-                print(f"keel serve: {self.policy.name} (step {self.policy.step}) on "
-                      f"{scheme}://{host}:{port}", file=sys.stderr, flush=True)  # fmt: skip
+                step = self.policy.step
+                what = f"step {step}" if step is not None else "not a checkpoint"
+                print(f"keel serve: {self.policy.name} ({what}) on {scheme}://{host}:{port}",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self.policy.draining = True
