@@ -1,6 +1,7 @@
 """A real Prometheus server scrapes a running tiny training run; Keel's metrics come back
 through Prometheus' HTTP API, and the checked-in alert rules load in the server."""
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import statistics
 import subprocess
 import time
 import urllib.parse
+from collections.abc import Iterator
 
 import pytest
 import yaml
@@ -41,11 +43,13 @@ def query(base: str, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
-def prometheus_config(tmp_path, target: str) -> str:
-    """deploy/prometheus/prometheus.yml, pointed at `target`, scraping every 200 ms."""
+def prometheus_config(tmp_path, target: str, job: str = "keel") -> str:
+    """deploy/prometheus/prometheus.yml, its `job` alone pointed at `target`, scraping every
+    200 ms."""
     cfg = yaml.safe_load((REPO_DEPLOY / "prometheus" / "prometheus.yml").read_text())
     cfg["global"] = {"scrape_interval": "200ms", "evaluation_interval": "200ms"}
     cfg["rule_files"] = [str(REPO_DEPLOY / "prometheus" / r) for r in cfg["rule_files"]]
+    cfg["scrape_configs"] = [c for c in cfg["scrape_configs"] if c["job_name"] == job]
     cfg["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(cfg))
@@ -77,11 +81,11 @@ def training(tiny_dir, tmp_path, _private_keel_cache):
             proc.wait()
 
 
-@pytest.fixture
-def prometheus(training, tmp_path):
-    _, port, _ = training
+@contextlib.contextmanager
+def running_prometheus(tmp_path, target: str, job: str = "keel") -> Iterator[str]:
+    """A Prometheus server scraping `target` as `job` (prometheus_config); yields its URL."""
     web = free_port()
-    config = prometheus_config(tmp_path, f"127.0.0.1:{port}")
+    config = prometheus_config(tmp_path, target, job)
     proc = subprocess.Popen(
         [
             binary("prometheus"), f"--config.file={config}",
@@ -97,6 +101,13 @@ def prometheus(training, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def prometheus(training, tmp_path):
+    _, port, _ = training
+    with running_prometheus(tmp_path, f"127.0.0.1:{port}") as base:
+        yield base
 
 
 def test_prometheus_scrapes_a_running_training(training, prometheus, tmp_path):
@@ -118,8 +129,9 @@ def test_prometheus_scrapes_a_running_training(training, prometheus, tmp_path):
     wait_for("a checkpoint count", lambda: query(prometheus, "keel_checkpoints_saved_total >= 1"))
     age = query(prometheus, "time() - keel_checkpoint_last_saved_timestamp_seconds")
     assert 0 <= float(age[0]["value"][1]) < 120
-    rules = json.loads(get(f"{prometheus}/api/v1/rules"))["data"]["groups"][0]["rules"]
-    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
+    groups = json.loads(get(f"{prometheus}/api/v1/rules"))["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == 9 and all(r["health"] == "ok" for r in rules), rules
     assert proc.poll() is None, proc.stderr.read()
 
     check_dashboard_queries(prometheus, get(f"http://127.0.0.1:{port}/metrics"))
@@ -149,13 +161,21 @@ def check_dashboard_queries(base: str, page: str) -> None:
     now return data."""
     exported = {name for name, _ in samples(page)}
     for expr in queries(dashboard()):
-        promql = expr.replace("$run", "live-run").replace("$__rate_interval", "1m")
-        if label_values := re.fullmatch(r"label_values\((\w+), \w+\)", promql):  # Grafana's
-            promql = label_values.group(1)
+        promql = dashboard_promql(expr, run="live-run", rate_interval="1m")
         result = query(base, promql)  # a PromQL syntax error fails here
         names = set(METRIC.findall(expr))
         if names <= exported and "[1m]" not in promql:  # rates need two scrapes a minute apart
             assert result, f"no data for {promql}"
+
+
+def dashboard_promql(expr: str, rate_interval: str, run: str = ".*") -> str:
+    """A dashboard expression as Prometheus runs it: Grafana's variables replaced (the serving
+    row's `$model` and `$instance` by `.*`), `label_values(SELECTOR, label)` by its selector."""
+    promql = expr.replace("$run", run).replace("$__rate_interval", rate_interval)
+    promql = promql.replace("$model", ".*").replace("$instance", ".*")
+    if label_values := re.fullmatch(r"label_values\((.+), \w+\)", promql):  # Grafana's
+        promql = label_values.group(1)
+    return promql
 
 
 def visibility_lags(tensorboard_dir, reads: list[tuple[float, int]]) -> list[float]:

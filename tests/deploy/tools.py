@@ -33,6 +33,38 @@ def dashboard() -> dict:
 
 def queries(dash: dict) -> list[str]:
     """Every PromQL expression of the dashboard: panel targets and query variables."""
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]  # rows: none
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
     return exprs
+
+
+def sections(dash: dict) -> dict[str, list[dict]]:
+    """The dashboard's panels by row: those before the first row under "training", the others
+    under their row's title (lowercased, first word)."""
+    out: dict[str, list[dict]] = {"training": []}
+    current = "training"
+    for panel in dash["panels"]:
+        if panel["type"] == "row":
+            current = panel["title"].split()[0].lower()
+            out[current] = []
+        else:
+            out[current].append(panel)
+    return out
+
+
+def serving_series() -> dict[str, tuple[str, set[str]]]:
+    """Every series `keel serve` exports (with its suffix: `_total`, `_bucket`, `_count`,
+    `_sum`, `_created`) → (its family, the family's labels), read from the registry of a real
+    keel.serve.metrics.ServeMetrics whose labelled series each have one child."""
+    from keel.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics("policy", "/models/policy")
+    metrics.latency.labels(endpoint="/v1/completions").observe(0.1)
+    metrics.requests.labels(endpoint="/v1/completions", status="200").inc()
+    metrics.error("queue_full")
+    out = {}
+    for family in metrics.registry.collect():
+        labels = {k for s in family.samples for k in s.labels} - {"le"}
+        for sample in family.samples:
+            out[sample.name] = (family.name, labels)
+    return out
