@@ -1,0 +1,286 @@
+"""deploy/serve: the `keel serve` Deployment, its Services and PodDisruptionBudget, offline.
+
+Built-in kinds validate strictly against Kubernetes 1.33's schemas (kubernetes-validate); the
+kustomizations (CPU: deploy/serve, GPU: deploy/serve/gpu) list files that exist and render with
+`kubectl kustomize` when kubectl is installed; and the manifests agree with the code they run:
+the container's arguments parse with keel's own argparse parser and its config with the serve
+config's loader, the probes and the scrape path are routes of the real FastAPI app (and answer
+as the probes expect), the ports agree, the grace period covers the drain."""
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import kubernetes_validate
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from keel.cli.main import build_parser
+from keel.serve.app import build_app
+from keel.serve.config import ServeConfig, load_serve_config
+from keel.serve.metrics import ServeMetrics
+from tests.deploy.tools import REPO_DEPLOY
+
+SERVE = REPO_DEPLOY / "serve"
+BASE = SERVE / "base"
+K8S_VERSION = "1.33"
+LABELS = {"app.kubernetes.io/name": "keel", "app.kubernetes.io/component": "serve"}
+
+
+def docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def base_resources() -> dict[str, dict]:
+    """The base's resources by kind (the two Services as Service and Service/headless)."""
+    kust = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    out = {}
+    for name in kust["resources"]:
+        for doc in docs(BASE / name):
+            headless = doc["kind"] == "Service" and doc["spec"].get("clusterIP") == "None"
+            out[doc["kind"] + ("/headless" if headless else "")] = doc
+    return out
+
+
+def rendered(folder: Path) -> list[dict]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, check=True
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="rendering the kustomizations needs kubectl"
+)
+
+
+def container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+class StubPolicy(SimpleNamespace):
+    """What build_app's routes read of a ServedPolicy, with real metrics: no model needed."""
+
+    def __init__(self, ready: bool, draining: bool = False):
+        super().__init__(name="policy", step=7, ready=ready, draining=draining,
+                         metrics=ServeMetrics("policy", "/data/models/policy"))  # fmt: skip
+
+    def close(self, timeout=None) -> None:
+        pass
+
+
+def app_routes() -> set[str]:
+    app = build_app(StubPolicy(ready=True), ServeConfig())
+    return {route.path for route in app.routes}
+
+
+# ---------------------------------------------------------------- schemas and kustomizations
+def test_built_in_kinds_validate_strictly():
+    resources = base_resources()
+    assert set(resources) == {"Deployment", "Service", "Service/headless", "PodDisruptionBudget"}
+    for doc in resources.values():
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (["spec", "template", "spec", "containers", 0, "readinesProbe"], {}),  # misspelled
+        (["spec", "template", "spec", "terminationGracePeriodSecond"], 90),  # misspelled
+        (["spec", "replicas"], "two"),  # wrong type
+    ],
+)
+def test_a_misspelled_or_mistyped_field_fails(path, value):
+    deployment = copy.deepcopy(base_resources()["Deployment"])
+    node = deployment
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+def test_the_kustomizations_list_files_that_exist():
+    base = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    assert all((BASE / name).is_file() for name in base["resources"])
+    (generated,) = base["configMapGenerator"]
+    assert all((BASE / f.split("=")[-1]).is_file() for f in generated["files"])
+    assert base["labels"][0]["pairs"] == LABELS and base["labels"][0]["includeTemplates"]
+    for overlay in (SERVE, SERVE / "gpu"):
+        kust = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+        assert [(overlay / r).resolve() for r in kust["resources"]] == [BASE.resolve()]
+        for patch in kust.get("patches", []):
+            assert (overlay / patch["path"]).is_file()
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["", "gpu"])
+def test_the_kustomizations_render_valid_resources(overlay):
+    out = rendered(SERVE / overlay)
+    kinds = sorted(d["kind"] for d in out)
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service"]
+    for doc in out:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert LABELS.items() <= doc["metadata"]["labels"].items(), doc["kind"]
+    config_map = next(d for d in out if d["kind"] == "ConfigMap")
+    deployment = next(d for d in out if d["kind"] == "Deployment")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    # the generated name carries a content hash; the Deployment follows it (a new serve.yaml
+    # rolls the pods)
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert config_map["metadata"]["name"].startswith("keel-serve-config-")
+    assert yaml.safe_load(config_map["data"]["serve.yaml"]) == yaml.safe_load(
+        (BASE / "serve.yaml").read_text()
+    )
+    limits = container(deployment)["resources"]["limits"]
+    assert ("nvidia.com/gpu" in limits) == (overlay == "gpu")
+    if overlay == "gpu":
+        tolerations = deployment["spec"]["template"]["spec"]["tolerations"]
+        assert {
+            "key": "nvidia.com/gpu",
+            "operator": "Exists",
+            "effect": "NoSchedule",
+        } in tolerations
+
+
+# ------------------------------------------------------------------ agreement with the code
+def deployments() -> list[tuple[str, dict]]:
+    """The CPU Deployment as written, and the GPU one as rendered (when kubectl is here)."""
+    out = [("cpu", base_resources()["Deployment"])]
+    if shutil.which("kubectl") is not None:
+        out.append(("gpu", next(d for d in rendered(SERVE / "gpu") if d["kind"] == "Deployment")))
+    return out
+
+
+def test_the_container_runs_keel_serve_as_keels_parser_reads_it():
+    for variant, deployment in deployments():
+        c = container(deployment)
+        assert "command" not in c  # the image's entrypoint is `keel` (deploy/Dockerfile)
+        args = build_parser().parse_args(c["args"])
+        assert args.command == "serve" and args.host == "0.0.0.0", variant
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert args.port == ports["http"] == 8000, variant
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert args.model.startswith(mounts["data"]["mountPath"] + "/"), variant
+        assert mounts["data"]["readOnly"] and mounts["config"]["readOnly"]
+        assert args.config.parent == Path(mounts["config"]["mountPath"])
+        # the mounted file is base/serve.yaml (the ConfigMap's key), valid with the --set's
+        cfg = load_serve_config(BASE / args.config.name, args.set)
+        limits = c["resources"]["limits"]
+        assert cfg.serve.torch_threads <= int(limits["cpu"]), variant
+        env = {e["name"]: e for e in c["env"]}
+        assert env["OMP_NUM_THREADS"]["value"] == limits["cpu"], variant
+        if variant == "gpu":
+            assert cfg.resources.device == "cuda" and cfg.models.dtype == "bfloat16"
+        else:
+            assert cfg.resources.device == "auto"
+
+
+def test_the_api_key_comes_from_the_secret_through_the_variable_keel_serve_reads():
+    c = container(base_resources()["Deployment"])
+    cfg = load_serve_config(BASE / "serve.yaml")
+    assert cfg.serve.api_key is None  # never in the ConfigMap
+    env = {e["name"]: e for e in c["env"]}
+    ref = env[cfg.serve.api_key_env]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "keel-serve", "key": "api-key"}  # docs/deploy.md creates it
+    assert not ref.get("optional")  # no secret: the pod waits, it never serves without auth
+
+
+def test_the_model_volume_is_the_kuberay_pvc():
+    spec = base_resources()["Deployment"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (pvc,) = docs(REPO_DEPLOY / "kuberay" / "pvc.yaml")
+    claim = volumes["data"]["persistentVolumeClaim"]
+    assert claim == {"claimName": pvc["metadata"]["name"], "readOnly": True}
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]  # replicas on several nodes
+
+
+def test_probes_hit_routes_of_the_real_app_on_the_served_port():
+    routes = app_routes()
+    c = container(base_resources()["Deployment"])
+    probes = {kind: c[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe",
+                                                    "readinessProbe")}  # fmt: skip
+    for kind, probe in probes.items():
+        assert probe["path"] in routes, (kind, probe["path"], routes)
+        assert probe["port"] == "http", kind
+    assert probes["readinessProbe"]["path"] == "/readyz"
+    assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/healthz"
+    annotations = base_resources()["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] in routes
+    assert int(annotations["prometheus.io/port"]) == c["ports"][0]["containerPort"]
+
+
+@pytest.mark.parametrize("ready, draining, status", [(True, False, 200), (False, False, 503),
+                                                     (False, True, 503)])  # fmt: skip
+def test_the_probed_routes_answer_as_the_probes_expect(ready, draining, status):
+    """/healthz: 200 whenever the server answers; /readyz: 200 only while the batching queue
+    accepts work (503 while draining: the pod leaves the Service's endpoints). Neither needs
+    the API key the Deployment sets (kubelet sends none), while /v1 does."""
+    c = container(base_resources()["Deployment"])
+    policy = StubPolicy(ready=ready, draining=draining)
+    client = TestClient(build_app(policy, ServeConfig(api_key="from-the-secret")))
+    assert client.get(c["livenessProbe"]["httpGet"]["path"]).status_code == 200
+    answer = client.get(c["readinessProbe"]["httpGet"]["path"])
+    assert answer.status_code == status
+    assert answer.json()["status"] == (
+        "draining" if draining else "ready" if ready else "not ready"
+    )
+    annotations = base_resources()["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    scraped = client.get(annotations["prometheus.io/path"])
+    assert scraped.status_code == 200 and "keel_serve_requests_total" in scraped.text
+    assert client.get("/v1/models").status_code == 401
+
+
+def test_probe_timings():
+    """Loading a model may take minutes: the startup probe allows 10; liveness then restarts a
+    pod only after a minute of silence, while readiness takes it out of the Service in 10 s."""
+    c = container(base_resources()["Deployment"])
+
+    def window(probe: dict) -> int:
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    assert window(c["startupProbe"]) >= 600
+    assert window(c["livenessProbe"]) >= 60 > window(c["readinessProbe"])
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[kind]["timeoutSeconds"] >= 3, kind  # the default 1 s is too tight under load
+
+
+def test_the_grace_period_covers_the_endpoint_removal_and_the_drain():
+    """SIGTERM comes after preStop; keel serve then waits up to serve.drain_timeout_s for the
+    open requests (uvicorn) and again for the batching queue: both fit before SIGKILL."""
+    spec = base_resources()["Deployment"]["spec"]["template"]["spec"]
+    c = container(base_resources()["Deployment"])
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pre_stop = int(command[1])
+    assert pre_stop >= 5
+    drain = load_serve_config(BASE / "serve.yaml").serve.drain_timeout_s
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + 2 * drain
+
+
+def test_services_and_budget_select_the_pods_and_agree_on_ports():
+    resources = base_resources()
+    deployment = resources["Deployment"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert deployment["spec"]["replicas"] >= 2  # the budget below lets one go at a time
+    strategy = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxUnavailable"] == 0
+    port_names = {p["name"] for p in container(deployment)["ports"]}
+    service = resources["Service"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("http", 80, "http")
+    assert port["targetPort"] in port_names
+    headless = resources["Service/headless"]
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["ports"][0]["targetPort"] in port_names
+    budget = resources["PodDisruptionBudget"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert budget["spec"]["maxUnavailable"] == 1
