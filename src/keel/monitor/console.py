@@ -23,6 +23,28 @@ HEADLINE = (
 )
 
 
+def started_bar(
+    console: Console, total: int, title: str, enabled: bool, *, headline: bool
+) -> Progress | None:
+    """A started rich progress bar of one task over `total` on `console` when it is a terminal
+    (None otherwise, or when not `enabled`). headline: a text column for the task's description
+    (the training headline), kept on screen; without it the bar goes away when done."""
+    if not (enabled and console.is_terminal):
+        return None
+    columns = [
+        TextColumn("[bold]{task.fields[title]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+    ]
+    if headline:
+        columns.append(TextColumn("{task.description}"))
+    progress = Progress(*columns, console=console, transient=not headline)
+    progress.add_task("", total=total, title=title)
+    progress.start()
+    return progress
+
+
 class ConsoleSink:
     """Progress over `total` steps; without a terminal it prints one line every `every` steps."""
 
@@ -33,25 +55,14 @@ class ConsoleSink:
         self.console = Console(stderr=True)
         self.last: dict[str, float] = {}
         self.measured_at: dict[str, int] = {}  # the step each key of `last` was logged at
-        self.progress: Progress | None = None
-        if enabled and self.console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]{task.fields[title]}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.description}"),
-                console=self.console,
-            )
-            self.task = self.progress.add_task("", total=total, title=title)
-            self.progress.start()
+        self.progress = started_bar(self.console, total, title, enabled, headline=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.last.update(metrics)
         self.measured_at.update(dict.fromkeys(metrics, step))
         text = headline(self.last, self.measured_at)
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, description=text)
+            self.progress.update(self.progress.task_ids[0], completed=step, description=text)
         elif self.enabled and (step % self.every == 0 or step == self.total):
             self.console.print(f"step {step}/{self.total}  {text}", highlight=False, soft_wrap=True)
 
@@ -80,23 +91,12 @@ class ItemProgress:
 
     def __init__(self, total: int, *, title: str, enabled: bool = True):
         self.console = Console(stderr=True)
-        self.progress: Progress | None = None
-        if enabled and self.console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]{task.fields[title]}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                console=self.console,
-                transient=True,
-            )
-            self.task = self.progress.add_task("", total=total, title=title)
-            self.progress.start()
+        self.progress = started_bar(self.console, total, title, enabled, headline=False)
 
     def advance(self, n: int) -> None:
         """`n` more items are done."""
         if self.progress is not None:
-            self.progress.update(self.task, advance=n)
+            self.progress.update(self.progress.task_ids[0], advance=n)
 
     def close(self) -> None:
         if self.progress is not None:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from keel.rewards.scoring import RewardScorer, _Call, checked_score
+from keel.rewards.scoring import RewardScorer, _Call, checked_scores
 
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -92,13 +92,7 @@ class RemoteRewardScorer(RewardScorer):
             raise RewardServiceError(
                 f"{self.url} answered {got} instead of {{'scores': [...]}} with {len(rows)} scores"
             )
-        out: list[float | BaseException] = []
-        for value in scores:
-            try:
-                out.append(checked_score(value, self.max_abs))
-            except (TypeError, ValueError) as exc:
-                out.append(exc)
-        return out
+        return checked_scores(scores, self.max_abs)
 
     def _post_with_retries(self, data: bytes) -> Any:
         for attempt in range(self.retries + 1):

@@ -100,6 +100,17 @@ def checked_score(value: Any, max_abs: float | None = None) -> float:
     return score
 
 
+def checked_scores(values: Sequence[Any], max_abs: float | None) -> list[float | BaseException]:
+    """`checked_score` of each value; the error instead of the score where it fails."""
+    out: list[float | BaseException] = []
+    for value in values:
+        try:
+            out.append(checked_score(value, max_abs))
+        except (TypeError, ValueError) as exc:
+            out.append(exc)
+    return out
+
+
 class RewardScorer:
     """Calls `fn(prompt, response, answer, **kwargs)` for every row."""
 
@@ -265,10 +276,4 @@ class BatchRewardScorer(RewardScorer):
         if not isinstance(values, list | tuple) or len(values) != len(rows):
             got = len(values) if isinstance(values, list | tuple) else type(values).__name__
             raise ValueError(f"returned {got} instead of a list of {len(rows)} scores")
-        out: list[float | BaseException] = []
-        for value in values:
-            try:
-                out.append(checked_score(value, self.max_abs))
-            except (TypeError, ValueError) as exc:
-                out.append(exc)
-        return out
+        return checked_scores(values, self.max_abs)
