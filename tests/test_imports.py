@@ -26,9 +26,10 @@ def test_the_runner_imports_ray_and_peft_only_when_the_ray_backend_or_lora_is_us
     assert "'peft'" not in out.stdout
 
 
-def test_fastapi_and_uvicorn_are_imported_by_keel_serve_only():
+def test_fastapi_uvicorn_and_grpc_are_imported_by_keel_serve_only():
     code = CODE.replace("keel.algo, keel.config", "keel.cli.main, keel.controller.runner")
-    code = code.replace('("ray", "transformers", "peft")', '("fastapi", "uvicorn", "starlette")')
+    served = '("fastapi", "uvicorn", "starlette", "grpc")'
+    code = code.replace('("ray", "transformers", "peft")', served)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )

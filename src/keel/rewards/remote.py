@@ -1,5 +1,5 @@
-"""Scoring through an HTTP reward service (`reward.url`): a reward model or a verifier served
-by `keel serve --reward`, or any server that speaks the same small protocol.
+"""Scoring through an HTTP reward service (`reward.url`): a reward model served by
+`keel serve RM --reward` (its POST /v1/score), or any server that speaks the same small protocol.
 
     POST <reward.url>            Content-Type: application/json
                                  Authorization: Bearer <token>   (when one is configured)

@@ -1,6 +1,6 @@
-"""The batching queue: every request of every front end (HTTP today; a gRPC servicer or a score
-endpoint later) is a `Job` submitted here, and one worker thread drains the queue into batched
-calls of a `BatchRunner`.
+"""The batching queue: every request of every front end (the HTTP app, the gRPC servicer; for
+generation or, with `--reward`, for scores) is a `Job` submitted here, and one worker thread
+drains the queue into batched calls of a `BatchRunner`.
 
 A job is a list of rows (prompts, or texts to score) and a key: jobs with equal keys may share a
 call (for generation the key is the sampling settings). The worker takes the oldest job, adds

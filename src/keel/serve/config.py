@@ -57,6 +57,14 @@ class ServeConfig(Section):
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of the generating thread; null: torch's"
     )
+    apply_chat_template: bool = Field(
+        False,
+        description="--reward: text prompts go through the reward model's chat template too (as "
+        "in a run with data.apply_chat_template); message lists always do",
+    )
+    grpc_workers: int = Field(
+        64, ge=1, description="--grpc-port: threads answering gRPC calls (each waits on its batch)"
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServeConfig:

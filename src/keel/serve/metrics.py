@@ -26,7 +26,7 @@ NAMES = (
     "keel_serve_pending_requests", "keel_serve_prompt_tokens_total",
     "keel_serve_generated_tokens_total", "keel_serve_tokens_per_second",
     "keel_serve_batch_rows", "keel_serve_batch_duration_seconds", "keel_serve_model_step",
-    "keel_serve_reloads_total", "keel_serve_info",
+    "keel_serve_reloads_total", "keel_serve_info", "keel_serve_scored_items_total",
 )  # fmt: skip
 
 
@@ -40,7 +40,8 @@ class ServeMetrics:
             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.requests = Counter(
-            "keel_serve_requests", "requests answered, by endpoint and HTTP status",
+            "keel_serve_requests", "requests answered, by endpoint and status (HTTP status, or "
+            "gRPC code name)",
             ["endpoint", "status"], registry=r,
         )  # fmt: skip
         self.errors = Counter(
@@ -79,6 +80,9 @@ class ServeMetrics:
             registry=r,
         )  # fmt: skip
         self.reloads = Counter("keel_serve_reloads", "checkpoints loaded by --follow", registry=r)
+        self.scored_items = Counter(
+            "keel_serve_scored_items", "items scored (--reward: /v1/score, gRPC Score)", registry=r
+        )
         info = Gauge("keel_serve_info", "1: the model served", ["model", "folder"], registry=r)
         info.labels(model=model, folder=folder).set(1)
         self._recent: deque[tuple[float, int]] = deque()
@@ -106,6 +110,11 @@ class ServeMetrics:
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()
+
+    def answered(self, endpoint: str, status: str, seconds: float) -> None:
+        """One request answered (the HTTP middleware and the gRPC servicer)."""
+        self.latency.labels(endpoint=endpoint).observe(seconds)
+        self.requests.labels(endpoint=endpoint, status=status).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format and its content type."""

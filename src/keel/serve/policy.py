@@ -3,8 +3,6 @@ feeds it, token counting, and swapping in newer weights (`--follow`)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import replace
@@ -21,11 +19,9 @@ from keel.engine.devices import place, resolve_device
 from keel.models import check_vocab, load_causal_lm, load_tokenizer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import RolloutEngine, SamplingParams
-from keel.serve.batching import BatchingQueue, QueueClosed, QueueFull
 from keel.serve.config import ServeFileConfig
-from keel.serve.errors import APIError
 from keel.serve.generation import Generation, GenerationRunner
-from keel.serve.metrics import ServeMetrics
+from keel.serve.served import Served
 
 Prompt = str | list[dict[str, Any]]  # text, or chat messages (through the chat template)
 
@@ -86,43 +82,21 @@ def read_weights(folder: Path, cfg: ServeFileConfig) -> dict[str, torch.Tensor]:
     return dict(model.state_dict())
 
 
-class ServedPolicy:
+class ServedPolicy(Served):
     """The policy behind the endpoints: tokenizer, engine, batching queue and metrics.
 
-    `generate` is what a front end calls (HTTP here; a gRPC servicer would call `submit` and
-    block on the future). `swap_weights` loads newer weights between two batches."""
+    `generate` is what the HTTP app awaits; the gRPC servicer calls `submit` and blocks on the
+    future (`Served.wait`). `swap_weights` loads newer weights between two batches."""
+
+    kind = "policy"
+    failure_code = "generation_failed"
 
     def __init__(self, source: PolicySource, cfg: ServeFileConfig, name: str):
-        self.source = source
-        self.cfg = cfg
-        self.name = name
         self.tokenizer = load_tokenizer(source.folder)
         if cfg.serve.torch_threads:
             torch.set_num_threads(cfg.serve.torch_threads)
-        self.runner = GenerationRunner(
-            build_engine(source.folder, cfg, self.tokenizer), source.step
-        )
-        self.metrics = ServeMetrics(name, str(source.folder))
-        self.metrics.set_step(source.step)
-        s = cfg.serve
-        self.queue: BatchingQueue[Example, Generation] = BatchingQueue(
-            self.runner,
-            max_rows=s.max_batch_size,
-            max_wait_s=s.max_wait_ms / 1000,
-            max_pending=s.max_pending_requests,
-            on_batch=self.metrics.observe_batch,
-        )
-        self.metrics.watch_queue(lambda: self.queue.depth, lambda: self.queue.pending)
-        self.draining = False
-        self.loaded_at = time.time()
-
-    @property
-    def step(self) -> int | None:
-        return self.runner.step
-
-    @property
-    def ready(self) -> bool:
-        return self.queue.accepting and not self.draining
+        runner = GenerationRunner(build_engine(source.folder, cfg, self.tokenizer), source.step)
+        super().__init__(source, cfg, name, runner)
 
     def prompt_tokens(self, prompt: Prompt) -> int:
         """Tokens of `prompt` as the model sees it (chat messages through the template)."""
@@ -135,38 +109,16 @@ class ServedPolicy:
         """Queue n rows per prompt (prompt-major); QueueFull → 429, QueueClosed → 503."""
         rows = [Example(prompt=p, source=f"prompt {i}") for i, p in enumerate(prompts)]
         rows = [row for row in rows for _ in range(n)]
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        try:
-            return self.queue.submit(replace(sampling, n=1), rows)
-        except QueueFull as exc:
-            raise APIError(
-                429, f"too many requests: {exc}; retry later", code="queue_full",
-                headers={"Retry-After": "1"},
-            ) from None  # fmt: skip
-        except QueueClosed as exc:
-            raise APIError(503, str(exc), code="shutting_down") from None
+        return self.enqueue(replace(sampling, n=1), rows)
 
     async def generate(
         self, prompts: list[Prompt], n: int, sampling: SamplingParams
     ) -> list[Generation]:
         """n generations per prompt, prompt-major, from a batch shared with other requests."""
-        future = self.submit(prompts, n, sampling)
-        try:
-            return await asyncio.wrap_future(future)
-        except APIError:
-            raise
-        except Exception as exc:
-            raise APIError(500, f"generation failed: {exc}", code="generation_failed") from exc
+        return await self.result(self.submit(prompts, n, sampling))
 
     def swap_weights(self, state: Mapping[str, torch.Tensor], step: int) -> None:
         """Answer with `state` from the next batch on (blocks until the engine has them)."""
         self.queue.between_batches(lambda: self.runner.load_weights(state, step)).result()
         self.metrics.set_step(step)
         self.metrics.reloads.inc()
-
-    def close(self, timeout: float | None = None) -> None:
-        """Finish the queued requests, stop the worker, release the engine."""
-        self.draining = True
-        self.queue.close(timeout)
-        self.runner.close()

@@ -139,7 +139,34 @@ class ChatCompletionRequest(Request):
         return [m.as_template_message() for m in self.messages]
 
 
-def parse_body(body: bytes, model: type[Request]) -> Any:
+class ScoreItem(BaseModel):
+    """One row to score (the protocol of keel.rewards.remote)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[Message]
+    response: str
+    answer: Any = None
+
+    @property
+    def template_prompt(self) -> str | list[dict[str, Any]]:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return [m.as_template_message() for m in self.prompt]
+
+
+class ScoreRequest(BaseModel):
+    """POST /v1/score: `{"items": [{"prompt", "response", "answer"}], "kwargs": {}}`, what
+    `reward.url` sends; `model`, when given, must be the served model's id."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    items: list[ScoreItem]
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    model: str | None = None
+
+
+def parse_body(body: bytes, model: type[BaseModel]) -> Any:
     """The request `model` from a JSON body; malformed JSON and invalid parameters are 400s
     naming the problem (and the parameter)."""
     try:
@@ -150,6 +177,12 @@ def parse_body(body: bytes, model: type[Request]) -> Any:
         ) from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return validate(data, model)
+
+
+def validate(data: dict[str, Any], model: type[BaseModel]) -> Any:
+    """The request `model` from a decoded body (JSON, or a gRPC message as a dict); invalid
+    parameters are 400s naming the problem and the parameter."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -174,3 +207,4 @@ def _invalid(exc: ValidationError) -> APIError:
 Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+ScoreRequest.model_rebuild()

@@ -1,14 +1,17 @@
-"""Running `keel serve`: resolve MODEL, load the policy, start uvicorn (optionally with TLS and
-`--follow`), and on SIGTERM/SIGINT stop accepting connections, let in-flight requests finish
-(at most serve.drain_timeout_s), drain the batching queue, and exit 0."""
+"""Running `keel serve`: resolve MODEL, load the policy (or with `--reward` the reward model),
+start uvicorn (optionally with TLS and `--follow`) and with `--grpc-port` the gRPC server on the
+same batching queue, and on SIGTERM/SIGINT stop accepting connections on both, let in-flight
+requests finish (at most serve.drain_timeout_s), drain the batching queue, and exit 0."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -19,6 +22,8 @@ from keel.serve.app import build_app
 from keel.serve.config import ServeFileConfig
 from keel.serve.follow import CheckpointFollower
 from keel.serve.policy import ServedPolicy, read_weights
+from keel.serve.scoring import ServedReward
+from keel.serve.served import Served
 
 BUILTIN = "builtin:"
 log = logging.getLogger(__name__)
@@ -61,13 +66,14 @@ def check_tls(cfg: ServeFileConfig) -> dict[str, str]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server that marks the policy draining (/readyz 503) as shutdown begins, says
-    where it listens once it does, and exits 0 after a graceful SIGTERM instead of re-raising
-    the signal."""
+    """uvicorn's server that marks the model draining (/readyz 503) and stops the gRPC server
+    (new calls refused, running ones finish) as shutdown begins, says where it listens once it
+    does, and exits 0 after a graceful SIGTERM instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, policy: ServedPolicy):
+    def __init__(self, config: uvicorn.Config, policy: Served, grpc_server: Any = None):
         super().__init__(config)
         self.policy = policy
+        self.grpc_server = grpc_server
 
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
         await super().startup(sockets)
@@ -82,7 +88,11 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self.policy.draining = True
+        grace = self.config.timeout_graceful_shutdown
+        stopped = self.grpc_server.stop(grace) if self.grpc_server is not None else None
         await super().shutdown(sockets)
+        if stopped is not None:  # the batching queue closes after both sides have drained
+            await asyncio.to_thread(stopped.wait, grace)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -93,31 +103,53 @@ class DrainingServer(uvicorn.Server):
                 self._captured_signals.clear()  # handled: drained, exit normally
 
 
-def serve(model: str, cfg: ServeFileConfig, *, host: str, port: int, follow: bool) -> int:
-    """Serve MODEL until SIGTERM/SIGINT; 0 after a graceful drain."""
+def serve(
+    model: str | None,
+    cfg: ServeFileConfig,
+    *,
+    host: str,
+    port: int,
+    follow: bool,
+    reward: bool = False,
+    grpc_port: int = 0,
+) -> int:
+    """Serve MODEL (with `reward`, a reward model behind /v1/score) until SIGTERM/SIGINT, over
+    HTTP and, with grpc_port > 0, gRPC; 0 after a graceful drain."""
     tls = check_tls(cfg)
+    if model is None:
+        raise ConfigError("keel serve needs MODEL")
+    if reward and follow:
+        raise ConfigError("--follow serves a policy as it trains; not with --reward")
     sys.setswitchinterval(cfg.serve.switch_interval_ms / 1000)
     source = policy_source(model, follow)
-    policy = ServedPolicy(source, cfg, model_name(model, cfg))
-    app = build_app(policy, cfg.serve)
+    name = model_name(model, cfg)
+    served: Served = ServedReward(source, cfg, name) if reward else ServedPolicy(source, cfg, name)
+    app = build_app(served, cfg.serve)
+    grpc_server = None
     follower = None
-    if follow:
-        assert source.run_dir is not None
-        follower = CheckpointFollower(
-            source.run_dir, policy, lambda folder: read_weights(folder, cfg),
-            cfg.serve.follow_interval_s,
-        )  # fmt: skip
-        follower.start()
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-        timeout_graceful_shutdown=cfg.serve.drain_timeout_s, **tls,
-    )  # fmt: skip
-    server = DrainingServer(config, policy)
     try:
+        if grpc_port:
+            from keel.serve.grpc_server import start_grpc
+
+            grpc_server = start_grpc(served, cfg.serve, host, grpc_port)
+        if follow:
+            assert source.run_dir is not None and isinstance(served, ServedPolicy)
+            follower = CheckpointFollower(
+                source.run_dir, served, lambda folder: read_weights(folder, cfg),
+                cfg.serve.follow_interval_s,
+            )  # fmt: skip
+            follower.start()
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+            timeout_graceful_shutdown=cfg.serve.drain_timeout_s, **tls,
+        )  # fmt: skip
+        server = DrainingServer(config, served, grpc_server)
         server.run()
     finally:
         if follower is not None:
             follower.stop()
-        policy.close(timeout=cfg.serve.drain_timeout_s)
+        if grpc_server is not None:
+            grpc_server.stop(0)
+        served.close(timeout=cfg.serve.drain_timeout_s)
     print("keel serve: stopped", file=sys.stderr, flush=True)
     return 0 if server.started else 1

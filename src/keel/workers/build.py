@@ -259,16 +259,12 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
         raise ValueError("the reward role needs its RewardScorer (keel.controller.build_reward)")
     if cfg.models.reward is None:
         return RewardWorker(scorer)
-    path = resolve_model_path(cfg.models.reward)
-    tokenizer = load_tokenizer(path)
-    model = load_reward_model(
-        path,
-        pad_token_id=tokenizer.pad_token_id,
+    model, tokenizer = frozen_reward_model(
+        resolve_model_path(cfg.models.reward),
         dtype=cfg.models.dtype,
         attn_implementation=cfg.models.attn_implementation,
+        device=cfg.resources.device,
     )
-    check_vocab(model, tokenizer, path)
-    model = place(model, resolve_device(cfg.resources.device))
     m = cfg.reward.model
     return ModelRewardWorker(
         model,
@@ -281,6 +277,23 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
         batch_size=m.batch_size,
         chat=cfg.data.apply_chat_template,
     )
+
+
+def frozen_reward_model(
+    path: Path, *, dtype: str, attn_implementation: str | None, device: str
+) -> tuple[Any, Any]:
+    """A reward model to score with (its scalar head on the last non-pad token; eval mode) on
+    `device`, and its tokenizer: what ModelRewardWorker scores with, in a run (models.reward)
+    and behind `keel serve --reward`."""
+    tokenizer = load_tokenizer(path)
+    model = load_reward_model(
+        path,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+    )
+    check_vocab(model, tokenizer, path)
+    return place(model, resolve_device(device)), tokenizer
 
 
 def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> GradientStep:
