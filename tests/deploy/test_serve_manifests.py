@@ -66,7 +66,7 @@ class StubPolicy(SimpleNamespace):
     """What build_app's routes read of a ServedPolicy, with real metrics: no model needed."""
 
     def __init__(self, ready: bool, draining: bool = False):
-        super().__init__(name="policy", step=7, ready=ready, draining=draining,
+        super().__init__(kind="policy", name="policy", step=7, ready=ready, draining=draining,
                          metrics=ServeMetrics("policy", "/data/models/policy"))  # fmt: skip
 
     def close(self, timeout=None) -> None:

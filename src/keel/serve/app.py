@@ -89,10 +89,9 @@ def build_app(served: Served, cfg: ServeConfig) -> FastAPI:
         check_model(served, model_id, param=None)
         return _json(_model_card(served))
 
-    if isinstance(served, ServedReward):
+    if served.kind == "reward":
         _score_route(app, served, cfg, token)
     else:
-        assert isinstance(served, ServedPolicy)
         _generation_routes(app, served, cfg, token)
     return app
 
