@@ -226,7 +226,7 @@ class VLLMConfig(Section):
         0.5, gt=0, le=1, description="fraction of GPU memory vLLM may take (weights + KV cache)"
     )
     max_model_len: int | None = Field(
-        None, ge=1, description="longest prompt + response; default: prompt + new-token budgets"
+        None, ge=1, description="longest prompt + response; null: the model's context length"
     )
     enforce_eager: bool = Field(
         True, description="no CUDA graphs / torch.compile: fast start-up, slower decoding"
