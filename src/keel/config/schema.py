@@ -232,7 +232,7 @@ class VLLMConfig(Section):
         True, description="no CUDA graphs / torch.compile: fast start-up, slower decoding"
     )
     kv_cache_space_gb: float = Field(
-        1.0, gt=0, description="KV-cache memory on CPU (VLLM_CPU_KVCACHE_SPACE), in GiB"
+        1.0, gt=0, description="KV-cache memory on CPU, in GiB (vLLM's kv_cache_memory_bytes)"
     )
 
 

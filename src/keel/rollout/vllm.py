@@ -120,12 +120,16 @@ def preserved_process_state() -> Iterator[None]:
         np.random.set_state(np_state)
 
 
-def engine_env(rollout: RolloutConfig, device: torch.device) -> dict[str, str]:
-    """The variables vLLM reads while it starts: in this process, the CPU KV-cache size."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if device.type == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{rollout.vllm.kv_cache_space_gb:g}"
-    return env
+def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
+    """With rollout.vllm.enforce_eager, vLLM's small torch.compile'd helpers (the log-prob
+    gather of its sampler) run eagerly: compiling them costs ≈ 4.5 s at the first generate of
+    every run on a CPU core, for a kernel that takes microseconds here."""
+    return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+
+
+def engine_env() -> dict[str, str]:
+    """The variables vLLM reads while it starts: its engine core in this process."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
@@ -142,7 +146,7 @@ def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
     }
     if cfg.max_model_len is not None:
         args["max_model_len"] = cfg.max_model_len
-    if inputs.device.type == "cpu":
+    if inputs.device.type == "cpu":  # vLLM's CPU backend does not size its KV cache itself
         args["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gb * 2**30)
     return args
 
@@ -167,9 +171,11 @@ class VLLMRolloutEngine:
         truncation: str = "error",
         max_model_len: int | None = None,
         on_gpu: bool = False,
+        eager: bool = True,
     ):
         self.llm = llm
         self.on_gpu = on_gpu  # sleep/wake free memory on GPUs only
+        self.eager = eager  # rollout.vllm.enforce_eager
         self.tokenizer = tokenizer
         self.chat = chat
         self.max_prompt_length = max_prompt_length
@@ -190,7 +196,7 @@ class VLLMRolloutEngine:
         check_head_size(inputs.model_path)
         with preserved_process_state():
             vllm = import_vllm()
-            os.environ.update(engine_env(rollout, inputs.device))
+            os.environ.update(engine_env())
             llm = vllm.LLM(**engine_args(rollout, inputs))
         model_len = llm.llm_engine.model_config.max_model_len
         generation = SimpleGenerationConfig.from_folder(inputs.model_path)
@@ -203,6 +209,7 @@ class VLLMRolloutEngine:
             truncation=inputs.truncation,
             max_model_len=model_len,
             on_gpu=inputs.device.type == "cuda",
+            eager=rollout.vllm.enforce_eager,
         )
 
     def generate(
@@ -226,7 +233,8 @@ class VLLMRolloutEngine:
         seed = int(torch.randint(0, 2**31 - 1 - len(rows), ()).item())
         params = [self._sampling_params(sampling, greedy, seed + i) for i in range(len(rows))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
-        with torch.random.fork_rng(devices=[]):  # vLLM's own draws leave Keel's stream alone
+        # vLLM's own draws leave Keel's stream alone; eager: see `eager_helpers`
+        with torch.random.fork_rng(devices=[]), eager_helpers(self.eager):
             outputs = llm.generate(prompts, params, use_tqdm=False)
         responses = [list(out.outputs[0].token_ids) for out in outputs]
         logps = [

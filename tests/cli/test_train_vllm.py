@@ -1,0 +1,157 @@
+"""GRPO with `rollout.engine: vllm` through the real `keel train`, in the vLLM environment (marker
+vllm): a run that trains, one that crashes and one that gets SIGTERM, started together (each is
+mostly one busy core waiting on imports and the engine's start). Each run's process tree is
+watched with psutil while it runs: the engine lives in the trainer's process, so no vLLM engine
+process (`VLLM::EngineCore`, `VLLM::Worker`) ever appears, and none of the run's descendants
+(short-lived helpers: vLLM's library probes, torch inductor's compiler) outlives it."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from keel.models import TinyModelSpec, create_tiny_model
+from keel.monitor import read_metrics
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+KEEL = Path(sys.executable).parent / "keel"
+TINY = [
+    "data.arithmetic.eval_size=8", "train.batch_size=4", "train.mini_batch_size=4",
+    "train.warmup_steps=0", "rollout.n=4", "monitor.progress=false", "eval.every=0",
+    "rollout.engine=vllm", "rollout.return_logprobs=true", "rollout.vllm.kv_cache_space_gb=0.125",
+]  # fmt: skip
+
+
+def _title(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())[:80] or process.name()
+    except psutil.Error:  # gone already
+        return ""
+
+
+class WatchedRun:
+    """`keel train` in a subprocess; a thread records every descendant process it has."""
+
+    def __init__(self, run_dir: Path, overrides: list[str], cache: Path):
+        sets = [a for o in [*TINY, *overrides] for a in ("--set", o)]
+        args = [str(KEEL), "train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env["KEEL_CACHE"] = str(cache)
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            [*args, *sets], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self.descendants: dict[int, psutil.Process] = {}
+        self.names: dict[int, str] = {}  # pid → process title, as first seen
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        root = psutil.Process(self.proc.pid)
+        while self.proc.poll() is None:
+            try:
+                for child in root.children(recursive=True):
+                    if child.pid not in self.descendants:
+                        self.descendants[child.pid] = child
+                        self.names[child.pid] = _title(child)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+
+    def wait(self, timeout: float = 240) -> tuple[int, str]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        self.watcher.join()
+        return self.proc.returncode, out.decode(errors="replace")
+
+    def survivors(self) -> list[str]:
+        """Descendants still running (psutil.Process.is_running also checks the pid was not
+        reused)."""
+        alive = [p for p in self.descendants.values() if p.is_running()]
+        return [f"{p.pid} {p.name()}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+    def metrics(self) -> list[dict]:
+        file = self.run_dir / "metrics.jsonl"
+        return read_metrics(file) if file.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three runs on a tiny Llama with head size 32 (vLLM's minimum), started together."""
+    root = tmp_path_factory.mktemp("vllm-runs")
+    model = create_tiny_model(
+        root / "model", TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=2)
+    )
+    reward = f"reward.fn={REPO / 'tests/cli/format_reward.py'}"
+    base = [f"models.actor={model}"]
+    cache = root / "cache"
+    started = {
+        "trains": WatchedRun(root / "trains", [*base, f"{reward}:digit_fraction",
+                                               "train.steps=3"], cache),
+        "crashes": WatchedRun(root / "crashes", [*base, f"{reward}:explode"], cache),
+        "sigterm": WatchedRun(root / "sigterm", [*base, f"{reward}:digit_fraction",
+                                                 "train.steps=200"], cache),
+    }  # fmt: skip
+    term = started["sigterm"]
+    deadline = time.monotonic() + 240
+    while not any(r["step"] >= 1 for r in term.metrics()) and term.proc.poll() is None:
+        assert time.monotonic() < deadline, "the run never finished a step"
+        time.sleep(0.2)
+    term.proc.send_signal(signal.SIGTERM)
+    results = {name: run.wait() for name, run in started.items()}
+    return {"model": model, "runs": started, "results": results}
+
+
+def test_grpo_trains_with_the_vllm_engine(runs):
+    """Weights change, every step's rollout used the weights of the step before (pushed into the
+    engine in place), metrics are finite and the engine's log-probs match the trainer's."""
+    code, out = runs["results"]["trains"]
+    assert code == 0, out[-3000:]
+    run = runs["runs"]["trains"]
+    rows = run.metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        assert all(math.isfinite(v) for v in row.values()), row
+    assert [r["rollout/weight_version"] for r in rows[1:]] == [1.0, 2.0, 3.0]
+    assert all(r["rollout/weight_version_lag"] == 0 for r in rows[1:])
+    assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows[1:])
+    assert rows[1]["reward/std"] > 0
+    before = AutoModelForCausalLM.from_pretrained(runs["model"])
+    after = AutoModelForCausalLM.from_pretrained(run.run_dir / "model")
+    deltas = [
+        (a - b).abs().max().item()
+        for a, b in zip(after.parameters(), before.parameters(), strict=True)
+    ]
+    assert max(deltas) > 0
+    config = json.loads((run.run_dir / "model" / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 32
+    assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("name", ["trains", "crashes", "sigterm"])
+def test_no_engine_process_outlives_a_run(runs, name):
+    """The engine runs in the trainer's process: no engine process while the run lives, and no
+    process left once it has ended, crashed (an exception out of the run) or been stopped by
+    SIGTERM (checkpoint, exit 75)."""
+    code, out = runs["results"][name]
+    run = runs["runs"][name]
+    expected = {"trains": 0, "crashes": 2, "sigterm": 75}[name]
+    assert code == expected, out[-3000:]
+    engines = [t for t in run.names.values() if t.startswith("VLLM::")]
+    assert engines == [], engines
+    assert run.survivors() == []
+    if name == "crashes":
+        assert "reward service unavailable" in out
+    if name == "sigterm":
+        assert (run.run_dir / "checkpoints").is_dir()
