@@ -1,10 +1,19 @@
 """Building engines from rollout.engine, and the HF engine against the engine conformance checks."""
 
+import sys
+
 import pytest
 import torch
 
+from keel.config.loading import ConfigError
 from keel.config.schema import RolloutConfig
-from keel.models import load_causal_lm, load_tokenizer
+from keel.models import (
+    ModelLoadError,
+    TinyModelSpec,
+    create_tiny_model,
+    load_causal_lm,
+    load_tokenizer,
+)
 from keel.rollout import RolloutEngine
 from keel.rollout.engines import ENGINE_BUILDERS, EngineInputs, build_rollout_engine
 from tests.rollout.conformance import check_engine
@@ -61,3 +70,23 @@ def test_asynchronous_rollout_gives_the_hf_engine_its_own_copy(tiny_dir):
     )
     assert isinstance(engine, RolloutEngine)
     assert not engine.shares_module and engine.model is not actor
+
+
+def test_the_vllm_engine_without_its_extra_is_a_config_error(tmp_path, monkeypatch):
+    """rollout.engine: vllm in an environment without vLLM: an error naming the setting and
+    how to install the extra (here vLLM is made unimportable, whatever the environment)."""
+    model = create_tiny_model(
+        tmp_path / "m", TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=2)
+    )
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(
+        ConfigError, match=r"rollout\.engine: vllm.*keel\[vllm\].*make install-vllm"
+    ):
+        build_rollout_engine(RolloutConfig(engine="vllm"), inputs(model))
+
+
+def test_the_vllm_engine_refuses_a_model_whose_heads_are_too_small(tiny_dir):
+    """Keel's default tiny model has head size 16; vLLM's kernels need 32 (at its first
+    generate the engine would die): refused before vLLM starts, naming the model."""
+    with pytest.raises(ModelLoadError, match=rf"{tiny_dir}.*head size is 16.*at least 32"):
+        build_rollout_engine(RolloutConfig(engine="vllm"), inputs(tiny_dir))

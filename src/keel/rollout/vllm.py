@@ -84,8 +84,9 @@ def check_head_size(model_path: Path) -> None:
     if size is not None and size < MIN_HEAD_SIZE:
         raise ModelLoadError(
             f"rollout.engine: vllm cannot run {model_path}: its attention head size is {size}, "
-            f"vLLM needs at least {MIN_HEAD_SIZE} (fewer, wider heads: e.g. `keel model "
-            "create-tiny` with --hidden-size 64 --heads 2), or set rollout.engine: hf"
+            f"vLLM needs at least {MIN_HEAD_SIZE} (a model with fewer, wider heads, e.g. "
+            "keel.models.TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=2)), or set "
+            "rollout.engine: hf"
         )
 
 
