@@ -43,6 +43,7 @@ from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch, weig
 FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TRAINED = ("actor", "critic")
 PG_TIMEOUT_S = 120
+CLOSE_TIMEOUT_S = 60  # for the workers to close their engines before their actors are killed
 
 
 def worker_env(ray_cfg: RayConfig) -> dict[str, str]:
@@ -120,6 +121,15 @@ class RoleHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Close the workers that hold an engine (a rollout worker's vLLM engine: its memory,
+        and any process of its own) before this actor is killed."""
+        for worker in self.workers.values():
+            close = getattr(worker, "close", None)
+            if close is not None:
+                close()
+        self.workers = {}
 
 
 class RayWorkerGroup:
@@ -255,7 +265,14 @@ def with_resolved_models(cfg: KeelConfig) -> KeelConfig:
 
 
 def release(hosts: list[Any], pgs: list[Any]) -> None:
-    """Kill the hosts and free their placement groups (idempotent, dead actors are fine)."""
+    """Close the hosts' workers (their rollout engines), kill the hosts and free their
+    placement groups (idempotent, dead actors are fine)."""
+    closing = []
+    for h in hosts:
+        with contextlib.suppress(Exception):  # already gone
+            closing.append(h.close.remote())
+    with contextlib.suppress(Exception):  # a host that died meanwhile
+        ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
     for h in hosts:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(h, no_restart=True)
