@@ -1,0 +1,203 @@
+"""`make bench-engines`: rollout engines head to head: tokens/s of HF `generate` (Keel's
+HFRolloutEngine) and vLLM (VLLMRolloutEngine) on one locally built Llama and one workload, in
+float32 and bfloat16. Needs .venv-vllm (`make install-vllm`). Prints one JSON line per case and
+a summary line per dtype; docs/performance.md has the figures.
+
+Each case runs in a fresh interpreter (`--case ENGINE DTYPE`), so that no engine's threads,
+caches or memory affect the next. Benches are registered in BENCHES by name (`--bench NAME`):
+"tokens" is this one; a bench of step time at rollout.max_staleness 0 against 1 belongs there
+too, as another entry.
+
+The model: a Llama of ≈ 60M parameters (32k vocabulary, hidden 512, 8 layers of 8 heads of 64,
+untied output layer) with random weights, and a word-level tokenizer of 32k words, both built
+here (nothing is downloaded). Workload (default): 32 prompts of 16 tokens × 8 samples × 32 new
+tokens at temperature 1, the RL rollout shape; an untimed warm-up call first, then the best of
+`--repeats` timed calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch
+
+VOCAB = 32_000
+SPECIAL = ["<pad>", "<unk>", "</s>"]
+DTYPES = ("float32", "bfloat16")
+
+
+def build_model(path: Path, layers: int = 8, hidden: int = 512, heads: int = 8) -> Path:
+    """A random-weight Llama and a 32k-word tokenizer saved as an HF folder at `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def workload(prompts: int, prompt_tokens: int) -> list:
+    """`prompts` distinct prompts of `prompt_tokens` random words each (seeded)."""
+    from keel.data import Example
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(SPECIAL), VOCAB, (prompts, prompt_tokens), generator=g)
+    return [Example(prompt=" ".join(f"w{i - len(SPECIAL)}" for i in row)) for row in ids.tolist()]
+
+
+def build_engine(engine: str, model_dir: Path, dtype: str):
+    """A separate (not colocated) rollout engine, as keel.rollout.engines builds it."""
+    from keel.config.schema import RolloutConfig
+    from keel.engine.devices import DTYPES as TORCH_DTYPES
+    from keel.models import load_causal_lm, load_tokenizer
+    from keel.rollout.engines import EngineInputs, build_rollout_engine
+
+    inputs = EngineInputs(
+        model_path=model_dir,
+        tokenizer=load_tokenizer(model_dir),
+        chat=False,
+        max_prompt_length=64,
+        truncation="error",
+        dtype=dtype,
+        device=torch.device("cpu"),
+        actor_module=None,
+        autocast=None,
+        load_copy=lambda: load_causal_lm(model_dir, dtype=TORCH_DTYPES[dtype]).eval(),
+    )
+    return build_rollout_engine(RolloutConfig(engine=engine), inputs)
+
+
+def run_case(engine_name: str, dtype: str, model_dir: Path, args: argparse.Namespace) -> dict:
+    """Tokens/s of one engine in one dtype (this process: the `--case` child)."""
+    from keel.rollout import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    engine = build_engine(engine_name, model_dir, dtype)
+    startup = time.perf_counter() - start
+    examples = workload(args.prompts, args.prompt_tokens)
+    sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.tokens)
+    engine.generate(examples[:2], SamplingParams(n=2, max_new_tokens=4))  # warm-up
+    best = None
+    for _ in range(args.repeats):
+        torch.manual_seed(0)
+        t = time.perf_counter()
+        batch = engine.generate(examples, sampling)
+        seconds = time.perf_counter() - t
+        tokens = int(batch.response_mask.sum())
+        if best is None or tokens / seconds > best[0] / best[1]:
+            best = (tokens, seconds)
+    engine.close()
+    tokens, seconds = best
+    return {
+        "bench": "tokens",
+        "engine": engine_name,
+        "dtype": dtype,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "startup_s": round(startup, 2),
+        "threads": args.threads,
+        "workload": f"{args.prompts} prompts x {args.n} samples x {args.tokens} tokens",
+    }
+
+
+def tokens_per_second(args: argparse.Namespace) -> list[dict]:
+    """HF against vLLM in each dtype of `args.dtypes`, each case in a fresh interpreter."""
+    with tempfile.TemporaryDirectory(prefix="keel-bench-engines-") as tmp:
+        model_dir = build_model(Path(tmp) / "llama-60m")
+        params = sum(p.numel() for p in _parameters(model_dir))
+        rows = []
+        for dtype in args.dtypes.split(","):
+            pair = {}
+            for engine in ("hf", "vllm"):
+                row = _child(engine, dtype, model_dir, args)
+                row["parameters_m"] = round(params / 1e6, 1)
+                print(json.dumps(row), flush=True)
+                pair[engine] = row["tokens_per_s"]
+                rows.append(row)
+            summary = {"dtype": dtype, "vllm_over_hf": round(pair["vllm"] / pair["hf"], 2)}
+            print(json.dumps(summary), flush=True)
+        return rows
+
+
+def _parameters(model_dir: Path) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return list(load_file(model_dir / "model.safetensors").values())
+
+
+def _child(engine: str, dtype: str, model_dir: Path, args: argparse.Namespace) -> dict:
+    """run_case in a new interpreter; its last stdout line is the JSON row."""
+    argv = [sys.executable, "-m", "bench.engines", "--case", engine, dtype, str(model_dir)]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items()]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _workload_args(args: argparse.Namespace) -> dict:
+    keys = ("prompts", "prompt_tokens", "n", "tokens", "repeats", "threads")
+    return {k: getattr(args, k) for k in keys}
+
+
+# name → bench(args) → rows; add "staleness" (step time at max_staleness 0 vs 1) here.
+BENCHES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"tokens": tokens_per_second}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bench", choices=sorted(BENCHES), default="tokens")
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--case", nargs=3, metavar=("ENGINE", "DTYPE", "MODEL_DIR"), help="internal")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.case:
+        engine, dtype, model_dir = args.case
+        print(json.dumps(run_case(engine, dtype, Path(model_dir), args)), flush=True)
+        return
+    BENCHES[args.bench](args)
+
+
+if __name__ == "__main__":
+    main()
