@@ -50,7 +50,7 @@ test: $(STAMP) $(VLLM_STAMP) test-tools
 	$(MAKE) --no-print-directory test-vllm
 
 test-vllm: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm -n $(TEST_WORKERS) --dist loadfile
 
 # The mutation check: every wrong-math mutation must make the learning tests fail
 # (tests/learning/mutants.py; the suite runs a subset). A few minutes.

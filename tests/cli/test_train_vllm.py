@@ -1,5 +1,6 @@
 """GRPO with `rollout.engine: vllm` through the real `keel train`, in the vLLM environment (marker
-vllm): a run that trains, one that crashes and one that gets SIGTERM, started together (each is
+vllm): a run that trains, one that crashes and one that gets SIGTERM (with asynchronous
+rollout, rollout.max_staleness 1), started together (each is
 mostly one busy core waiting on imports and the engine's start). Each run's process tree is
 watched with psutil while it runs: the engine lives in the trainer's process, so no vLLM engine
 process (`VLLM::EngineCore`, `VLLM::Worker`) ever appears, and none of the run's descendants
@@ -101,7 +102,8 @@ def runs(tmp_path_factory):
                                                "train.steps=3"], cache),
         "crashes": WatchedRun(root / "crashes", [*base, f"{reward}:explode"], cache),
         "sigterm": WatchedRun(root / "sigterm", [*base, f"{reward}:digit_fraction",
-                                                 "train.steps=200"], cache),
+                                                 "train.steps=200", "rollout.max_staleness=1"],
+                              cache),
     }  # fmt: skip
     term = started["sigterm"]
     deadline = time.monotonic() + 240
@@ -153,5 +155,7 @@ def test_no_engine_process_outlives_a_run(runs, name):
     assert run.survivors() == []
     if name == "crashes":
         assert "reward service unavailable" in out
-    if name == "sigterm":
+    if name == "sigterm":  # asynchronous rollout: the engine generated on a background thread
         assert (run.run_dir / "checkpoints").is_dir()
+        trained = [r for r in run.metrics() if r["step"] >= 1]
+        assert trained and all(r["rollout/weight_version_lag"] <= 1 for r in trained)

@@ -228,14 +228,14 @@ class VLLMRolloutEngine:
         greedy = sampling.temperature == 0
         self._set_temperature(1.0 if greedy else sampling.temperature)
         # One request per row (vLLM's prefix cache shares a prompt's KV blocks between its n
-        # rows). One draw from torch's generator (seeded by Keel) per call: row i samples with
-        # seed + i, whatever vLLM's batching.
+        # rows). Row i samples with its own generator, seeded seed + i, whatever vLLM's
+        # batching; seed is drawn from torch's generator (seeded by Keel), which vLLM's sampler
+        # also draws from (as HF generate does), so a run is reproducible from its seed.
         rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
         seed = int(torch.randint(0, 2**31 - 1 - len(rows), ()).item())
         params = [self._sampling_params(sampling, greedy, seed + i) for i in range(len(rows))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
-        # vLLM's own draws leave Keel's stream alone; eager: see `eager_helpers`
-        with torch.random.fork_rng(devices=[]), eager_helpers(self.eager):
+        with eager_helpers(self.eager):
             outputs = llm.generate(prompts, params, use_tqdm=False)
         responses = [list(out.outputs[0].token_ids) for out in outputs]
         logps = [
