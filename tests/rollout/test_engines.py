@@ -90,3 +90,14 @@ def test_the_vllm_engine_refuses_a_model_whose_heads_are_too_small(tiny_dir):
     generate the engine would die): refused before vLLM starts, naming the model."""
     with pytest.raises(ModelLoadError, match=rf"{tiny_dir}.*head size is 16.*at least 32"):
         build_rollout_engine(RolloutConfig(engine="vllm"), inputs(tiny_dir))
+
+
+def test_the_vllm_engine_refuses_to_share_a_process_with_several_ranks(tmp_path, monkeypatch):
+    """vLLM sets up torch.distributed in its process: inside a multi-rank group it cannot."""
+    model = create_tiny_model(
+        tmp_path / "m", TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=2)
+    )
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(ConfigError, match=r"rollout\.engine: vllm .*world of 2.*workers: 1"):
+        build_rollout_engine(RolloutConfig(engine="vllm"), inputs(model))

@@ -90,6 +90,18 @@ def check_head_size(model_path: Path) -> None:
         )
 
 
+def check_alone_in_process() -> None:
+    """vLLM sets up torch.distributed in its process (a world of 1, torn down by close): it
+    cannot share a process with ranks of a multi-rank group (resources.groups, workers > 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            "rollout.engine: vllm cannot run inside a group of several ranks "
+            f"(torch.distributed world of {dist.get_world_size()}): give the rollout role a "
+            "resources.groups entry of its own with workers: 1, or use rollout.engine: hf"
+        )
+
+
 @contextlib.contextmanager
 def preserved_environ() -> Iterator[None]:
     """os.environ as it was on entry, restored on exit."""
@@ -141,7 +153,7 @@ def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
         "dtype": inputs.dtype,
         "skip_tokenizer_init": True,  # Keel tokenizes and decodes
         "enforce_eager": cfg.enforce_eager,
-        "logprobs_mode": "raw_logprobs",  # of logits / T: see set_logit_scale
+        "logprobs_mode": "raw_logprobs",  # of logits / T: see set_logit_temperature
         "enable_prefix_caching": True,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
     }
@@ -195,6 +207,7 @@ class VLLMRolloutEngine:
     def build(cls, rollout: RolloutConfig, inputs: EngineInputs) -> VLLMRolloutEngine:
         """Start vLLM on inputs.model_path (once per run) with `rollout.vllm`'s options."""
         check_head_size(inputs.model_path)
+        check_alone_in_process()
         with preserved_process_state():
             vllm = import_vllm()
             os.environ.update(engine_env())
