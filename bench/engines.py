@@ -78,8 +78,9 @@ def workload(prompts: int, prompt_tokens: int) -> list:
     return [Example(prompt=" ".join(f"w{i - len(SPECIAL)}" for i in row)) for row in ids.tolist()]
 
 
-def build_engine(engine: str, model_dir: Path, dtype: str):
-    """A separate (not colocated) rollout engine, as keel.rollout.engines builds it."""
+def build_engine(engine: str, model_dir: Path, dtype: str, eager: bool = True):
+    """A separate (not colocated) rollout engine, as keel.rollout.engines builds it; eager:
+    rollout.vllm.enforce_eager."""
     from keel.config.schema import RolloutConfig
     from keel.engine.devices import DTYPES as TORCH_DTYPES
     from keel.models import load_causal_lm, load_tokenizer
@@ -97,7 +98,8 @@ def build_engine(engine: str, model_dir: Path, dtype: str):
         autocast=None,
         load_copy=lambda: load_causal_lm(model_dir, dtype=TORCH_DTYPES[dtype]).eval(),
     )
-    return build_rollout_engine(RolloutConfig(engine=engine), inputs)
+    rollout = RolloutConfig(engine=engine, vllm={"enforce_eager": eager})
+    return build_rollout_engine(rollout, inputs)
 
 
 def run_case(engine_name: str, dtype: str, model_dir: Path, args: argparse.Namespace) -> dict:
@@ -106,7 +108,7 @@ def run_case(engine_name: str, dtype: str, model_dir: Path, args: argparse.Names
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    engine = build_engine(engine_name, model_dir, dtype)
+    engine = build_engine(engine_name, model_dir, dtype, eager=not args.vllm_compile)
     startup = time.perf_counter() - start
     examples = workload(args.prompts, args.prompt_tokens)
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.tokens)
@@ -131,6 +133,7 @@ def run_case(engine_name: str, dtype: str, model_dir: Path, args: argparse.Names
         "tokens_per_s": round(tokens / seconds, 1),
         "startup_s": round(startup, 2),
         "threads": args.threads,
+        "vllm_compiled": engine_name == "vllm" and args.vllm_compile,
         "workload": f"{args.prompts} prompts x {args.n} samples x {args.tokens} tokens",
     }
 
@@ -143,14 +146,15 @@ def tokens_per_second(args: argparse.Namespace) -> list[dict]:
         rows = []
         for dtype in args.dtypes.split(","):
             pair = {}
-            for engine in ("hf", "vllm"):
+            for engine in args.engines.split(","):
                 row = _child(engine, dtype, model_dir, args)
                 row["parameters_m"] = round(params / 1e6, 1)
                 print(json.dumps(row), flush=True)
                 pair[engine] = row["tokens_per_s"]
                 rows.append(row)
-            summary = {"dtype": dtype, "vllm_over_hf": round(pair["vllm"] / pair["hf"], 2)}
-            print(json.dumps(summary), flush=True)
+            if {"hf", "vllm"} <= set(pair):
+                summary = {"dtype": dtype, "vllm_over_hf": round(pair["vllm"] / pair["hf"], 2)}
+                print(json.dumps(summary), flush=True)
         return rows
 
 
@@ -163,13 +167,18 @@ def _parameters(model_dir: Path) -> list[torch.Tensor]:
 def _child(engine: str, dtype: str, model_dir: Path, args: argparse.Namespace) -> dict:
     """run_case in a new interpreter; its last stdout line is the JSON row."""
     argv = [sys.executable, "-m", "bench.engines", "--case", engine, dtype, str(model_dir)]
-    argv += [f"--{k.replace('_', '-')}={v}" for k, v in _workload_args(args).items()]
+    for key, value in _workload_args(args).items():
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv.append(f"{flag}={value}")
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def _workload_args(args: argparse.Namespace) -> dict:
-    keys = ("prompts", "prompt_tokens", "n", "tokens", "repeats", "threads")
+    keys = ("prompts", "prompt_tokens", "n", "tokens", "repeats", "threads", "vllm_compile")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -241,7 +250,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--engines", default="hf,vllm", help="arith: the engines to train with")
+    p.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        help="vLLM with torch.compile (rollout.vllm.enforce_eager: false; slower start-up)",
+    )
+    p.add_argument("--engines", default="hf,vllm", help="the engines to run")
     p.add_argument("--steps", type=int, default=300, help="arith: GRPO steps")
     p.add_argument("--case", nargs=3, metavar=("ENGINE", "DTYPE", "MODEL_DIR"), help="internal")
     return p.parse_args(argv)
