@@ -198,7 +198,7 @@ class VLLMRolloutEngine:
         first_eos = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
         self.weight_version = 0
-        self._logit_scale: float | None = None  # the temperature the model's logits use now
+        self._temperature: float | None = None  # the one the model's logits are divided by
         # the engine is shut down by close(), or at interpreter exit (a crash, a signal that
         # ends the run) when nothing closed it
         self._finalizer = weakref.finalize(self, _shutdown_quietly, llm)
@@ -301,9 +301,9 @@ class VLLMRolloutEngine:
 
     def _set_temperature(self, temperature: float) -> None:
         """Fold 1 / temperature into the model's logits scale (cached: one RPC per change)."""
-        if self._logit_scale != temperature:
+        if self._temperature != temperature:
             self._engine().collective_rpc(set_logit_temperature, args=(temperature,))
-            self._logit_scale = temperature
+            self._temperature = temperature
 
     def _sampling_params(self, sampling: SamplingParams, greedy: bool, seed: int) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -377,7 +377,7 @@ def chosen_logprobs(step_logprobs: Any, tokens: Sequence[int]) -> list[float]:
     sampled token is always among them)."""
     if step_logprobs is None:
         raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs=0 was asked)")
-    return [float(step[tok].logprob) for step, tok in zip(step_logprobs, tokens, strict=False)]
+    return [float(step[tok].logprob) for step, tok in zip(step_logprobs, tokens, strict=True)]
 
 
 def _shutdown_quietly(llm: Any) -> None:
