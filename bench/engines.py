@@ -201,7 +201,8 @@ def arith_accuracy(args: argparse.Namespace) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="keel-bench-arith-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="keel-bench-arith-") as scratch:
+        tmp = args.out or scratch  # --out keeps the runs (metrics.jsonl, events.jsonl)
         base = create_tiny_model(Path(tmp) / "tiny-32", TinyModelSpec(**ARITH_SPEC))
         sft = {**WARMSTART_SFT, "models": {"actor": str(base)}, "run_dir": f"{tmp}/sft"}
         sft["monitor"] = {"progress": False}
@@ -211,7 +212,7 @@ def arith_accuracy(args: argparse.Namespace) -> list[dict]:
             overrides = [
                 f"models.actor={warm}", f"rollout.engine={engine}", f"train.steps={args.steps}",
                 f"run_dir={tmp}/grpo-{engine}", "monitor.progress=false",
-                "monitor.tensorboard=false", "checkpoint.save_steps=0",
+                "monitor.tensorboard=false",
             ]  # fmt: skip
             start = time.perf_counter()
             result = run_training(load_config(example, overrides), title=f"GRPO ({engine})")
@@ -261,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--engines", default="hf,vllm", help="the engines to run")
     p.add_argument("--steps", type=int, default=300, help="arith: GRPO steps")
+    p.add_argument("--out", help="arith: keep the runs in this folder (default: a temporary one)")
     p.add_argument("--case", nargs=3, metavar=("ENGINE", "DTYPE", "MODEL_DIR"), help="internal")
     return p.parse_args(argv)
 
