@@ -6,8 +6,8 @@ a summary line per dtype; docs/performance.md has the figures.
 Each case runs in a fresh interpreter (`--case ENGINE DTYPE`), so that no engine's threads,
 caches or memory affect the next. Benches are registered in BENCHES by name (`--bench NAME`):
 "tokens" (this one, the default) and "arith" (examples/grpo_arith_tiny.yaml trained with each
-engine: held-out accuracy); a bench of step time at rollout.max_staleness 0 against 1 belongs
-there too, as another entry.
+engine: held-out accuracy) and "staleness" (step time at rollout.max_staleness 0 against 1,
+bench/staleness.py; runs in the main environment too).
 
 The model: a Llama of ≈ 60M parameters (32k vocabulary, hidden 512, 8 layers of 8 heads of 64,
 untied output layer) with random weights, and a word-level tokenizer of 32k words, both built
@@ -237,10 +237,20 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-# name → bench(args) → rows; add "staleness" (step time at max_staleness 0 vs 1) here.
+def staleness_step_time(args: argparse.Namespace) -> list[dict]:
+    """Step time at rollout.max_staleness 0 against 1 (bench/staleness.py, its own workload:
+    16 prompts × 8 × 32 tokens on a 4.2M-parameter Llama, HF engine, one torch thread each for
+    generation and training)."""
+    from bench import staleness
+
+    return [staleness.main([])]
+
+
+# name → bench(args) → rows
 BENCHES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
     "tokens": tokens_per_second,
     "arith": arith_accuracy,
+    "staleness": staleness_step_time,
 }
 
 
