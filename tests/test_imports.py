@@ -17,19 +17,14 @@ def test_algo_and_config_import_neither_ray_nor_transformers():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_runner_imports_ray_and_peft_only_when_the_ray_backend_or_lora_is_used():
-    code = CODE.replace("keel.algo, keel.config", "keel.controller.runner, keel.workers")
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+def test_the_runner_and_the_cli_import_ray_peft_and_the_serving_stack_only_when_used():
+    """Ray and peft: only for the Ray backend or LoRA; FastAPI, uvicorn and grpc: only by
+    keel.serve (`keel serve`). One interpreter for both checks (each costs seconds)."""
+    code = CODE.replace(
+        "keel.algo, keel.config", "keel.cli.main, keel.controller.runner, keel.workers"
     )
-    assert "'ray'" not in out.stdout
-    assert "'peft'" not in out.stdout
-
-
-def test_fastapi_uvicorn_and_grpc_are_imported_by_keel_serve_only():
-    code = CODE.replace("keel.algo, keel.config", "keel.cli.main, keel.controller.runner")
-    served = '("fastapi", "uvicorn", "starlette", "grpc")'
-    code = code.replace('("ray", "transformers", "peft")', served)
+    heavy = '("ray", "peft", "fastapi", "uvicorn", "starlette", "grpc")'
+    code = code.replace('("ray", "transformers", "peft")', heavy)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )

@@ -159,8 +159,8 @@ def test_generate_prints_the_rollout_engines_greedy_answer(run, keel_main, tiny_
     assert all(r["tokens"] <= 4 for r in rows)
 
 
-def test_generate_through_the_console_script(run, keel):
-    proc = keel("generate", str(run.dir), "12+7=", "--chat", "--json", "--max-new-tokens", "3")
+def test_generate_with_the_chat_template(run, keel_main):
+    proc = keel_main("generate", run.dir, "12+7=", "--chat", "--json", "--max-new-tokens", "3")
     assert proc.returncode == 0, proc.stderr
     (row,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert row["tokens"] <= 3 and row["finish_reason"] in ("stop", "length")

