@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model id in requests (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--prompt", default="{i}+{i}=", help="prompt; {i} is the request number % 100")
+    p.add_argument("--prompt", default="{i}+{i}=", help="prompt; {i} is the request number %% 100")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--qps", type=float, default=100.0, help="target rate (knee: the first one)")
