@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
-from keel.data.encoding import assemble, encode_prompts
+from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
 from keel.rollout.protocol import SamplingParams
+from keel.rollout.responses import rollout_batch
 from keel.types import Batch
 
 
@@ -83,23 +84,17 @@ class HFRolloutEngine:
             r, lp = self._generate_chunk(rows[start : start + chunk], sampling, n=sampling.n)
             responses.extend(r)
             logps.extend(lp)
-        lengths = [self._valid_length(r) for r in responses]
-        batch = assemble(rows, responses, lengths, self.pad_id)
-        if self.return_logprobs:
-            width = batch.response_length
-            batch.rollout_logprobs = torch.tensor(
-                [x[:width] + [0.0] * (width - len(x[:width])) for x in logps]
-            )
-        batch.group_ids = torch.arange(len(examples)).repeat_interleave(sampling.n) + group_offset
-        batch.prompts = [ex.prompt for ex in examples for _ in range(sampling.n)]
-        batch.answers = [ex.answer for ex in examples for _ in range(sampling.n)]
-        batch.responses = self._texts([r[:n] for r, n in zip(responses, lengths, strict=True)])
-        batch.finish_reasons = [
-            "stop" if n and r[n - 1] in self.eos_ids else "length"
-            for r, n in zip(responses, lengths, strict=True)
-        ]
-        batch.meta["eos_token_ids"] = list(self.eos_ids)
-        return batch
+        return rollout_batch(
+            examples,
+            sampling.n,
+            group_offset,
+            rows,
+            responses,
+            logps if self.return_logprobs else None,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            tokenizer=self.tokenizer,
+        )
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the policy's full weights (strict: every parameter name must match)."""
@@ -115,19 +110,6 @@ class HFRolloutEngine:
 
     def close(self) -> None:
         """Nothing to release (the model belongs to the worker that built it)."""
-
-    def _valid_length(self, ids: Sequence[int]) -> int:
-        """Tokens up to and including the first EOS (any EOS id); all of them without one."""
-        for i, tok in enumerate(ids):
-            if tok in self.eos_ids:
-                return i + 1
-        return len(ids)
-
-    def _texts(self, rows: list[list[int]]) -> list[str]:
-        """The decoded responses without their closing EOS (also one that is no special
-        token), in one batch_decode call."""
-        rows = [ids[:-1] if ids and ids[-1] in self.eos_ids else ids for ids in rows]
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, n: int = 1

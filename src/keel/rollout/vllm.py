@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from keel.config.loading import ConfigError
-from keel.data.encoding import assemble, encode_prompts
+from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
 from keel.rollout.protocol import SamplingParams
+from keel.rollout.responses import rollout_batch
 from keel.types import Batch
 
 if TYPE_CHECKING:
@@ -255,7 +256,17 @@ class VLLMRolloutEngine:
             chosen_logprobs(out.outputs[0].logprobs, r)
             for out, r in zip(outputs, responses, strict=True)
         ]
-        return self._batch(examples, sampling.n, group_offset, rows, responses, logps)
+        return rollout_batch(
+            examples,
+            sampling.n,
+            group_offset,
+            rows,
+            responses,
+            logps,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            tokenizer=self.tokenizer,
+        )
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the policy's full weights into the running engine, then drop every cached KV
@@ -318,43 +329,6 @@ class VLLMRolloutEngine:
             seed=None if greedy else seed,
             detokenize=False,
         )
-
-    def _batch(
-        self,
-        examples: Sequence[Example],
-        n: int,
-        group_offset: int,
-        rows: list[list[int]],
-        responses: list[list[int]],
-        logps: list[list[float]],
-    ) -> Batch:
-        lengths = [self._valid_length(r) for r in responses]
-        batch = assemble(rows, responses, lengths, self.pad_id)
-        width = batch.response_length
-        batch.rollout_logprobs = torch.tensor(
-            [x[:k] + [0.0] * (width - k) for x, k in zip(logps, lengths, strict=True)],
-            dtype=torch.float32,
-        )
-        batch.group_ids = torch.arange(len(examples)).repeat_interleave(n) + group_offset
-        batch.prompts = [ex.prompt for ex in examples for _ in range(n)]
-        batch.answers = [ex.answer for ex in examples for _ in range(n)]
-        kept = [r[:k] for r, k in zip(responses, lengths, strict=True)]
-        batch.responses = self._texts(kept)
-        batch.finish_reasons = ["stop" if r and r[-1] in self.eos_ids else "length" for r in kept]
-        batch.meta["eos_token_ids"] = list(self.eos_ids)
-        return batch
-
-    def _valid_length(self, ids: Sequence[int]) -> int:
-        """Tokens up to and including the first EOS (any EOS id); all of them without one."""
-        for i, tok in enumerate(ids):
-            if tok in self.eos_ids:
-                return i + 1
-        return len(ids)
-
-    def _texts(self, rows: list[list[int]]) -> list[str]:
-        """The decoded responses without their closing EOS (also one that is no special token)."""
-        rows = [ids[:-1] if ids and ids[-1] in self.eos_ids else ids for ids in rows]
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 class SimpleGenerationConfig:

@@ -1,0 +1,59 @@
+"""From generated token ids to the protocol's Batch: what every engine does after generating."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+
+from keel.data.encoding import assemble
+from keel.data.examples import Example
+from keel.types import Batch
+
+
+def valid_length(ids: Sequence[int], eos_ids: Collection[int]) -> int:
+    """Tokens up to and including the first EOS (any EOS id); all of them without one."""
+    for i, tok in enumerate(ids):
+        if tok in eos_ids:
+            return i + 1
+    return len(ids)
+
+
+def rollout_batch(
+    examples: Sequence[Example],
+    n: int,
+    group_offset: int,
+    rows: list[list[int]],
+    responses: list[list[int]],
+    logps: list[list[float]] | None,
+    *,
+    eos_ids: Collection[int],
+    pad_id: int,
+    tokenizer: Any,
+) -> Batch:
+    """The `RolloutEngine.generate` Batch (keel.rollout.protocol) of len(examples) × n rows.
+
+    rows: each row's prompt token ids (a prompt's n rows adjacent); responses: the generated
+    ids of each row, possibly running on past the first EOS (cut after it here); logps: the
+    log-prob of each generated token (at least up to the first EOS), or None. rollout_logprobs
+    [B, R] is 0 past each response's end; responses are decoded without their closing EOS (also
+    one that is no special token), in one batch_decode call."""
+    lengths = [valid_length(r, eos_ids) for r in responses]
+    batch = assemble(rows, responses, lengths, pad_id)
+    if logps is not None:
+        width = batch.response_length
+        batch.rollout_logprobs = torch.tensor(
+            [x[:k] + [0.0] * (width - k) for x, k in zip(logps, lengths, strict=True)],
+            dtype=torch.float32,
+        )
+    batch.group_ids = torch.arange(len(examples)).repeat_interleave(n) + group_offset
+    batch.prompts = [ex.prompt for ex in examples for _ in range(n)]
+    batch.answers = [ex.answer for ex in examples for _ in range(n)]
+    kept = [r[:k] for r, k in zip(responses, lengths, strict=True)]
+    ended = [bool(r) and r[-1] in eos_ids for r in kept]
+    texts = [r[:-1] if end else r for r, end in zip(kept, ended, strict=True)]
+    batch.responses = tokenizer.batch_decode(texts, skip_special_tokens=True)
+    batch.finish_reasons = ["stop" if end else "length" for end in ended]
+    batch.meta["eos_token_ids"] = list(eos_ids)
+    return batch
