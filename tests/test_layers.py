@@ -15,10 +15,11 @@ LAYERS = {
     "algo": 1, "rewards": 1,
     "data": 2, "models": 2, "monitor": 2, "report": 2, "guard": 2, "engine": 2, "recipes": 2,
     "rollout": 3, "checkpoint": 3,
-    "workers": 4,
-    "controller": 5,
-    "serve": 6,
-    "cli": 7,
+    "envs": 4,
+    "workers": 5,
+    "controller": 6,
+    "serve": 7,
+    "cli": 8,
 }  # fmt: skip
 
 

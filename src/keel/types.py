@@ -33,7 +33,10 @@ class Batch:
       scores           [B]    float  one scalar score (reward) per sequence
       group_ids        [B]    long   rows with the same id were sampled from the same prompt
     Per-row metadata (lists of length B): prompts, responses (decoded text), answers,
-    finish_reasons ("stop": the response ended with an EOS; "length": cut at the budget).
+    finish_reasons ("stop": the response ended with an EOS; "length": cut at the budget);
+    episodes (multi-turn rollouts, keel.envs: per row a dict of turns, termination, return,
+    tool_calls, tool_errors, model_tokens, observation_tokens and the messages).
+    With episodes, response_mask has holes: 0 on the observation tokens between turns.
     """
 
     input_ids: torch.Tensor | None = None
@@ -52,6 +55,7 @@ class Batch:
     responses: list[str] | None = None
     answers: list[Any] | None = None
     finish_reasons: list[str] | None = None
+    episodes: list[dict[str, Any]] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from keel.config.schema import KeelConfig
 
-# The config keys that name input files or folders (reward.fn only in its `file.py:fn` form).
+# The config keys that name input files or folders (reward.fn and rollout.env only in their
+# `file.py:name` form).
 INPUT_PATHS = (
     "models.actor",
     "models.reference",
@@ -25,6 +26,7 @@ INPUT_PATHS = (
     "data.train",
     "data.eval",
     "reward.fn",
+    "rollout.env",
 )
 LOOKUP_RULE = "a relative path is looked up in the config file's folder, then the working directory"
 
@@ -62,7 +64,8 @@ def resolve_input_paths(cfg: KeelConfig, config_dir: str | Path) -> KeelConfig:
         value = getattr(section, key)
         if value is None:
             continue
-        resolve = resolve_reward_spec if dotted == "reward.fn" else resolve_input
+        spec = dotted in ("reward.fn", "rollout.env")
+        resolve = resolve_reward_spec if spec else resolve_input
         setattr(section, key, resolve(value, config_dir))
     return out
 

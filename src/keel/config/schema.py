@@ -275,6 +275,41 @@ class RolloutConfig(Section):
         description="truncated importance sampling: each token's policy-loss term × "
         "min(π_train/π_rollout, tis_cap) (verl suggests 2); needs return_logprobs; null: off",
     )
+    env: str | None = Field(
+        None,
+        description="multi-turn episodes in an environment (docs/environments.md): "
+        "builtin:NAME, module:Class or file.py:Class; null: one response per prompt",
+    )
+    env_kwargs: FiniteMapping = Field(
+        default_factory=dict, description="keyword arguments of the environment's constructor"
+    )
+    max_turns: int = Field(1, ge=1, description="the policy's turns per episode (needs env)")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="response tokens of an episode, the policy's and the observations'; "
+        "null: no limit besides max_turns × max_new_tokens and the observations",
+    )
+    turn_discount: float = Field(
+        1.0, ge=0, le=1, description="γ: an episode's environment rewards add up to Σ_k γ^k r_k"
+    )
+    env_workers: int = Field(8, ge=1, description="environment steps (tool calls) run at once")
+
+    @model_validator(mode="after")
+    def _turns_need_env(self) -> RolloutConfig:
+        if self.env is None and self.max_turns > 1:
+            raise ValueError(
+                f"rollout.max_turns: {self.max_turns} needs an environment to answer the "
+                "policy between turns: set rollout.env (e.g. builtin:tools)"
+            )
+        if self.env is None and self.env_kwargs:
+            raise ValueError("rollout.env_kwargs is set but rollout.env is not")
+        return self
+
+    def response_budget(self) -> int:
+        """The most tokens the policy itself says in one episode (one response: max_new_tokens)."""
+        budget = self.max_turns * self.max_new_tokens
+        return budget if self.max_episode_tokens is None else min(budget, self.max_episode_tokens)
 
     @model_validator(mode="after")
     def _tis_needs_logprobs(self) -> RolloutConfig:

@@ -13,6 +13,7 @@ import torch
 
 from keel.config.schema import EvalConfig, KeelConfig, RolloutConfig
 from keel.data.examples import Example
+from keel.envs.episodes import episode_metrics
 from keel.rollout import SamplingParams
 from keel.types import Batch
 from keel.workers.group import WorkerGroup
@@ -32,10 +33,11 @@ class Prediction:
     length: int
     finish_reason: str
     source: str = ""
+    episode: dict[str, Any] | None = None  # multi-turn (rollout.env): Batch.episodes' row
 
     def to_json(self) -> dict[str, Any]:
         """The prediction as one JSON object (a row of predictions.jsonl)."""
-        return {
+        row = {
             "source": self.source,
             "prompt": self.prompt,
             "response": self.response,
@@ -44,11 +46,15 @@ class Prediction:
             "length": self.length,
             "finish_reason": self.finish_reason,
         }
+        if self.episode is not None:
+            row["episode"] = self.episode
+        return row
 
 
 @dataclass
 class Evaluation:
-    """metrics: eval/accuracy, eval/reward_mean, eval/length_mean, eval/reward_errors;
+    """metrics: eval/accuracy, eval/reward_mean, eval/length_mean, eval/reward_errors (and
+    with episodes eval/turns_mean, eval/tool_use_frac, … of keel.envs.episode_metrics);
     predictions: one per example, in the examples' order."""
 
     metrics: dict[str, float]
@@ -81,6 +87,7 @@ def evaluate_examples(
     reward function failed). `on_batch(n)` is told how many examples each chunk finished."""
     sampling = eval_sampling(eval_cfg, rollout_cfg)
     scores, lengths, errors = [], [], 0
+    episodes: list[dict[str, Any]] = []
     predictions: list[Prediction] = []
     for start in range(0, len(examples), eval_cfg.batch_size):
         chunk = list(examples[start : start + eval_cfg.batch_size])
@@ -89,6 +96,7 @@ def evaluate_examples(
         scores.append(batch.scores)
         errors += int(batch.meta.get("reward_errors", 0))
         lengths.append(batch.response_mask.sum(dim=1))
+        episodes.extend(batch.episodes or [])
         predictions.extend(_predictions(batch, chunk))
         if on_batch is not None:
             on_batch(len(chunk))
@@ -98,6 +106,7 @@ def evaluate_examples(
         "eval/reward_mean": s.mean().item(),
         "eval/length_mean": n.float().mean().item(),
         "eval/reward_errors": float(errors),
+        **episode_metrics(episodes, prefix="eval"),
     }
     return Evaluation(metrics, predictions)
 
@@ -107,6 +116,7 @@ def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
     assert batch.scores is not None and batch.responses is not None
     lengths = batch.response_mask.sum(dim=1).long().tolist()
     reasons = batch.finish_reasons or [""] * len(batch)
+    episodes = batch.episodes or [None] * len(batch)
     return [
         Prediction(
             prompt=ex.prompt,
@@ -116,9 +126,16 @@ def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
             length=int(length),
             finish_reason=reason,
             source=ex.source,
+            episode=episode,
         )
-        for ex, response, score, length, reason in zip(
-            examples, batch.responses, batch.scores.tolist(), lengths, reasons, strict=True
+        for ex, response, score, length, reason, episode in zip(
+            examples,
+            batch.responses,
+            batch.scores.tolist(),
+            lengths,
+            reasons,
+            episodes,
+            strict=True,
         )
     ]
 

@@ -18,7 +18,7 @@ from keel.algo import (
     overlong_penalty,
     token_level_rewards,
 )
-from keel.algo.advantages import group_statistics
+from keel.algo.advantages import group_statistics, last_valid_index
 from keel.algo.drift import logprob_drift
 from keel.algo.kl import batch_mean_kl
 from keel.algo.spec import AlgorithmSpec
@@ -29,6 +29,7 @@ from keel.controller.evaluation import evaluate_policy
 from keel.controller.pipeline import RolloutPipeline
 from keel.controller.sampling import DynamicSampler
 from keel.data import BatchStream
+from keel.envs.episodes import episode_metrics
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
 from keel.types import Batch
@@ -181,8 +182,8 @@ class RLController:
         if not self.spec.overlong_buffer_len:
             return batch, {}
         penalty = overlong_penalty(
-            batch.response_mask.sum(dim=1),
-            max_length=self.sampling.max_new_tokens,
+            batch.response_mask.sum(dim=1),  # the policy's tokens (an episode's: every turn's)
+            max_length=self.cfg.rollout.response_budget(),
             buffer_length=self.spec.overlong_buffer_len,
             penalty_factor=self.spec.overlong_penalty_factor,
         )
@@ -250,13 +251,14 @@ def batch_eos_ids(meta: dict[str, Any]) -> list[int]:
 
 
 def truncated_rows(batch: Batch) -> torch.Tensor:
-    """[B] bool: rows whose last valid token is none of the EOS ids (cut at the length budget)."""
+    """[B] bool: rows whose last valid token is none of the EOS ids (cut at the length budget;
+    an episode: its last turn was)."""
     eos = batch_eos_ids(batch.meta)
     if not eos:
         return torch.zeros(len(batch), dtype=torch.bool)
-    lengths = batch.response_mask.sum(dim=1).long()
-    last = batch.input_ids[:, -batch.response_length :].gather(
-        1, (lengths - 1).clamp(min=0)[:, None]
+    last_index = last_valid_index(batch.response_mask)  # the policy's last token (holes: an
+    last = batch.input_ids[:, -batch.response_length :].gather(  # episode's last turn)
+        1, last_index.clamp(min=0)[:, None]
     )
     return ~torch.isin(last.squeeze(1), torch.tensor(eos, dtype=last.dtype, device=last.device))
 
@@ -293,6 +295,8 @@ def batch_metrics(batch: Batch, tis_cap: float | None = None) -> dict[str, float
     if batch.values is not None and batch.returns is not None:  # how well V_old predicted
         ev = masked_explained_variance(batch.values, batch.returns, mask)  # the fresh returns
         metrics["critic/vf_explained_var"] = ev.item()
+    if batch.episodes is not None:
+        metrics.update(episode_metrics(batch.episodes))
     if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
         metrics.update(drift_metrics(batch.rollout_logprobs, batch.old_logprobs, mask, tis_cap))
     return metrics

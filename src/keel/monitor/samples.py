@@ -1,7 +1,9 @@
 """The samples log: a few (prompt, response, reward) rows of a step, to read what the policy says.
 
 Each logged row is one line of RUN_DIR/samples.jsonl:
-`{"step": N, "prompt": str, "response": str, "reward": float, "answer": ...}`, flushed and
+`{"step": N, "prompt": str, "response": str, "reward": float, "answer": ...}` (with
+multi-turn episodes also `"episode"`: turns, termination, return, tool calls and every
+message; `response` is the last turn), flushed and
 fsynced like metrics.jsonl, and optionally printed on the console.
 """
 
@@ -31,6 +33,8 @@ def sample_rows(batch: Batch, count: int) -> list[dict[str, Any]]:
             row["reward"] = float(batch.scores[i])
         if batch.answers is not None:
             row["answer"] = batch.answers[i]
+        if batch.episodes is not None:  # a multi-turn episode: every turn, and how it ended
+            row["episode"] = batch.episodes[i]
         out.append(row)
     return out
 

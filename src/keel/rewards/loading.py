@@ -10,13 +10,14 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from keel.config.paths import missing_hint
-from keel.rewards.verifiers import even_answer, exact_match, numeric_match
+from keel.rewards.verifiers import even_answer, exact_match, numeric_match, zero
 
 RewardFn = Callable[..., float]
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric_match": numeric_match,
     "exact_match": exact_match,
     "even_answer": even_answer,
+    "zero": zero,
 }
 
 

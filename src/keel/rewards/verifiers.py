@@ -49,3 +49,8 @@ def even_answer(prompt: str, response: str, answer: str | None, **_: object) -> 
     property, `data.train: builtin:preference`), else 0.0. Needs no reference answer."""
     text = response.strip()
     return float(text.lstrip("-").isdigit() and int(text[-1]) % 2 == 0)
+
+
+def zero(prompt: str, response: str, answer: str | None, **_: object) -> float:
+    """0.0 for every response: a run whose reward is all the environment's (rollout.env)."""
+    return 0.0

@@ -12,8 +12,8 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
-from keel.rollout.protocol import SamplingParams
-from keel.rollout.responses import rollout_batch
+from keel.rollout.protocol import Completions, SamplingParams
+from keel.rollout.responses import cut_completions, rollout_batch
 from keel.types import Batch
 
 
@@ -76,7 +76,24 @@ class HFRolloutEngine:
             max_prompt_length=self.max_prompt_length,
             truncation=self.truncation,
         )
-        rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
+        done = self.generate_ids(prompt_ids, sampling)
+        return rollout_batch(
+            examples,
+            sampling.n,
+            group_offset,
+            [ids for ids in prompt_ids for _ in range(sampling.n)],
+            done.token_ids,
+            done.logprobs,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            tokenizer=self.tokenizer,
+        )
+
+    @torch.no_grad()
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> Completions:
+        rows = [list(ids) for ids in prompt_ids for _ in range(sampling.n)]
         chunk = (self.batch_size or len(prompt_ids)) * sampling.n
         responses: list[list[int]] = []
         logps: list[list[float]] = []
@@ -84,17 +101,7 @@ class HFRolloutEngine:
             r, lp = self._generate_chunk(rows[start : start + chunk], sampling, n=sampling.n)
             responses.extend(r)
             logps.extend(lp)
-        return rollout_batch(
-            examples,
-            sampling.n,
-            group_offset,
-            rows,
-            responses,
-            logps if self.return_logprobs else None,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            tokenizer=self.tokenizer,
-        )
+        return cut_completions(responses, logps if self.return_logprobs else None, self.eos_ids)
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the policy's full weights (strict: every parameter name must match)."""

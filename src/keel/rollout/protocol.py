@@ -29,6 +29,18 @@ class SamplingParams:
     max_new_tokens: int = 16
 
 
+@dataclass(frozen=True)
+class Completions:
+    """What `RolloutEngine.generate_ids` returns, one entry per row (the n rows of a prompt
+    adjacent): token_ids, the generated ids cut after the first EOS (included); logprobs, each
+    of those tokens' log-prob under logits / temperature (None: the engine returns none);
+    finish_reasons, "stop" (ended with an EOS) or "length" (cut at max_new_tokens)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]] | None
+    finish_reasons: list[str]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses for prompts with the policy's weights.
@@ -45,6 +57,11 @@ class RolloutEngine(Protocol):
       ("stop" | "length", FINISH_REASONS) per row; meta["eos_token_ids"].
     A prompt is text or a list of chat messages (through the tokenizer's chat template).
 
+    `generate_ids(prompt_ids, sampling)`: the same sampling from prompts given as token ids
+    (no template, no truncation: multi-turn episodes, `keel.envs`, continue a conversation
+    from its exact tokens); `Completions` of len(prompt_ids) × sampling.n rows. `generate` is
+    `generate_ids` on the encoded prompts, laid out by `keel.rollout.responses.rollout_batch`.
+
     `update_weights(state, version)`: the policy's full weights (HF parameter names → tensors,
     as `ActorWorker.export_weights` gives them) and the number of updates they have seen; the
     next `generate` uses them (any cache computed under older weights is dropped).
@@ -55,10 +72,16 @@ class RolloutEngine(Protocol):
     """
 
     shares_module: bool
+    eos_ids: Sequence[int]  # every token id that ends a response
+    pad_id: int  # the id that pads rows
 
     def generate(
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
     ) -> Batch: ...
+
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> Completions: ...
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
 

@@ -9,6 +9,7 @@ import torch
 
 from keel.data.encoding import assemble
 from keel.data.examples import Example
+from keel.rollout.protocol import Completions
 from keel.types import Batch
 
 
@@ -18,6 +19,19 @@ def valid_length(ids: Sequence[int], eos_ids: Collection[int]) -> int:
         if tok in eos_ids:
             return i + 1
     return len(ids)
+
+
+def cut_completions(
+    responses: list[list[int]], logps: list[list[float]] | None, eos_ids: Collection[int]
+) -> Completions:
+    """`Completions` from generated ids that may run on past the first EOS (cut after it)."""
+    lengths = [valid_length(r, eos_ids) for r in responses]
+    kept = [r[:k] for r, k in zip(responses, lengths, strict=True)]
+    return Completions(
+        token_ids=kept,
+        logprobs=None if logps is None else [x[:k] for x, k in zip(logps, lengths, strict=True)],
+        finish_reasons=["stop" if r and r[-1] in eos_ids else "length" for r in kept],
+    )
 
 
 def rollout_batch(

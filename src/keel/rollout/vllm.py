@@ -38,8 +38,8 @@ from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
-from keel.rollout.protocol import SamplingParams
-from keel.rollout.responses import rollout_batch
+from keel.rollout.protocol import Completions, SamplingParams
+from keel.rollout.responses import cut_completions, rollout_batch
 from keel.types import Batch
 
 if TYPE_CHECKING:
@@ -230,7 +230,6 @@ class VLLMRolloutEngine:
     def generate(
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
-        llm = self._engine()
         prompt_ids = encode_prompts(
             self.tokenizer,
             examples,
@@ -238,6 +237,23 @@ class VLLMRolloutEngine:
             max_prompt_length=self.max_prompt_length,
             truncation=self.truncation,
         )
+        done = self.generate_ids(prompt_ids, sampling)
+        return rollout_batch(
+            examples,
+            sampling.n,
+            group_offset,
+            [ids for ids in prompt_ids for _ in range(sampling.n)],
+            done.token_ids,
+            done.logprobs,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            tokenizer=self.tokenizer,
+        )
+
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> Completions:
+        llm = self._engine()
         self._check_length(prompt_ids, sampling.max_new_tokens)
         greedy = sampling.temperature == 0
         self._set_temperature(1.0 if greedy else sampling.temperature)
@@ -245,10 +261,10 @@ class VLLMRolloutEngine:
         # rows). Row i samples with its own generator, seeded seed + i, whatever vLLM's
         # batching; seed is drawn from torch's generator (seeded by Keel), which vLLM's sampler
         # also draws from (as HF generate does), so a run is reproducible from its seed.
-        rows = [ids for ids in prompt_ids for _ in range(sampling.n)]
+        rows = [list(ids) for ids in prompt_ids for _ in range(sampling.n)]
         seed = int(torch.randint(0, 2**31 - 1 - len(rows), ()).item())
         params = [self._sampling_params(sampling, greedy, seed + i) for i in range(len(rows))]
-        prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
+        prompts = [{"prompt_token_ids": ids} for ids in rows]
         with eager_helpers(self.eager):
             outputs = llm.generate(prompts, params, use_tqdm=False)
         responses = [list(out.outputs[0].token_ids) for out in outputs]
@@ -256,17 +272,7 @@ class VLLMRolloutEngine:
             chosen_logprobs(out.outputs[0].logprobs, r)
             for out, r in zip(outputs, responses, strict=True)
         ]
-        return rollout_batch(
-            examples,
-            sampling.n,
-            group_offset,
-            rows,
-            responses,
-            logps,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            tokenizer=self.tokenizer,
-        )
+        return cut_completions(responses, logps, self.eos_ids)
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the policy's full weights into the running engine, then drop every cached KV

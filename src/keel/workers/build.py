@@ -23,6 +23,9 @@ from keel.engine.devices import (
     trained_weights_dtype,
 )
 from keel.engine.distributed import is_sharded
+from keel.envs.builtin import ENVIRONMENTS
+from keel.envs.episodes import EpisodeRunner
+from keel.envs.loading import load_environment
 from keel.models import (
     check_vocab,
     load_causal_lm,
@@ -35,6 +38,7 @@ from keel.models.lora import wrap_lora
 from keel.rewards import BatchRewardScorer, RewardScorer, load_reward_fn
 from keel.rewards.remote import RemoteRewardScorer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
+from keel.rollout.protocol import RolloutEngine
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
 from keel.workers.dpo import DPOWorker
@@ -250,7 +254,32 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
         synced=module is not None and is_sharded(module),
     )
     engine = build_rollout_engine(cfg.rollout, inputs)
-    return RolloutWorker(engine, weights_from=actor if engine.shares_module else None)
+    episodes = episode_runner(cfg, engine, tokenizer)
+    return RolloutWorker(
+        engine, weights_from=actor if engine.shares_module else None, episodes=episodes
+    )
+
+
+def episode_runner(cfg: KeelConfig, engine: RolloutEngine, tokenizer: Any) -> EpisodeRunner | None:
+    """With rollout.env: the runner that plays its episodes on `engine`; else None."""
+    r = cfg.rollout
+    if r.env is None:
+        return None
+    return EpisodeRunner(
+        engine,
+        tokenizer,
+        load_environment(r.env, r.env_kwargs, ENVIRONMENTS),
+        eos_ids=engine.eos_ids,
+        pad_id=engine.pad_id,
+        max_turns=r.max_turns,
+        max_episode_tokens=r.max_episode_tokens,
+        turn_discount=r.turn_discount,
+        chat=cfg.data.apply_chat_template,
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+        workers=r.env_workers,
+        name=f"rollout.env {r.env}",
+    )
 
 
 def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import RewardScorer
 from keel.types import Batch
 
@@ -13,11 +14,14 @@ class RewardWorker:
         self.scorer = scorer
 
     def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
-        """Fills `scores` [B]; `meta["reward_errors"]` counts rows that fell back.
+        """Fills `scores` [B] (plus each episode's environment return, keel.envs);
+        `meta["reward_errors"]` counts rows that fell back.
         `update_stats` is accepted for symmetry with ModelRewardWorker (a rule has no state)."""
         assert batch.responses is not None and batch.prompts is not None
         answers = batch.answers or [None] * len(batch)
         scores, errors = self.scorer.score(batch.prompts, batch.responses, answers)
-        out = batch.replace(scores=torch.tensor(scores, dtype=torch.float32))
+        out = batch.replace(
+            scores=with_episode_returns(torch.tensor(scores, dtype=torch.float32), batch)
+        )
         out.meta = {**batch.meta, "reward_errors": errors}
         return out

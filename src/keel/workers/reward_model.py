@@ -16,6 +16,7 @@ from keel.algo.preference import bradley_terry_loss
 from keel.data.preference import encode_scored
 from keel.engine.distributed import global_count
 from keel.engine.forward import head_forward
+from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import RewardScorer
 from keel.types import Batch
 from keel.workers.trainable import TrainableWorker
@@ -127,7 +128,7 @@ class ModelRewardWorker:
             rule_t = torch.tensor(rule, dtype=torch.float32)
             total = total + self.fn_weight * rule_t
             metrics["reward/fn_mean"] = rule_t.mean().item()
-        out = batch.replace(scores=total.float())
+        out = batch.replace(scores=with_episode_returns(total.float(), batch))
         out.meta = {**batch.meta, "reward_errors": errors, "reward_metrics": metrics}
         return out
 

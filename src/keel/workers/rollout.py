@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from keel.data.examples import Example
+from keel.envs.episodes import EpisodeRunner
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
 
@@ -17,11 +18,16 @@ class RolloutWorker:
     """`weights_from`: the colocated actor worker whose module the engine generates with (its
     weights are always current); None when the engine holds its own copy of the policy (a
     separate rollout worker, a vLLM engine, asynchronous rollout), which receives new weights
-    through `load_weights` after each update."""
+    through `load_weights` after each update. `episodes`: with rollout.env, the runner that
+    plays multi-turn episodes on the engine (keel.envs.EpisodeRunner); None: one response per
+    row from the engine itself."""
 
-    def __init__(self, engine: RolloutEngine, weights_from: Any = None):
+    def __init__(
+        self, engine: RolloutEngine, weights_from: Any = None, episodes: EpisodeRunner | None = None
+    ):
         self.engine = engine
         self.weights_from = weights_from
+        self.episodes = episodes
         self._version = 0
 
     @property
@@ -32,7 +38,8 @@ class RolloutWorker:
     def generate(
         self, examples: Sequence[Example], *, sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
-        batch = self.engine.generate(examples, sampling, group_offset=group_offset)
+        source = self.engine if self.episodes is None else self.episodes
+        batch = source.generate(examples, sampling, group_offset=group_offset)
         batch.meta["weight_version"] = self.weight_version
         return batch
 
