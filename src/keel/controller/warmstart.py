@@ -75,3 +75,42 @@ def build_tiny_pref_rm(path: Path) -> None:
 
 
 register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)
+
+
+# The guess-the-number player of examples/grpo_guess_number_tiny.yaml: a short SFT of the tiny
+# model on demonstrations of the game (keel.data.guessing) in the token layout the EpisodeRunner
+# builds (`guess 1-9:` 5 <eos> ` lower\n` 2 <eos> …). Half of the demonstrated guesses ignore the
+# hints, so the warm-started policy wins in ~4 turns on average (best play: 2.78) and RL has room.
+GUESS_DEMO_EPISODES = 3000
+GUESS_SFT: dict[str, Any] = {
+    "seed": 0,
+    "models": {"actor": "builtin:tiny"},
+    "algorithm": {"name": "sft"},
+    "data": {"max_prompt_length": 96},  # data.train: the demonstrations, written at build time
+    "rollout": {"max_new_tokens": 3},
+    "train": {
+        "steps": 300,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "warmup_steps": 20,
+        "lr_schedule": "constant",
+        "weight_decay": 0.0,
+    },
+    "eval": {"every": 0},
+    "checkpoint": {"save_steps": 0},
+    "monitor": {"progress": True},
+}
+
+
+def build_tiny_guess(path: Path) -> None:
+    """SFT the tiny model on guess-the-number demonstrations; write it as an HF folder."""
+    from keel.data.guessing import guess_demonstrations, write_jsonl
+
+    with tempfile.TemporaryDirectory(prefix="keel-tiny-guess-data-") as tmp:
+        demos = Path(tmp) / "demonstrations.jsonl"
+        write_jsonl(demos, guess_demonstrations(GUESS_DEMO_EPISODES, seed=0))
+        config = {**GUESS_SFT, "data": {**GUESS_SFT["data"], "train": str(demos)}}
+        _train_into(path, config, name="tiny-guess", title="SFT warm-start (guess the number)")
+
+
+register_builtin_model("tiny-guess", build_tiny_guess)

@@ -1,0 +1,140 @@
+"""The guess-the-number task of `rollout.env: builtin:guess_number`: episodes and demonstrations.
+
+An episode's prompt is `guess LOW-HIGH:` (e.g. `guess 1-9:`) and its answer the secret. The
+policy answers with a number and an EOS; the environment (keel.envs.builtin.GuessNumberEnvironment)
+appends the hint as text, ` higher\\n` / ` lower\\n`, and the policy guesses again. So an
+episode played by the EpisodeRunner in text mode is the token sequence
+
+    guess 1-9: 5 <eos> " lower\\n" 2 <eos> " higher\\n" 3 <eos>
+
+and a demonstration row for SFT is (prompt = the episode so far, response = the next guess):
+with the char tokenizer the text `<eos>` in a prompt is the EOS token itself, so the SFT
+prompt `guess 1-9:5<eos> lower\\n` is token-identical to what the runner builds at RL time.
+
+`guess_demonstrations` plays a deliberately mediocre player (each guess is, with probability
+`random_frac`, uniform over the whole range, ignoring the hints; otherwise uniform in the
+interval the hints still allow), so a policy warm-started on it needs several turns and RL has
+room to cut them (keel.controller.warmstart's `builtin:tiny-guess`).
+
+`write_guess_number_data(folder)` writes the RL task's train and eval files
+(examples/data/guess_number_{train,eval}.jsonl):
+`python -m keel.data.guessing examples/data`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+from keel.data.examples import Example
+
+LOW, HIGH = 1, 9
+HINT_PREFIX, HINT_SUFFIX = " ", "\n"  # GuessNumberEnvironment's defaults
+EOS_TEXT = "<eos>"  # the char tokenizer's EOS, as text that tokenizes to the EOS id
+
+
+def guess_prompt(low: int = LOW, high: int = HIGH) -> str:
+    return f"guess {low}-{high}:"
+
+
+def hint(secret: int, guess: int) -> str:
+    """The observation GuessNumberEnvironment returns after a wrong guess."""
+    return f"{HINT_PREFIX}{'higher' if secret > guess else 'lower'}{HINT_SUFFIX}"
+
+
+def guess_number_examples(
+    repeats: int, low: int = LOW, high: int = HIGH, seed: int = 0
+) -> list[Example]:
+    """Every secret in [low, high] `repeats` times, in a seeded random order (RL rows: prompt
+    and answer)."""
+    secrets = [s for s in range(low, high + 1) for _ in range(repeats)]
+    random.Random(seed).shuffle(secrets)
+    prompt = guess_prompt(low, high)
+    return [Example(prompt=prompt, answer=str(s), source=f"guess#{i}") for i, s in enumerate(secrets)]
+
+
+def play_demonstration(
+    rng: random.Random,
+    secret: int,
+    *,
+    low: int = LOW,
+    high: int = HIGH,
+    random_frac: float = 0.5,
+    max_turns: int = 6,
+) -> list[int]:
+    """The guesses of one demonstration episode (it ends at the secret or after max_turns)."""
+    lo, hi = low, high  # what the hints still allow
+    guesses = []
+    for _ in range(max_turns):
+        if rng.random() < random_frac:
+            guess = rng.randint(low, high)
+        else:
+            guess = rng.randint(lo, hi)
+        guesses.append(guess)
+        if guess == secret:
+            break
+        if secret > guess:
+            lo = max(lo, guess + 1)
+        else:
+            hi = min(hi, guess - 1)
+    return guesses
+
+
+def demonstration_rows(
+    secret: int, guesses: list[int], *, low: int = LOW, high: int = HIGH, eos: str = EOS_TEXT
+) -> list[dict[str, str]]:
+    """SFT rows of one episode: {"prompt": the episode before turn k, "response": guess k}."""
+    context = guess_prompt(low, high)
+    rows = []
+    for guess in guesses:
+        rows.append({"prompt": context, "response": str(guess)})
+        if guess != secret:
+            context += f"{guess}{eos}{hint(secret, guess)}"
+    return rows
+
+
+def guess_demonstrations(
+    episodes: int,
+    *,
+    low: int = LOW,
+    high: int = HIGH,
+    random_frac: float = 0.5,
+    max_turns: int = 6,
+    seed: int = 0,
+) -> list[dict[str, str]]:
+    """SFT rows of `episodes` demonstration episodes (secrets uniform in [low, high])."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(episodes):
+        secret = rng.randint(low, high)
+        guesses = play_demonstration(
+            rng, secret, low=low, high=high, random_frac=random_frac, max_turns=max_turns
+        )
+        rows += demonstration_rows(secret, guesses, low=low, high=high)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_guess_number_data(folder: Path, train_repeats: int = 64, eval_repeats: int = 8) -> None:
+    """guess_number_train.jsonl (each secret 1-9 `train_repeats` times) and
+    guess_number_eval.jsonl (each `eval_repeats` times, another order): {"prompt", "answer"}.
+    The prompt is the same for every secret, so "held out" means other episodes of the same
+    game: the eval file measures the policy over every secret equally."""
+    for name, repeats, seed in (("train", train_repeats, 0), ("eval", eval_repeats, 1)):
+        rows = [
+            {"prompt": str(ex.prompt), "answer": str(ex.answer)}
+            for ex in guess_number_examples(repeats, seed=seed)
+        ]
+        write_jsonl(folder / f"guess_number_{name}.jsonl", rows)
+
+
+if __name__ == "__main__":
+    write_guess_number_data(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/data"))
