@@ -114,3 +114,47 @@ def build_tiny_guess(path: Path) -> None:
 
 
 register_builtin_model("tiny-guess", build_tiny_guess)
+
+
+# The calculator user of examples/grpo_calculator_tiny.yaml: a short SFT of the tiny model on
+# 2-digit products (the arithmetic task's training split, ops "*", operands 0-99), a minority of
+# them solved with the calculator tool (keel.data.calculator), the rest answered directly,
+# which the tiny model cannot do in its head. The task must match the RL example's (same
+# held-out split).
+CALC_TASK: dict[str, Any] = {"ops": "*", "max_operand": 99, "eval_size": 200, "seed": 0}
+CALC_TOOL_FRAC = 0.3
+CALC_SFT: dict[str, Any] = {
+    "seed": 0,
+    "models": {"actor": "builtin:tiny"},
+    "algorithm": {"name": "sft"},
+    "data": {"max_prompt_length": 128},  # data.train: the demonstrations, written at build time
+    "rollout": {"max_new_tokens": 96},
+    "train": {
+        "steps": 400,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "warmup_steps": 20,
+        "lr_schedule": "constant",
+        "weight_decay": 0.0,
+    },
+    "eval": {"every": 0},
+    "checkpoint": {"save_steps": 0},
+    "monitor": {"progress": True},
+}
+
+
+def build_tiny_calc(path: Path) -> None:
+    """SFT the tiny model on calculator demonstrations; write it as an HF folder."""
+    from keel.data.arithmetic import arithmetic_splits
+    from keel.data.calculator import calculator_demonstrations
+    from keel.data.guessing import write_jsonl
+
+    train, _ = arithmetic_splits(**CALC_TASK)
+    with tempfile.TemporaryDirectory(prefix="keel-tiny-calc-data-") as tmp:
+        demos = Path(tmp) / "demonstrations.jsonl"
+        write_jsonl(demos, calculator_demonstrations(train, tool_frac=CALC_TOOL_FRAC, seed=0))
+        config = {**CALC_SFT, "data": {**CALC_SFT["data"], "train": str(demos)}}
+        _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator)")
+
+
+register_builtin_model("tiny-calc", build_tiny_calc)

@@ -123,7 +123,7 @@ def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def write_guess_number_data(folder: Path, train_repeats: int = 64, eval_repeats: int = 8) -> None:
+def write_guess_number_data(folder: Path, train_repeats: int = 64, eval_repeats: int = 16) -> None:
     """guess_number_train.jsonl (each secret 1-9 `train_repeats` times) and
     guess_number_eval.jsonl (each `eval_repeats` times, another order): {"prompt", "answer"}.
     The prompt is the same for every secret, so "held out" means other episodes of the same
