@@ -123,6 +123,7 @@ register_builtin_model("tiny-guess", build_tiny_guess)
 # held-out split).
 CALC_TASK: dict[str, Any] = {"ops": "*", "max_operand": 99, "eval_size": 200, "seed": 0}
 CALC_TOOL_FRAC = 0.3
+CALC_ANSWER_ROWS = "all"
 CALC_SFT: dict[str, Any] = {
     "seed": 0,
     "models": {"actor": "builtin:tiny"},
@@ -130,7 +131,7 @@ CALC_SFT: dict[str, Any] = {
     "data": {"max_prompt_length": 128},  # data.train: the demonstrations, written at build time
     "rollout": {"max_new_tokens": 96},
     "train": {
-        "steps": 400,
+        "steps": 1000,
         "batch_size": 64,
         "lr": 3e-3,
         "warmup_steps": 20,
@@ -152,7 +153,12 @@ def build_tiny_calc(path: Path) -> None:
     train, _ = arithmetic_splits(**CALC_TASK)
     with tempfile.TemporaryDirectory(prefix="keel-tiny-calc-data-") as tmp:
         demos = Path(tmp) / "demonstrations.jsonl"
-        write_jsonl(demos, calculator_demonstrations(train, tool_frac=CALC_TOOL_FRAC, seed=0))
+        write_jsonl(
+            demos,
+            calculator_demonstrations(
+                train, tool_frac=CALC_TOOL_FRAC, answer_rows=CALC_ANSWER_ROWS, seed=0
+            ),
+        )
         config = {**CALC_SFT, "data": {**CALC_SFT["data"], "train": str(demos)}}
         _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator)")
 

@@ -54,13 +54,23 @@ def direct_row(example: Example) -> dict[str, str]:
 
 
 def calculator_demonstrations(
-    problems: Sequence[Example], *, tool_frac: float = 0.3, seed: int = 0
+    problems: Sequence[Example],
+    *,
+    tool_frac: float = 0.3,
+    answer_rows: str = "tool",
+    seed: int = 0,
 ) -> list[dict[str, str]]:
-    """SFT rows: each problem once, through the tool with probability `tool_frac`, else
-    answered directly; shuffled (seeded)."""
+    """SFT rows: each problem's first turn once, the tool call with probability `tool_frac`,
+    else the answer directly; its second turn (the answer copied from the tool's result) for
+    the problems that call the tool (`answer_rows="tool"`) or for every problem ("all": more
+    practice of the copy without more tool calls in the first turn); shuffled (seeded)."""
     rng = random.Random(seed)
     rows: list[dict[str, str]] = []
     for ex in problems:
-        rows += tool_rows(ex) if rng.random() < tool_frac else [direct_row(ex)]
+        call, answer = tool_rows(ex)
+        use_tool = rng.random() < tool_frac
+        rows.append(call if use_tool else direct_row(ex))
+        if use_tool or answer_rows == "all":
+            rows.append(answer)
     rng.shuffle(rows)
     return rows

@@ -52,7 +52,9 @@ def guess_number_examples(
     secrets = [s for s in range(low, high + 1) for _ in range(repeats)]
     random.Random(seed).shuffle(secrets)
     prompt = guess_prompt(low, high)
-    return [Example(prompt=prompt, answer=str(s), source=f"guess#{i}") for i, s in enumerate(secrets)]
+    return [
+        Example(prompt=prompt, answer=str(s), source=f"guess#{i}") for i, s in enumerate(secrets)
+    ]
 
 
 def play_demonstration(
@@ -68,10 +70,8 @@ def play_demonstration(
     lo, hi = low, high  # what the hints still allow
     guesses = []
     for _ in range(max_turns):
-        if rng.random() < random_frac:
-            guess = rng.randint(low, high)
-        else:
-            guess = rng.randint(lo, hi)
+        # a random guess ignores the hints; the others stay inside what the hints allow
+        guess = rng.randint(low, high) if rng.random() < random_frac else rng.randint(lo, hi)
         guesses.append(guess)
         if guess == secret:
             break
