@@ -30,6 +30,7 @@ EXAMPLE_OVERRIDES: dict[str, list[str]] = {
         "models.actor=builtin:tiny",
         "train.batch_size=4",
         "train.mini_batch_size=32",
+        "rollout.max_turns=2",
     ],
 }
 

@@ -26,7 +26,10 @@ TINY = [
     "monitor.progress=false",
 ]  # fmt: skip
 # A graded reward so that GRPO's advantages are not all zero on the untrained tiny model.
-RESUME_OVERRIDES: dict[str, list[str]] = {"grpo_arith_tiny.yaml": [REWARD]}
+RESUME_OVERRIDES: dict[str, list[str]] = {
+    "grpo_arith_tiny.yaml": [REWARD],
+    "grpo_guess_number_tiny.yaml": ["rollout.max_turns=2"],  # episodes of 2 turns: cheaper
+}
 VOLATILE = ("timing/", "perf/", "checkpoint/", "rollout/weight_push_s")
 
 
