@@ -15,12 +15,13 @@ What is enforced, and by what:
   (the process is killed when it writes more). The working directory is a new temporary directory
   (removed afterwards), the environment is minimal, stdin is /dev/null, and the interpreter runs
   with `-I -S`: no PYTHON* variables, no site-packages, only the standard library importable.
-- by the kernel, where the machine allows it (see `isolation()`): the code runs as uid/gid 65534
-  (nobody) when the caller is root, so it can write only where anyone may and cannot signal the
-  caller's processes, with RLIMIT_NPROC bounding its processes; and in a new, empty network
-  namespace (util-linux `unshare --net`; Python 3.11 has no `os.unshare`), so it has no network.
-  Neither is possible when uid 65534 cannot read the interpreter (e.g. a pyenv Python under
-  /root), or when `unshare` is missing or not permitted: then the code runs as the caller.
+- by the kernel, where the machine allows it (`isolation()` says what it gives): the code runs
+  as uid/gid 65534 (nobody) when the caller is root, so it can write only where anyone may and
+  cannot signal the caller's processes, with RLIMIT_NPROC bounding its processes; and in a new,
+  empty network namespace (util-linux `unshare --net`; Python 3.11 has no `os.unshare`), so it
+  has no network. An interpreter uid 65534 cannot read (a pyenv Python under /root) is started
+  through a descriptor of its prefix directory. Without `unshare`, or where neither switch is
+  permitted, the code runs as the caller (a warning is logged when that is root).
 - by a `sys.addaudithook` hook installed before the code runs (hooks cannot be removed from
   Python): it raises `SandboxViolation` (a PermissionError) on sockets and on importing socket,
   ssl, ctypes, _posixsubprocess and a few native modules that open files behind its back; on
@@ -420,6 +421,9 @@ def _remove_tree(path: str) -> None:
 
 # The child's first code, run with `python -I -S -B -u -X utf8 -c _BOOTSTRAP CONFIG_JSON` in the
 # sandbox directory: set the rlimits, install the audit hook, then run main.py as __main__.
+# The rlimits are set here, before any of the user's code, not in a Popen preexec_fn: that runs
+# Python between fork and exec, which can deadlock when the parent has threads (tool calls run
+# on threads, the trainer has many); everything Popen itself does (session, uid, umask) is C.
 # Everything the hook uses is bound as a keyword default when it is defined: the user's code can
 # rebind builtins and module globals (e.g. builtins.isinstance, posixpath.normpath), not these.
 # The hook is referenced only by the interpreter's hook list and calls no Python function of
@@ -513,7 +517,7 @@ def _install_hook(home, roots):
         _refused_module_names=frozenset(name for name, _ in refused_modules),
         _path_events=path_events, _path_event_names=frozenset(name for name, _ in path_events),
         _write_flags=write_flags, _violation=SandboxViolation,
-        _type=type, _str=str, _bytes=bytes, _int=int, _len=len, _tuple=tuple,
+        _type=type, _str=str, _bytes=bytes, _int=int, _tuple=tuple,
         _fspath=posix.fspath, _getcwd=posix.getcwd, _readlink=posix.readlink,
         _stat=posix.stat, _isdir=stat.S_ISDIR, _ischr=stat.S_ISCHR, _isblk=stat.S_ISBLK,
         _decode=bytes.decode, _startswith=str.startswith, _split=str.split,
@@ -643,8 +647,8 @@ def _run(config):
         for tb, after in zip(kept, [*kept[1:], None]):
             tb.tb_next = after
         exc.__traceback__ = kept[0] if kept else None
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        sys.exit(1)
+        sys.excepthook(exc.__class__, exc, exc.__traceback__)
+        raise SystemExit(1) from None  # not sys.exit: the code may have rebound it
 
 
 _run(__import__("json").loads(sys.argv[1]))
