@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from keel.data import Example
-from keel.envs.builtin import GuessNumberEnvironment, SingleTurnEnvironment
+from keel.envs.builtin import SingleTurnEnvironment
 from keel.envs.episodes import EpisodeRunner, episode_metrics, with_episode_returns
 from keel.envs.protocol import StepResult
 from keel.models import load_causal_lm, load_tokenizer
@@ -125,17 +125,6 @@ def test_turn_rewards_are_discounted_and_counted(engine):
     metrics = episode_metrics(batch.episodes)
     assert metrics["episode/turns_mean"] == 3.0 and metrics["episode/end_max_turns_frac"] == 1.0
     assert metrics["episode/tool_calls_mean"] == 3.0 and metrics["episode/tool_use_frac"] == 1.0
-
-
-def test_guess_number_hints_and_wins():
-    env = GuessNumberEnvironment()
-    assert env.reset(Example(prompt="guess 1-8:", answer="5", source="x:1")) is None
-    assert env.step("3").observation == " higher\n" and env.step("7").observation == " lower\n"
-    assert env.step("no").observation == " invalid\n" and env.step("no").reward == -0.1
-    won = env.step("5")
-    assert won.done and won.reward == 1.0
-    with pytest.raises(ValueError, match="x:2: guess_number needs an integer answer"):
-        env.reset(Example(prompt="guess", answer="five", source="x:2"))
 
 
 def test_a_failing_environment_names_itself(engine):
