@@ -211,3 +211,29 @@ def test_grpo_advantages_are_zero_mean_within_every_group():
     for norm in (True, False):
         adv = grpo_outcome_advantage(scores, torch.ones(24, 1), groups, norm_by_std=norm)[:, 0]
         assert_close(adv.view(6, 4).sum(dim=1), torch.zeros(6))
+
+
+def test_gae_over_holes_is_gae_over_the_policys_tokens_alone():
+    """Multi-turn episodes (keel.envs): observation tokens are holes in the mask. GAE skips
+    them (verl's multi-turn semantics): the result at the policy's tokens is GAE over those
+    tokens squeezed together, and the rewards and values at the holes do not matter."""
+    g = torch.Generator().manual_seed(0)
+    b, r = 3, 9
+    mask = torch.ones(b, r)
+    mask[0, 2:5] = 0  # an observation between two turns
+    mask[1, [1, 4, 5]] = 0
+    mask[2, 7:] = 0  # padding
+    rewards, values = torch.randn(b, r, generator=g), torch.randn(b, r, generator=g)
+    adv, ret = gae_advantage_return(rewards, values, mask, gamma=0.9, lam=0.8)
+    noisy = torch.where(mask.bool(), 0.0, torch.randn(b, r, generator=g) * 100)
+    adv2, ret2 = gae_advantage_return(rewards + noisy, values - noisy, mask, gamma=0.9, lam=0.8)
+    assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
+    for i in range(b):
+        keep = mask[i].bool()
+        squeezed = gae_advantage_return(
+            rewards[i, keep][None], values[i, keep][None], torch.ones(1, int(keep.sum())),
+            gamma=0.9, lam=0.8,
+        )  # fmt: skip
+        torch.testing.assert_close(adv[i, keep], squeezed[0][0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ret[i, keep], squeezed[1][0], rtol=0, atol=1e-6)
+        assert (adv[i, ~keep] == 0).all() and (ret[i, ~keep] == 0).all()

@@ -240,3 +240,17 @@ def test_tis_cap_needs_the_engines_logprobs_and_names_both_fields(tmp_path):
                       environ={})  # fmt: skip
     assert cfg.rollout.tis_cap == 2.0
     assert load_config(write_config(tmp_path), environ={}).rollout.tis_cap is None  # off
+
+
+BASE = {"models": {"actor": "builtin:tiny"}, "algorithm": {"name": "grpo"}}
+
+
+def test_multi_turn_settings_need_an_environment():
+    from keel.config.loading import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns: 3 needs an environment"):
+        validate({**BASE, "rollout": {"max_turns": 3}}, source="t.yaml")
+    rollout = {"env": "builtin:guess_number", "max_turns": 3, "max_new_tokens": 4}
+    cfg = validate({**BASE, "rollout": rollout}, source="t.yaml")
+    assert cfg.rollout.response_budget() == 12
+    assert cfg.rollout.model_copy(update={"max_episode_tokens": 10}).response_budget() == 10

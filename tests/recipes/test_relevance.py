@@ -68,6 +68,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "batch_size",
         "static_cache",
         "compile",
+        "env",  # evaluation plays episodes too when it is set
     }
     assert "#   rollout.vllm: options of the vLLM engine; rollout.engine is hf" in out
     assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]
@@ -81,3 +82,10 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0
     grpo = yaml.safe_load(capsys.readouterr().out)
     assert grpo["rollout"]["n"] == 8 and grpo["guard"]["monitor_metric"] == "reward/mean"
+
+
+def test_episode_settings_apply_only_with_an_environment():
+    plain = unused(algorithm={"name": "grpo"})
+    assert "rollout.env" not in plain and "rollout.env is null" in plain["rollout.max_turns"]
+    episodes = unused(algorithm={"name": "grpo"}, rollout={"env": "builtin:guess_number"})
+    assert not {"rollout.max_turns", "rollout.env_kwargs", "rollout.turn_discount"} & set(episodes)

@@ -118,3 +118,21 @@ def test_a_line_that_is_not_utf8_names_the_file_and_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "x": "\xff"}\n')
     with pytest.raises(ReportError, match=r"metrics\.jsonl:2: not valid UTF-8"):
         load_run(tmp_path)
+
+
+def test_multi_turn_runs_get_turn_and_tool_use_plots(tmp_path):
+    rows = [
+        {"step": s, "reward/mean": 0.1 * s, "episode/turns_mean": 4.0 - s,
+         "episode/tool_use_frac": 0.2 * s, "episode/tool_calls_mean": 0.3 * s,
+         "eval/turns_mean": 3.5 - s}
+        for s in (1, 2)
+    ]  # fmt: skip
+    run = write_run(tmp_path / "agent", rows)
+    turns, tools = (next(p for p in PLOTS if p.name == n) for n in ("episode_turns", "tool_use"))
+    assert turns.run_keys(run) == ("episode/turns_mean", "eval/turns_mean")
+    assert tools.run_keys(run) == ("episode/tool_use_frac", "episode/tool_calls_mean")
+    write_report([run], tmp_path / "out")
+    assert (tmp_path / "out" / "episode_turns.png").is_file()
+    assert (tmp_path / "out" / "tool_use.png").is_file()
+    single = write_run(tmp_path / "single", [{"step": 1, "reward/mean": 0.5}])
+    assert draw(turns, [single], tmp_path) is None  # optional: absent from single-turn runs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from keel.data import Example
-from keel.rollout import FINISH_REASONS, RolloutEngine, SamplingParams
+from keel.rollout import FINISH_REASONS, Completions, RolloutEngine, SamplingParams
 
 
 def check_batch(batch, tokenizer, examples, sampling, group_offset):
@@ -46,6 +46,26 @@ def check_batch(batch, tokenizer, examples, sampling, group_offset):
         assert (lp[mask == 0] == 0).all() and (lp[mask == 1] <= 0).all()
 
 
+def check_generate_ids(engine: RolloutEngine, batch, greedy: SamplingParams) -> None:
+    """`generate_ids` from the batch's own prompt ids (greedy) gives its response tokens, and a
+    continuation of a whole row (prompt + response, as a multi-turn episode continues) runs."""
+    p = batch.prompt_length
+    prompts = [
+        row[mask.bool()].tolist()
+        for row, mask in zip(batch.input_ids[:, :p], batch.attention_mask[:, :p], strict=True)
+    ]
+    done = engine.generate_ids(prompts[:: greedy.n], greedy)
+    assert isinstance(done, Completions) and len(done.token_ids) == len(batch)
+    for i, tokens in enumerate(done.token_ids):
+        length = int(batch.response_mask[i].sum())
+        assert tokens == batch.input_ids[i, p : p + length].tolist()
+        assert done.finish_reasons[i] == batch.finish_reasons[i]
+    if done.logprobs is not None:
+        assert [len(x) for x in done.logprobs] == [len(t) for t in done.token_ids]
+    more = engine.generate_ids([prompts[0] + done.token_ids[0]], SamplingParams(max_new_tokens=2))
+    assert len(more.token_ids) == 1 and 1 <= len(more.token_ids[0]) <= 2
+
+
 def check_engine(engine: RolloutEngine, tokenizer, new_state: dict[str, torch.Tensor]) -> None:
     assert isinstance(engine, RolloutEngine)
     examples = [Example(prompt="3+4=", answer="7"), Example(prompt="12-5=", answer="7")]
@@ -56,7 +76,9 @@ def check_engine(engine: RolloutEngine, tokenizer, new_state: dict[str, torch.Te
     batch = engine.generate(chat, greedy)
     check_batch(batch, tokenizer, chat, greedy, 0)
     assert batch.responses[0] == batch.responses[1]  # greedy: the group's rows agree
-    before = engine.generate(examples, greedy).responses
+    plain = engine.generate(examples, greedy)
+    before = plain.responses
+    check_generate_ids(engine, plain, greedy)
     if not engine.shares_module:
         engine.update_weights(new_state, version=1)
         after = engine.generate(examples, greedy).responses

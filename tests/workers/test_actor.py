@@ -156,3 +156,58 @@ def test_the_actor_loss_runs_on_the_meta_device(tiny_dir, policy_loss):
     assert actor._policy_loss(on_policy, spec=spec, kl_coef=0.1, num_tokens=25, num_seqs=7)[
         0
     ].device == torch.device("meta")
+
+
+def holed_batch(vocab: int) -> Batch:
+    """synthetic_batch as multi-turn episodes: response columns 1-2 of rows 0, 2, 4-7 are an
+    observation (attended to, mask 0) between two turns of the policy."""
+    batch = synthetic_batch(vocab)
+    holes = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+    holes[[0, 2, 4, 5, 6, 7], 1:3] = True
+    holes &= batch.response_mask.bool()
+    return batch.replace(
+        response_mask=torch.where(holes, 0.0, batch.response_mask),
+        rollout_logprobs=torch.full_like(batch.response_mask, -4.2),
+        meta={"holes": holes},
+    )
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_observation_tokens_do_not_reach_the_gradient(tiny_dir, mode):
+    """Every per-token input of the loss perturbed at the observation tokens (advantages,
+    old, reference and rollout log-probs): the update is bitwise the same; and the gradient
+    reaching the logits that predict observation tokens is exactly 0 (it is not at the
+    policy's tokens)."""
+    tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = holed_batch(len(tok))
+    holes = batch.meta["holes"]
+    g = torch.Generator().manual_seed(1)
+
+    def noise(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(holes, torch.randn(t.shape, generator=g) * 50 - 3, t)
+
+    perturbed = batch.replace(
+        advantages=noise(batch.advantages),
+        old_logprobs=noise(batch.old_logprobs),
+        ref_logprobs=noise(batch.ref_logprobs),
+        rollout_logprobs=noise(batch.rollout_logprobs),
+    )
+    spec = rl_spec(mode, kl=0.1, entropy=0.01)
+    spec = type(spec)(**{**spec.__dict__, "tis_cap": 2.0})
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    logits: list[torch.Tensor] = []
+
+    def keep(module, args, output):
+        output.retain_grad()
+        logits.append(output)
+
+    models[0].lm_head.register_forward_hook(keep)
+    for model, b in zip(models, (batch, perturbed), strict=True):
+        sgd_actor(model, tok, 8).update(b, spec)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    r = batch.response_length
+    assert len(logits) == 1 and logits[0].shape[1] == r + 1  # logits_to_keep = R + 1
+    grad = logits[0].grad[:, :r].abs().sum(dim=-1)  # [B, R]: at the position predicting column j
+    assert (grad[holes] == 0).all()
+    assert (grad[batch.response_mask.bool()] > 0).any()

@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from keel.data.examples import Example
 from keel.envs.protocol import Environment, Observation, StepResult
+from keel.envs.tools import ToolResult, build_tools, parse_tool_calls, run_tool_calls
 
 
 class SingleTurnEnvironment:
@@ -65,7 +67,65 @@ class GuessNumberEnvironment:
         return StepResult(observation=f"{self.prefix}{hint}{self.suffix}", reward=-self.turn_cost)
 
 
+class ToolEnvironment:
+    """The policy may call tools before it answers (keel.envs.tools, docs/tools.md).
+
+    A turn with `<tool_call>` blocks is run: each call (at most `max_calls_per_turn`; more are
+    errors) concurrently with a time-out of `timeout_s`, and the results come back as one
+    `tool` message each, in call order (a malformed call, an unknown tool, a tool's error or a
+    time-out as an `error: …` message: the episode goes on). A turn without a tool call is
+    the final answer: the episode ends and reward.fn scores it. info counts `tool_calls`
+    (every call the turn attempted, malformed ones included) and `tool_errors`.
+
+    tools: built-in names (`calculator`, `python`), `{"name": …, **kwargs}` or
+    `module:Class` / `file.py:Class` (keel.envs.tools.build_tools)."""
+
+    def __init__(
+        self,
+        tools: Sequence[str | Mapping[str, Any]] = ("calculator",),
+        timeout_s: float = 10.0,
+        max_calls_per_turn: int = 4,
+    ):
+        self.tools = build_tools(tools)
+        self.timeout_s = timeout_s
+        self.max_calls_per_turn = max_calls_per_turn
+
+    def reset(self, example: Example) -> Observation | None:
+        return None
+
+    def step(self, response: str) -> StepResult:
+        parsed = parse_tool_calls(response)
+        if not parsed.calls and not parsed.errors:
+            return StepResult(done=True)
+        calls = parsed.calls[: self.max_calls_per_turn]
+        results = run_tool_calls(
+            calls, self.tools, timeout_s=self.timeout_s, max_workers=max(1, len(calls))
+        )
+        messages = [{"role": "tool", "content": _tool_message(r)} for r in results]
+        errors = [f"error: {e}" for e in parsed.errors]
+        if len(parsed.calls) > len(calls):
+            errors.append(
+                f"error: {len(parsed.calls) - len(calls)} calls over the limit of "
+                f"{self.max_calls_per_turn} per turn were not run"
+            )
+        messages += [{"role": "tool", "content": e} for e in errors]
+        failed = sum(r.error for r in results) + len(errors)
+        return StepResult(
+            observation=messages,
+            info={"tool_calls": len(parsed.calls) + len(parsed.errors), "tool_errors": failed},
+        )
+
+
+def _tool_message(result: ToolResult) -> str:
+    """A result's content; a failed call's always starts with `error:` (the policy can learn
+    one pattern)."""
+    if result.error and not result.content.startswith("error"):
+        return f"error: {result.content}"
+    return result.content
+
+
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "single_turn": SingleTurnEnvironment,
     "guess_number": GuessNumberEnvironment,
+    "tools": ToolEnvironment,
 }

@@ -75,17 +75,19 @@ def _clip_kwargs(algo: GRPOAlgorithm | RewardKLAlgorithm) -> dict[str, float]:
 
 
 def _drgrpo(cfg: KeelConfig, algo: DrGRPOAlgorithm) -> AlgorithmSpec:
-    # K must stay constant over training: the generation budget unless set.
-    return _grpo(cfg, algo, loss_scale_factor=algo.loss_scale_factor or cfg.rollout.max_new_tokens)
+    # K must stay constant over training: the generation budget unless set (multi-turn: the
+    # policy's tokens over the whole episode, rollout.response_budget()).
+    budget = cfg.rollout.response_budget()
+    return _grpo(cfg, algo, loss_scale_factor=algo.loss_scale_factor or budget)
 
 
 def _dapo(cfg: KeelConfig, algo: DAPOAlgorithm) -> AlgorithmSpec:
-    budget = cfg.rollout.max_new_tokens
+    budget = cfg.rollout.response_budget()  # max_new_tokens; multi-turn: every turn's
     if algo.overlong_buffer_len > budget:
+        what = "rollout.max_new_tokens" if cfg.rollout.max_turns == 1 else "the episode's budget"
         raise ConfigError(
             f"algorithm.overlong_buffer_len ({algo.overlong_buffer_len}) must not exceed "
-            f"rollout.max_new_tokens ({budget}): the punishment starts at max_new_tokens − "
-            "overlong_buffer_len"
+            f"{what} ({budget}): the punishment starts at that budget − overlong_buffer_len"
         )
     return _grpo(
         cfg,

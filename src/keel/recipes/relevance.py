@@ -9,6 +9,7 @@ from keel.config.schema import KeelConfig
 BUILTIN_TASKS = ("builtin:arithmetic", "builtin:preference")
 PAIR_STAGES = ("rm", "dpo")
 COLLAPSE = ("window", "max_drop", "max_drop_frac", "auto_stop_threshold", "collapse_action")
+ENV_SETTINGS = ("env_kwargs", "max_turns", "max_episode_tokens", "turn_discount", "env_workers")
 EVAL_GENERATION = ("temperature", "max_new_tokens", "batch_size", "correct_threshold")
 
 
@@ -51,6 +52,11 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
             ["guard.drift_kl_max", "guard.drift_action"],
             "rollout/logprob_kl (the engine-vs-trainer drift) is logged only by RL steps with "
             "rollout.return_logprobs",
+        ))  # fmt: skip
+    if generates_eval and cfg.rollout.env is None:
+        out.append((
+            [f"rollout.{k}" for k in ENV_SETTINGS],
+            "no environment (rollout.env is null): one response per prompt",
         ))  # fmt: skip
     if generates_eval and cfg.rollout.engine != "vllm":
         out.append((["rollout.vllm"], "options of the vLLM engine; rollout.engine is hf"))

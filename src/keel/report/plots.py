@@ -55,6 +55,25 @@ PLOTS = (
     Plot("response_length", "Response length (mean)", ("response/length_mean",), "tokens"),
     Plot("throughput", "Throughput", ("perf/tokens_per_second",), "tokens / s"),
     Plot(
+        "episode_turns",
+        "Turns per episode (multi-turn rollouts)",
+        ("episode/turns_mean", "eval/turns_mean"),
+        "turns",
+        optional=True,
+    ),
+    Plot(
+        "tool_use",
+        "Tool use (episodes with a tool call; tool calls and errors per episode)",
+        (
+            "episode/tool_use_frac",
+            "eval/tool_use_frac",
+            "episode/tool_calls_mean",
+            "episode/tool_errors_mean",
+        ),
+        "fraction / count",
+        optional=True,
+    ),
+    Plot(
         "dynamic_sampling",
         "Groups kept by dynamic sampling (of train.batch_size)",
         ("sampling/kept_groups",),

@@ -1,0 +1,322 @@
+"""Tool calls: the parser, the calculator, the python tool's observation, building tools from
+specs, and running calls concurrently with timeouts and errors as results."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from keel.envs.sandbox import SandboxResult
+from keel.envs.tools import (
+    BUILTIN_TOOLS,
+    CalculatorTool,
+    PythonTool,
+    Tool,
+    ToolCall,
+    ToolError,
+    build_tools,
+    format_sandbox_result,
+    format_tool_call,
+    has_tool_call_syntax,
+    parse_tool_calls,
+    run_tool_calls,
+    tool_schemas,
+)
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def test_one_call_with_text_and_whitespace_around():
+    text = (
+        'Let me compute.\n<tool_call>\n  {"name": "calculator", "arguments": '
+        '{"expression": "37*58"}}  \n</tool_call>\nDone.'
+    )
+    parsed = parse_tool_calls(text)
+    assert parsed.calls == [ToolCall("calculator", {"expression": "37*58"})]
+    assert parsed.errors == []
+
+
+def test_several_calls_in_order_and_string_arguments():
+    text = (
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+        ' and <tool_call>{"name": "calculator", "parameters": {"expression": "1+1"}}</tool_call>'
+        '<tool_call>{"name": "clock"}</tool_call>'
+    )
+    parsed = parse_tool_calls(text)
+    assert parsed.calls == [
+        ToolCall("python", {"code": "print(1)"}),
+        ToolCall("calculator", {"expression": "1+1"}),
+        ToolCall("clock", {}),
+    ]
+    assert parsed.errors == []
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('{"name": "calculator", "arguments": {"expression": "1+1"}', "invalid JSON"),
+        ('{"arguments": {"expression": "1+1"}}', "no tool name"),
+        ('{"name": "", "arguments": {}}', "no tool name"),
+        ('["calculator"]', "expected a JSON object"),
+        ('{"name": "calculator", "arguments": [1, 2]}', "calculator: arguments must be a JSON"),
+        ('{"name": "calculator", "arguments": "expression=1+1"}', "string that is not JSON"),
+        ('{"name": "calculator", "arguments": "[1]"}', "got an array"),
+        ("", "invalid JSON"),
+    ],
+)
+def test_a_malformed_call_is_an_error_not_an_exception(body, message):
+    text = f'<tool_call>{body}</tool_call><tool_call>{{"name": "ok"}}</tool_call>'
+    parsed = parse_tool_calls(text)
+    assert parsed.calls == [ToolCall("ok", {})]  # the next call is still read
+    assert len(parsed.errors) == 1
+    assert parsed.errors[0].startswith("tool call 1: ") and message in parsed.errors[0]
+
+
+def test_an_unclosed_tag_is_an_error_and_a_later_call_is_still_read():
+    parsed = parse_tool_calls(
+        '<tool_call>{"name": "a"} <tool_call>{"name": "b"}</tool_call> <tool_call>{"name": "c"'
+    )
+    assert parsed.calls == [ToolCall("b", {})]
+    assert parsed.errors == [
+        "tool call 1: <tool_call> without </tool_call>",
+        "tool call 3: <tool_call> without </tool_call>",
+    ]
+
+
+@pytest.mark.parametrize("text", ["", "The answer is 42.", "stray </tool_call> tag", "{}"])
+def test_text_without_calls_has_no_calls_and_no_errors(text):
+    assert parse_tool_calls(text).calls == []
+    assert parse_tool_calls(text).errors == []
+    assert not has_tool_call_syntax(text)
+
+
+def test_format_tool_call_round_trips():
+    call = ToolCall("python", {"code": "print('é')\n"})
+    text = format_tool_call(call)
+    assert has_tool_call_syntax(text)
+    assert parse_tool_calls(text).calls == [call]
+
+
+# --- the calculator ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("37*58", "2146"),
+        ("2 + 3 * 4", "14"),
+        ("(2 + 3) * 4", "20"),
+        ("-2**2", "-4"),
+        ("(-2)**2", "4"),
+        ("-3 - -4", "1"),
+        ("+5", "5"),
+        ("7 / 2", "3.5"),
+        ("8 / 2", "4.0"),
+        ("7 // 2", "3"),
+        ("-7 % 3", "2"),
+        ("0.1 + 0.2", "0.30000000000000004"),
+        ("2 ** -1", "0.5"),
+        ("10 ** 100", "1" + "0" * 100),
+        ("1_000 * 3", "3000"),
+    ],
+)
+def test_the_calculator_evaluates_arithmetic(expression, value):
+    assert CalculatorTool()({"expression": expression}) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("__import__('os').system('echo hi')", "a function call"),
+        ("x + 1", "a name"),
+        ("(1).real", "an attribute"),
+        ("'a' * 3", "a constant"),
+        ("[1, 2]", "List"),
+        ("True + 1", "a constant"),
+        ("2 ** 101", "exponents above 100"),
+        ("9 ** 9 ** 9", "exponents above 100"),
+        ("(10 ** 100) ** 100", "more than 1000 digits"),
+        ("(10 ** 99 * 10 ** 99) ** 2 * (10 ** 99) ** 7", "more than 1000 digits"),
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("1e308 * 10", "not finite"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "not an arithmetic expression"),
+        ("1" * 1001, "longer than 1000"),
+        ("-" * 990 + "1", "nested too deeply"),
+    ],
+)
+def test_the_calculator_refuses_anything_else(expression, message):
+    with pytest.raises(ToolError, match=message):
+        CalculatorTool()({"expression": expression})
+
+
+def test_the_calculator_checks_its_argument():
+    with pytest.raises(ToolError, match="'expression' must be a string"):
+        CalculatorTool()({"expr": "1+1"})
+    assert CalculatorTool()({"expression": 12}) == "12"
+
+
+# --- the python tool -----------------------------------------------------------------------------
+
+
+def test_the_python_tool_returns_stdout_and_labels_failures():
+    tool = PythonTool(cpu_s=1, wall_s=3)
+    assert tool({"code": "print(6 * 7)"}) == "42"
+    failed = tool({"code": "print('before')\nraise ValueError('bad')"})
+    assert failed.startswith("before\n[stderr]\n")
+    assert "ValueError: bad" in failed and failed.endswith("[exit code 1]")
+    blocked = tool({"code": "import socket"})
+    assert blocked.endswith("[error] blocked: network access")
+    with pytest.raises(ToolError, match="'code' must be a non-empty string"):
+        tool({"code": "  "})
+
+
+def test_a_sandbox_result_becomes_one_labelled_observation():
+    cut = SandboxResult(
+        "x" * 5, "", None, False, True, "output limit (5 bytes per stream) exceeded"
+    )
+    assert format_sandbox_result(cut) == (
+        "xxxxx\n[output truncated]\n[error] output limit (5 bytes per stream) exceeded"
+    )
+    assert format_sandbox_result(SandboxResult("", "", 0, False, False, None)) == "[no output]"
+    late = SandboxResult("", "", None, True, False, "wall time limit (5 s) exceeded")
+    assert format_sandbox_result(late) == "[error] wall time limit (5 s) exceeded"
+
+
+# --- building tools ------------------------------------------------------------------------------
+
+
+def test_built_in_tools_by_name_and_with_arguments():
+    tools = build_tools(["calculator", {"name": "python", "wall_s": 1.5, "memory_mb": 64}])
+    assert set(tools) == {"calculator", "python"} == set(BUILTIN_TOOLS)
+    assert isinstance(tools["calculator"], CalculatorTool)
+    assert tools["python"].limits["wall_s"] == 1.5 and tools["python"].limits["memory_mb"] == 64
+    assert all(isinstance(tool, Tool) for tool in tools.values())
+    assert set(build_tools(["builtin:calculator"])) == {"calculator"}
+
+
+USER_TOOLS = """
+class Echo:
+    name = "echo"
+    description = "Repeats its text."
+
+    def __init__(self, times=1):
+        self.times = times
+        self.parameters = {"type": "object", "properties": {"text": {"type": "string"}}}
+
+    def __call__(self, arguments):
+        return arguments["text"] * self.times
+
+
+class Shout(Echo):
+    name = "shout"
+
+
+shout = Shout()
+not_a_tool = 42
+"""
+
+
+def test_tools_of_your_own_from_a_file_or_a_module(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(USER_TOOLS)
+    tools = build_tools([{"name": f"{path}:Echo", "times": 2}, f"{path}:shout"])
+    assert tools["echo"]({"text": "ab"}) == "abab"
+    assert tools["shout"]({"text": "hey"}) == "hey"
+    assert isinstance(build_tools(["keel.envs.tools:CalculatorTool"])["calculator"], CalculatorTool)
+
+
+def test_bad_specs_are_value_errors_that_say_what_is_wrong(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(USER_TOOLS)
+    with pytest.raises(ValueError, match=r"unknown tool 'calculater'.*calculator, python"):
+        build_tools(["calculater"])
+    with pytest.raises(ValueError, match="two tools are named 'calculator'"):
+        build_tools(["calculator", "builtin:calculator"])
+    with pytest.raises(ValueError, match="do not fit"):
+        build_tools([{"name": "python", "wall": 3}])
+    with pytest.raises(ValueError, match="not a Tool"):
+        build_tools([f"{path}:not_a_tool"])
+    with pytest.raises(ValueError, match="file not found"):
+        build_tools([f"{tmp_path}/missing.py:Echo"])
+    with pytest.raises(ValueError, match="neither a name nor a mapping"):
+        build_tools([{"wall_s": 1}])
+
+
+def test_tool_schemas_are_openai_function_schemas():
+    schemas = tool_schemas(build_tools(["calculator", "python"]))
+    assert [schema["type"] for schema in schemas] == ["function", "function"]
+    function = schemas[0]["function"]
+    assert function["name"] == "calculator" and function["description"]
+    assert function["parameters"]["required"] == ["expression"]
+    assert tool_schemas([CalculatorTool()]) == schemas[:1]
+
+
+# --- running calls -------------------------------------------------------------------------------
+
+
+class Sleepy:
+    """Sleeps `seconds` (an argument), then answers with its name; raises on request."""
+
+    description = "test tool"
+
+    def __init__(self, name: str = "sleepy"):
+        self.name = name
+        self.parameters: dict[str, Any] = {"type": "object"}
+
+    def __call__(self, arguments: dict[str, Any]) -> Any:
+        time.sleep(arguments.get("seconds", 0))
+        if "raise" in arguments:
+            raise arguments["raise"]
+        return arguments.get("return", f"{self.name} done")
+
+
+def test_calls_run_concurrently_and_results_keep_call_order():
+    tools = {"sleepy": Sleepy()}
+    calls = [ToolCall("sleepy", {"seconds": 0.5, "return": "first"}), ToolCall("sleepy", {})]
+    calls.insert(1, ToolCall("sleepy", {"seconds": 0.5, "return": "second"}))
+    start = time.monotonic()
+    results = run_tool_calls(calls, tools)
+    assert time.monotonic() - start < 0.9
+    assert [result.content for result in results] == ["first", "second", "sleepy done"]
+    assert not any(result.error for result in results)
+
+
+def test_max_workers_bounds_the_calls_at_once():
+    calls = [ToolCall("sleepy", {"seconds": 0.2})] * 2
+    start = time.monotonic()
+    run_tool_calls(calls, {"sleepy": Sleepy()}, max_workers=1)
+    assert time.monotonic() - start >= 0.4
+
+
+def test_a_call_past_its_timeout_is_an_error_and_does_not_hold_the_others():
+    tools = {"sleepy": Sleepy()}
+    calls = [ToolCall("sleepy", {"seconds": 30}), ToolCall("sleepy", {"return": "quick"})]
+    start = time.monotonic()
+    results = run_tool_calls(calls, tools, timeout_s=0.3)
+    assert time.monotonic() - start < 1.5
+    assert (results[0].error, results[0].content) == (True, "tool 'sleepy' timed out after 0.3 s")
+    assert (results[1].error, results[1].content) == (False, "quick")
+
+
+def test_unknown_tools_exceptions_and_bad_returns_become_error_results():
+    tools = {"sleepy": Sleepy(), "calculator": CalculatorTool()}
+    calls = [
+        ToolCall("search", {"q": "x"}),
+        ToolCall("sleepy", {"raise": RuntimeError("disk on fire")}),
+        ToolCall("calculator", {"expression": "1/0"}),
+        ToolCall("sleepy", {"return": 7}),
+        ToolCall("calculator", {"expression": "2*21"}),
+    ]
+    results = run_tool_calls(calls, tools)
+    assert [result.name for result in results] == [call.name for call in calls]
+    assert [result.error for result in results] == [True, True, True, True, False]
+    assert results[0].content == "unknown tool 'search' (available: sleepy, calculator)"
+    assert results[1].content == "tool 'sleepy' failed: RuntimeError: disk on fire"
+    assert results[2].content == "tool 'calculator' error: division by zero"
+    assert results[3].content == "tool 'sleepy' returned int, not str"
+    assert results[4].content == "42"
+    assert run_tool_calls([], tools) == []
