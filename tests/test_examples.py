@@ -32,6 +32,11 @@ EXAMPLE_OVERRIDES: dict[str, list[str]] = {
         "train.mini_batch_size=32",
         "rollout.max_turns=2",
     ],
+    "grpo_calculator_tiny.yaml": [
+        "models.actor=builtin:tiny",
+        "rollout.max_new_tokens=8",
+        f"reward.fn={ROOT / 'tests/cli/format_reward.py'}:digit_fraction",  # a graded reward
+    ],
 }
 
 
@@ -51,7 +56,12 @@ def test_example_validates(path: Path):
 def test_every_example_is_run_by_a_test():
     smoke = {p.name for p in EXAMPLES if p.name not in LEARNED}
     assert {p.name for p in EXAMPLES} >= LEARNED, LEARNED - {p.name for p in EXAMPLES}
-    assert smoke == {"grpo_rm_tiny.yaml", "ppo_rm_tiny.yaml", "grpo_guess_number_tiny.yaml"}, smoke
+    assert smoke == {
+        "grpo_rm_tiny.yaml",
+        "ppo_rm_tiny.yaml",
+        "grpo_guess_number_tiny.yaml",
+        "grpo_calculator_tiny.yaml",
+    }, smoke
 
 
 @pytest.mark.parametrize(

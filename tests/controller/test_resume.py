@@ -29,6 +29,7 @@ TINY = [
 RESUME_OVERRIDES: dict[str, list[str]] = {
     "grpo_arith_tiny.yaml": [REWARD],
     "grpo_guess_number_tiny.yaml": ["rollout.max_turns=2"],  # episodes of 2 turns: cheaper
+    "grpo_calculator_tiny.yaml": [REWARD, "rollout.max_new_tokens=8"],
 }
 VOLATILE = ("timing/", "perf/", "checkpoint/", "rollout/weight_push_s")
 

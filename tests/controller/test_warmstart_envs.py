@@ -2,6 +2,7 @@
 rows that are token-identical to what the EpisodeRunner builds at RL time, and their data is
 deterministic. The runner here plays scripted turns (no model), so the file takes a second."""
 
+import functools
 import random
 from collections.abc import Sequence
 
@@ -20,9 +21,8 @@ from keel.data.guessing import (
     guess_prompt,
     play_demonstration,
 )
-from keel.envs.builtin import GuessNumberEnvironment
+from keel.envs.builtin import GuessNumberEnvironment, ToolEnvironment
 from keel.envs.episodes import EpisodeRunner
-from keel.envs.protocol import StepResult
 from keel.models import build_char_tokenizer
 from keel.rollout.protocol import Completions, SamplingParams
 
@@ -90,20 +90,6 @@ def test_guess_demonstrations_are_the_runners_token_layout(seed: int):
     assert batch.episodes[0]["termination"] == ("done" if won else "max_turns")
 
 
-class ToolMessageEnvironment:
-    """What builtin:tools does with one calculator call (the observation as a tool message)
-    and then an answer without a call (done), as the tool environment documents it."""
-
-    def reset(self, example: Example):
-        self.answer = str(example.answer)
-        return None
-
-    def step(self, response: str) -> StepResult:
-        if response.startswith("<tool_call>"):
-            return StepResult(observation=[{"role": "tool", "content": self.answer}])
-        return StepResult(done=True)
-
-
 def test_calculator_demonstrations_are_the_runners_token_layout():
     tokenizer = build_char_tokenizer()
     example = Example(prompt="37*58=", answer="2146")
@@ -113,9 +99,12 @@ def test_calculator_demonstrations_are_the_runners_token_layout():
         '<tool_call>{"name":"calculator","arguments":{"expression":"37*58"}}</tool_call>'
     )
     turns = [row["response"] for row in rows]
-    engine, batch = _play(tokenizer, ToolMessageEnvironment, example, turns, 3)
+    calculator = functools.partial(ToolEnvironment, tools=["calculator"])
+    engine, batch = _play(tokenizer, calculator, example, turns, 3)
     _assert_rows_match(tokenizer, engine, batch, rows)
     assert batch.responses == ["2146"]
+    assert batch.episodes[0]["tool_calls"] == 1 and batch.episodes[0]["tool_errors"] == 0
+    assert batch.episodes[0]["termination"] == "done"
 
 
 def test_demonstration_data_is_deterministic():
