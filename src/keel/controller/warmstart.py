@@ -82,6 +82,7 @@ register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)
 # builds (`guess 1-9:` 5 <eos> ` lower\n` 2 <eos> …). Half of the demonstrated guesses ignore the
 # hints, so the warm-started policy wins in ~4 turns on average (best play: 2.78) and RL has room.
 GUESS_DEMO_EPISODES = 3000
+GUESS_RANDOM_FRAC = 0.5
 GUESS_SFT: dict[str, Any] = {
     "seed": 0,
     "models": {"actor": "builtin:tiny"},
@@ -108,7 +109,9 @@ def build_tiny_guess(path: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="keel-tiny-guess-data-") as tmp:
         demos = Path(tmp) / "demonstrations.jsonl"
-        write_jsonl(demos, guess_demonstrations(GUESS_DEMO_EPISODES, seed=0))
+        write_jsonl(
+            demos, guess_demonstrations(GUESS_DEMO_EPISODES, random_frac=GUESS_RANDOM_FRAC, seed=0)
+        )
         config = {**GUESS_SFT, "data": {**GUESS_SFT["data"], "train": str(demos)}}
         _train_into(path, config, name="tiny-guess", title="SFT warm-start (guess the number)")
 
