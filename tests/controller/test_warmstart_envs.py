@@ -5,6 +5,7 @@ deterministic. The runner here plays scripted turns (no model), so the file take
 import functools
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from keel.data.guessing import (
     guess_number_examples,
     guess_prompt,
     play_demonstration,
+    write_guess_number_data,
 )
 from keel.envs.builtin import GuessNumberEnvironment, ToolEnvironment
 from keel.envs.episodes import EpisodeRunner
@@ -126,3 +128,11 @@ def test_warm_start_configs_validate(config, tmp_path):
     data = {**config["data"], "train": str(tmp_path / "demonstrations.jsonl")}
     cfg = validate({**config, "data": data, "run_dir": str(tmp_path / "run")}, source="test")
     assert cfg.algorithm.name == "sft"
+
+
+def test_the_example_data_files_are_what_the_generator_writes(tmp_path):
+    """examples/data/guess_number_*.jsonl come from `python -m keel.data.guessing examples/data`."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "data"
+    write_guess_number_data(tmp_path)
+    for name in ("guess_number_train.jsonl", "guess_number_eval.jsonl"):
+        assert (tmp_path / name).read_text() == (examples / name).read_text(), name
