@@ -314,3 +314,33 @@ def test_a_batch_older_than_max_staleness_is_refused(tiny_grpo):
     assert ok.meta["weight_version_lag"] == 2
     with pytest.raises(RuntimeError, match="max_staleness 2 allows 3 to 5"):
         controller.check_weight_version(Batch(meta={"weight_version": 2}))
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "grpo"}, PPO], ids=["grpo", "ppo"])
+def test_the_single_turn_environment_trains_exactly_as_no_environment(tiny_dir, algorithm):
+    """rollout.env: builtin:single_turn plays one-turn episodes through the episode runner: the
+    weights and every metric the plain run logs are bitwise the plain run's."""
+    runs = []
+    for rollout in ({}, {"env": "builtin:single_turn"}):
+        torch.manual_seed(0)
+        ctl = controller(tiny_dir, algorithm, rollout={"n": 2, "max_new_tokens": 4, **rollout})
+        metrics = [ctl.step(step) for step in (1, 2, 3)]
+        runs.append((params(ctl.roles.actor), metrics))
+    (w_plain, m_plain), (w_env, m_env) = runs
+    assert same(w_plain, w_env)
+    for plain, env in zip(m_plain, m_env, strict=True):
+        assert env["episode/turns_mean"] == 1.0 and env["episode/end_done_frac"] == 1.0
+        assert {k: v for k, v in plain.items() if not k.startswith(("timing/", "perf/"))} == {
+            k: v for k, v in env.items() if not k.startswith(("timing/", "perf/", "episode/"))
+        }
+
+
+def test_an_episode_is_truncated_when_its_last_turn_is_cut():
+    """Holes: the last valid token is the last turn's, not the mask's count of ones."""
+    eos = 2
+    # response columns: turn (7, EOS), observation (4, 4: holes), turn (8, EOS) / (8, 9: cut)
+    ids = torch.tensor([[5, 7, eos, 4, 4, 8, eos], [5, 7, eos, 4, 4, 8, 9]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]] * 2)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
+                  meta={"eos_token_ids": [eos]})  # fmt: skip
+    assert truncated_rows(batch).tolist() == [False, True]
