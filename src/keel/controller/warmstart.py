@@ -140,6 +140,9 @@ CALC_SFT: dict[str, Any] = {
         "warmup_steps": 20,
         "lr_schedule": "constant",
         "weight_decay": 0.0,
+        # tool rows are ~80 tokens, direct ones ~10: length-sorted micro-batches without the
+        # padding make the build 1.9× faster (60 steps: 15.4 s against 29.1 s)
+        "max_tokens_per_micro_batch": 2048,
     },
     "eval": {"every": 0},
     "checkpoint": {"save_steps": 0},

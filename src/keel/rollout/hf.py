@@ -7,13 +7,12 @@ from typing import Any
 
 import torch
 
-from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
 from keel.rollout.protocol import Completions, SamplingParams
-from keel.rollout.responses import cut_completions, rollout_batch
+from keel.rollout.responses import cut_completions, generate_examples
 from keel.types import Batch
 
 
@@ -69,25 +68,7 @@ class HFRolloutEngine:
     def generate(
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
-        prompt_ids = encode_prompts(
-            self.tokenizer,
-            examples,
-            chat=self.chat,
-            max_prompt_length=self.max_prompt_length,
-            truncation=self.truncation,
-        )
-        done = self.generate_ids(prompt_ids, sampling)
-        return rollout_batch(
-            examples,
-            sampling.n,
-            group_offset,
-            [ids for ids in prompt_ids for _ in range(sampling.n)],
-            done.token_ids,
-            done.logprobs,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            tokenizer=self.tokenizer,
-        )
+        return generate_examples(self, examples, sampling, group_offset)
 
     @torch.no_grad()
     def generate_ids(

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from keel.data.encoding import assemble
+from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
-from keel.rollout.protocol import Completions
+from keel.rollout.protocol import Completions, SamplingParams
 from keel.types import Batch
 
 
@@ -71,3 +71,30 @@ def rollout_batch(
     batch.finish_reasons = ["stop" if end else "length" for end in ended]
     batch.meta["eos_token_ids"] = list(eos_ids)
     return batch
+
+
+def generate_examples(
+    engine: Any, examples: Sequence[Example], sampling: SamplingParams, group_offset: int
+) -> Batch:
+    """`RolloutEngine.generate` of an engine with `generate_ids`: the prompts encoded with its
+    prompt options (`tokenizer`, `chat`, `max_prompt_length`, `truncation`), sampled, laid out
+    by `rollout_batch`. Both engines' `generate`."""
+    prompt_ids = encode_prompts(
+        engine.tokenizer,
+        examples,
+        chat=engine.chat,
+        max_prompt_length=engine.max_prompt_length,
+        truncation=engine.truncation,
+    )
+    done = engine.generate_ids(prompt_ids, sampling)
+    return rollout_batch(
+        examples,
+        sampling.n,
+        group_offset,
+        [ids for ids in prompt_ids for _ in range(sampling.n)],
+        done.token_ids,
+        done.logprobs,
+        eos_ids=engine.eos_ids,
+        pad_id=engine.pad_id,
+        tokenizer=engine.tokenizer,
+    )

@@ -34,12 +34,11 @@ import numpy as np
 import torch
 
 from keel.config.loading import ConfigError
-from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
 from keel.rollout.protocol import Completions, SamplingParams
-from keel.rollout.responses import cut_completions, rollout_batch
+from keel.rollout.responses import cut_completions, generate_examples
 from keel.types import Batch
 
 if TYPE_CHECKING:
@@ -230,25 +229,7 @@ class VLLMRolloutEngine:
     def generate(
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
-        prompt_ids = encode_prompts(
-            self.tokenizer,
-            examples,
-            chat=self.chat,
-            max_prompt_length=self.max_prompt_length,
-            truncation=self.truncation,
-        )
-        done = self.generate_ids(prompt_ids, sampling)
-        return rollout_batch(
-            examples,
-            sampling.n,
-            group_offset,
-            [ids for ids in prompt_ids for _ in range(sampling.n)],
-            done.token_ids,
-            done.logprobs,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            tokenizer=self.tokenizer,
-        )
+        return generate_examples(self, examples, sampling, group_offset)
 
     def generate_ids(
         self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
