@@ -5,15 +5,12 @@
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from keel.envs.protocol import Environment
+from keel.rewards.loading import load_file_module, load_module
 
 EnvFactory = Callable[[], Environment]
 
@@ -31,7 +28,10 @@ def load_object(spec: str, field: str) -> Any:
         raise EnvLoadError(
             f"{field}: {spec!r} must be builtin:NAME, package.module:Name or path/to/file.py:Name"
         )
-    module = _load_file(target, field) if target.endswith(".py") else _load_module(target, field)
+    if target.endswith(".py"):
+        module = load_file_module(target, field, EnvLoadError, prefix="keel_user_env")
+    else:
+        module = load_module(target, field, EnvLoadError)
     obj = getattr(module, attr, None)
     if obj is None:
         raise EnvLoadError(f"{field}: {target} has nothing named {attr!r}")
@@ -61,29 +61,3 @@ def load_environment(
     except ValueError:  # no signature to check
         pass
     return functools.partial(cls, **kwargs)
-
-
-def _load_module(name: str, field: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise EnvLoadError(f"{field}: cannot import module {name!r} ({exc})") from None
-
-
-def _load_file(target: str, field: str) -> Any:
-    path = Path(target).expanduser()
-    if not path.is_file():
-        raise EnvLoadError(f"{field}: file not found: {target}")
-    name = f"keel_user_env_{abs(hash(str(path.resolve())))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise EnvLoadError(f"{field}: {path} failed to import: {exc!r}") from exc
-    return module

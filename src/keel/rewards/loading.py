@@ -50,7 +50,7 @@ def load_reward_fn(
             f"reward.fn: {spec!r} must be builtin:NAME, package.module:function "
             "or path/to/file.py:function"
         )
-    module = _load_file(target) if target.endswith(".py") else _load_module(target)
+    module = load_file_module(target) if target.endswith(".py") else load_module(target)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardLoadError(f"reward.fn: {target} has no function named {attr!r}")
@@ -61,20 +61,28 @@ def load_reward_fn(
     return fn
 
 
-def _load_module(name: str):
+def load_module(name: str, field: str = "reward.fn", error: type[ValueError] = RewardLoadError):
+    """importlib.import_module(name), its failures as `error` naming `field`."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise RewardLoadError(f"reward.fn: cannot import module {name!r} ({exc})") from None
+        raise error(f"{field}: cannot import module {name!r} ({exc})") from None
     except Exception as exc:
-        raise RewardLoadError(f"reward.fn: module {name!r} failed to import: {exc!r}") from exc
+        raise error(f"{field}: module {name!r} failed to import: {exc!r}") from exc
 
 
-def _load_file(target: str):
+def load_file_module(
+    target: str,
+    field: str = "reward.fn",
+    error: type[ValueError] = RewardLoadError,
+    prefix: str = "keel_user_reward",
+):
+    """The module of the Python file `target`, imported as `<prefix>_<hash of its path>`.
+    `field` and `error`: the config key and the exception type that errors name."""
     path = Path(target).expanduser()
     if not path.is_file():
-        raise RewardLoadError(f"reward.fn: file not found: {target}{missing_hint(target)}")
-    name = f"keel_user_reward_{abs(hash(str(path.resolve())))}"
+        raise error(f"{field}: file not found: {target}{missing_hint(target)}")
+    name = f"{prefix}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -82,7 +90,7 @@ def _load_file(target: str):
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise RewardLoadError(f"reward.fn: {path} failed to import: {exc!r}") from exc
+        raise error(f"{field}: {path} failed to import: {exc!r}") from exc
     return module
 
 
