@@ -77,30 +77,39 @@ def build_tiny_pref_rm(path: Path) -> None:
 register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)
 
 
+def demonstration_sft(
+    *, steps: int, max_prompt_length: int, max_new_tokens: int, **train: Any
+) -> dict[str, Any]:
+    """The SFT config of a warm start on demonstrations written at build time (data.train is
+    set by the builder): batches of 64, lr 3e-3 after 20 warm-up steps, then constant."""
+    return {
+        "seed": 0,
+        "models": {"actor": "builtin:tiny"},
+        "algorithm": {"name": "sft"},
+        "data": {"max_prompt_length": max_prompt_length},
+        "rollout": {"max_new_tokens": max_new_tokens},
+        "train": {
+            "steps": steps,
+            "batch_size": 64,
+            "lr": 3e-3,
+            "warmup_steps": 20,
+            "lr_schedule": "constant",
+            "weight_decay": 0.0,
+            **train,
+        },
+        "eval": {"every": 0},
+        "checkpoint": {"save_steps": 0},  # a build in a temporary folder: nothing to resume
+        "monitor": {"progress": True},
+    }
+
+
 # The guess-the-number player of examples/grpo_guess_number_tiny.yaml: a short SFT of the tiny
 # model on demonstrations of the game (keel.data.guessing) in the token layout the EpisodeRunner
 # builds (`guess 1-9:` 5 <eos> ` lower\n` 2 <eos> …). Half of the demonstrated guesses ignore the
 # hints, so the warm-started policy wins in ~4 turns on average (best play: 2.78) and RL has room.
 GUESS_DEMO_EPISODES = 3000
 GUESS_RANDOM_FRAC = 0.5
-GUESS_SFT: dict[str, Any] = {
-    "seed": 0,
-    "models": {"actor": "builtin:tiny"},
-    "algorithm": {"name": "sft"},
-    "data": {"max_prompt_length": 96},  # data.train: the demonstrations, written at build time
-    "rollout": {"max_new_tokens": 3},
-    "train": {
-        "steps": 300,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "warmup_steps": 20,
-        "lr_schedule": "constant",
-        "weight_decay": 0.0,
-    },
-    "eval": {"every": 0},
-    "checkpoint": {"save_steps": 0},
-    "monitor": {"progress": True},
-}
+GUESS_SFT = demonstration_sft(steps=300, max_prompt_length=96, max_new_tokens=3)
 
 
 def build_tiny_guess(path: Path) -> None:
@@ -127,27 +136,11 @@ register_builtin_model("tiny-guess", build_tiny_guess)
 CALC_TASK: dict[str, Any] = {"ops": "*", "max_operand": 99, "eval_size": 200, "seed": 0}
 CALC_TOOL_FRAC = 0.3
 CALC_ANSWER_ROWS = "all"
-CALC_SFT: dict[str, Any] = {
-    "seed": 0,
-    "models": {"actor": "builtin:tiny"},
-    "algorithm": {"name": "sft"},
-    "data": {"max_prompt_length": 128},  # data.train: the demonstrations, written at build time
-    "rollout": {"max_new_tokens": 96},
-    "train": {
-        "steps": 1000,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "warmup_steps": 20,
-        "lr_schedule": "constant",
-        "weight_decay": 0.0,
-        # tool rows are ~80 tokens, direct ones ~10: length-sorted micro-batches without the
-        # padding make the build 1.9× faster (60 steps: 15.4 s against 29.1 s)
-        "max_tokens_per_micro_batch": 2048,
-    },
-    "eval": {"every": 0},
-    "checkpoint": {"save_steps": 0},
-    "monitor": {"progress": True},
-}
+# Tool rows are ~80 tokens, direct ones ~10: length-sorted micro-batches without the padding
+# (train.max_tokens_per_micro_batch) make the build 1.9× faster (60 steps: 15.4 s against 29.1 s).
+CALC_SFT = demonstration_sft(
+    steps=1000, max_prompt_length=128, max_new_tokens=96, max_tokens_per_micro_batch=2048
+)
 
 
 def build_tiny_calc(path: Path) -> None:
