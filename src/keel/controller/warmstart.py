@@ -11,30 +11,45 @@ from typing import Any
 from keel.config.loading import validate
 from keel.models import register_builtin_model
 
+
+def sft_warm_start(
+    *, steps: int, data: dict[str, Any], max_new_tokens: int, **train: Any
+) -> dict[str, Any]:
+    """The SFT config of a built-in warm start of builtin:tiny: batches of 64, lr 3e-3 after
+    20 warm-up steps, then constant; `data` is the data section (a demonstration warm start's
+    data.train is written at build time and set by its builder)."""
+    return {
+        "seed": 0,
+        "models": {"actor": "builtin:tiny"},
+        "algorithm": {"name": "sft"},
+        "data": data,
+        "rollout": {"max_new_tokens": max_new_tokens},
+        "train": {
+            "steps": steps,
+            "batch_size": 64,
+            "lr": 3e-3,
+            "warmup_steps": 20,
+            "lr_schedule": "constant",
+            "weight_decay": 0.0,
+            **train,
+        },
+        "eval": {"every": 0},
+        "checkpoint": {"save_steps": 0},  # a build in a temporary folder: nothing to resume
+        "monitor": {"progress": True},
+    }
+
+
 # Kept short on purpose: the SFT teaches the format and some sums (~25% held-out accuracy on
 # operands 0-49), and leaves room for RL. The task must match DEMO_GRPO's (same held-out split).
-WARMSTART_SFT: dict[str, Any] = {
-    "seed": 0,
-    "models": {"actor": "builtin:tiny"},
-    "algorithm": {"name": "sft"},
-    "data": {
+WARMSTART_SFT = sft_warm_start(
+    steps=250,
+    data={
         "train": "builtin:arithmetic",
         "eval": "builtin:arithmetic",
         "arithmetic": {"max_operand": 49},
     },
-    "rollout": {"max_new_tokens": 6},
-    "train": {
-        "steps": 250,
-        "batch_size": 64,
-        "lr": 3e-3,
-        "warmup_steps": 20,
-        "lr_schedule": "constant",
-        "weight_decay": 0.0,
-    },
-    "eval": {"every": 0},
-    "checkpoint": {"save_steps": 0},  # a short build in a temporary folder: nothing to resume
-    "monitor": {"progress": True},
-}
+    max_new_tokens=6,
+)
 
 
 def build_tiny_arith(path: Path) -> None:
@@ -77,39 +92,13 @@ def build_tiny_pref_rm(path: Path) -> None:
 register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)
 
 
-def demonstration_sft(
-    *, steps: int, max_prompt_length: int, max_new_tokens: int, **train: Any
-) -> dict[str, Any]:
-    """The SFT config of a warm start on demonstrations written at build time (data.train is
-    set by the builder): batches of 64, lr 3e-3 after 20 warm-up steps, then constant."""
-    return {
-        "seed": 0,
-        "models": {"actor": "builtin:tiny"},
-        "algorithm": {"name": "sft"},
-        "data": {"max_prompt_length": max_prompt_length},
-        "rollout": {"max_new_tokens": max_new_tokens},
-        "train": {
-            "steps": steps,
-            "batch_size": 64,
-            "lr": 3e-3,
-            "warmup_steps": 20,
-            "lr_schedule": "constant",
-            "weight_decay": 0.0,
-            **train,
-        },
-        "eval": {"every": 0},
-        "checkpoint": {"save_steps": 0},  # a build in a temporary folder: nothing to resume
-        "monitor": {"progress": True},
-    }
-
-
 # The guess-the-number player of examples/grpo_guess_number_tiny.yaml: a short SFT of the tiny
 # model on demonstrations of the game (keel.data.guessing) in the token layout the EpisodeRunner
 # builds (`guess 1-9:` 5 <eos> ` lower\n` 2 <eos> …). Half of the demonstrated guesses ignore the
 # hints, so the warm-started policy wins in ~4 turns on average (best play: 2.78) and RL has room.
 GUESS_DEMO_EPISODES = 3000
 GUESS_RANDOM_FRAC = 0.5
-GUESS_SFT = demonstration_sft(steps=300, max_prompt_length=96, max_new_tokens=3)
+GUESS_SFT = sft_warm_start(steps=300, data={"max_prompt_length": 96}, max_new_tokens=3)
 
 
 def build_tiny_guess(path: Path) -> None:
@@ -138,8 +127,11 @@ CALC_TOOL_FRAC = 0.3
 CALC_ANSWER_ROWS = "all"
 # Tool rows are ~80 tokens, direct ones ~10: length-sorted micro-batches without the padding
 # (train.max_tokens_per_micro_batch) make the build 1.9× faster (60 steps: 15.4 s against 29.1 s).
-CALC_SFT = demonstration_sft(
-    steps=1000, max_prompt_length=128, max_new_tokens=96, max_tokens_per_micro_batch=2048
+CALC_SFT = sft_warm_start(
+    steps=1000,
+    data={"max_prompt_length": 128},
+    max_new_tokens=96,
+    max_tokens_per_micro_batch=2048,
 )
 
 

@@ -120,7 +120,8 @@ class EpisodeRunner:
                 active = [i for i in active if episodes[i].termination is None]
                 if active:
                     completions = self._next_turn(episodes, active, sampling)
-        return self._batch(examples, sampling.n, group_offset, episodes, completions)
+        with_logprobs = completions.logprobs is not None  # the engine returns them or never
+        return self._batch(examples, sampling.n, group_offset, episodes, with_logprobs)
 
     # -- playing -------------------------------------------------------------------------------
 
@@ -244,7 +245,7 @@ class EpisodeRunner:
         n: int,
         group_offset: int,
         episodes: list[Episode],
-        completions: Completions,
+        with_logprobs: bool,
     ) -> Batch:
         lengths = [len(e.tokens) for e in episodes]
         batch = assemble(
@@ -254,7 +255,7 @@ class EpisodeRunner:
         batch.response_mask = torch.tensor(
             [e.mask + [0] * (width - len(e.mask)) for e in episodes], dtype=torch.float32
         )
-        if completions.logprobs is not None:
+        if with_logprobs:
             batch.rollout_logprobs = torch.tensor(
                 [e.logprobs + [0.0] * (width - len(e.logprobs)) for e in episodes],
                 dtype=torch.float32,

@@ -27,6 +27,7 @@ class ObservationEncoder:
     def __init__(self, tokenizer: Any, eos_ids: list[int]):
         self.tokenizer = tokenizer
         self.eos_texts = [tokenizer.decode([i]) for i in eos_ids]
+        self._base: tuple[str | None, str] | None = None  # (template, its base rendering)
 
     def encode(self, observation: Observation | None, stopped: bool) -> list[int]:
         if observation is None:
@@ -54,7 +55,10 @@ class ObservationEncoder:
                 "return text observations, or use a model whose tokenizer has one"
             )
         base = [_USER, {"role": "assistant", "content": _ANSWER}]
-        before = self._render(base, generation_prompt=False)
+        template = self.tokenizer.chat_template
+        if self._base is None or self._base[0] != template:  # rendered once per template
+            self._base = (template, self._render(base, generation_prompt=False))
+        before = self._base[1]
         after = self._render(base + list(messages), generation_prompt=True)
         if not after.startswith(before) or _ANSWER not in before:
             raise ValueError(
