@@ -11,6 +11,7 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
+from keel.rollout.kvcache import reserved_cache
 from keel.rollout.protocol import Completions, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples
 from keel.types import Batch
@@ -25,8 +26,9 @@ class HFRolloutEngine:
     the model's generation config); its response_mask includes that token.
 
     dtype: autocast dtype of the forward passes (a colocated actor in mixed precision).
-    static_cache: a preallocated KV cache (`cache_implementation="static"`), which lets
-    transformers compile the decode step on CUDA when `compile` is on.
+    The KV cache reserves the whole generation's room up front (`keel.rollout.kvcache`);
+    static_cache: transformers' static cache (`cache_implementation="static"`) instead, which
+    lets transformers compile the decode step on CUDA when `compile` is on.
     share_prefill: the n rows of a prompt share one prefill (`shared_prefill`; not with the
     static cache)."""
 
@@ -132,10 +134,12 @@ class HFRolloutEngine:
         # training forward and must not become inference tensors.
         try:
             with torch.inference_mode(not self.synced), autocast(device, self.dtype):
-                if self.share_prefill and not self.static_cache and n > 1 and p > 1:
-                    cache = shared_prefill(
-                        self.model, input_ids.to(device), attention.to(device), n
-                    )
+                if not self.static_cache:
+                    cache = reserved_cache(self.model.config, p + sampling.max_new_tokens)
+                    if self.share_prefill and n > 1 and p > 1:
+                        shared_prefill(
+                            self.model, input_ids.to(device), attention.to(device), n, cache
+                        )
                     kwargs["past_key_values"] = cache
                 out = self.model.generate(
                     input_ids=input_ids.to(device),
@@ -159,14 +163,18 @@ class HFRolloutEngine:
 
 
 @torch.no_grad()
-def shared_prefill(model: Any, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> Any:
-    """A KV cache of every row's prompt but its last token, filled by one forward pass per
-    distinct prompt and repeated for its `n` adjacent rows: `generate` then runs only the last
-    prompt token and the new ones. input_ids, attention [B, P], B = prompts × n. The sampled
-    tokens are those of a plain `generate` (tested; the logits agree up to float rounding)."""
-    from transformers import DynamicCache
+def shared_prefill(
+    model: Any, input_ids: torch.Tensor, attention: torch.Tensor, n: int, cache: Any = None
+) -> Any:
+    """Fill `cache` (an empty one; None: a new `DynamicCache`) with every row's prompt but its
+    last token, by one forward pass per distinct prompt repeated for its `n` adjacent rows:
+    `generate` then runs only the last prompt token and the new ones. input_ids, attention
+    [B, P], B = prompts × n. The sampled tokens are those of a plain `generate` (tested; the
+    logits agree up to float rounding). Returns the cache."""
+    if cache is None:
+        from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config)
     mask = attention[::n, :-1]
     model(
         input_ids=input_ids[::n, :-1],
