@@ -35,8 +35,11 @@ def test_a_reserved_layer_holds_what_a_dynamic_layer_holds():
     for layer in (reserved, dynamic):
         layer.batch_repeat_interleave(3)
     _same(reserved, dynamic)
-    update(6, 1)  # re-reserved for 6 rows
+    buffer = reserved.buffers[0]
+    assert buffer.shape[:3] == (6, 2, 6)  # repeated straight into a reserved buffer
     update(6, 1)
+    update(6, 1)
+    assert reserved.buffers[0] is buffer
     for layer in (reserved, dynamic):
         layer.batch_select_indices(torch.tensor([5, 0, 2]))
     update(3, 1)

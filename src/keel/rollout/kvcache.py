@@ -42,6 +42,22 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
         return self.keys, self.values
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row `repeats` times (the shared prefill's n rows per prompt), copied once,
+        straight into a reserved buffer of the repeated batch."""
+        held = self.get_seq_length()
+        if held == 0 or self.keys is None or self.values is None:
+            return
+        repeated = []
+        for held_states in (self.keys, self.values):
+            rows, heads, _, dim = held_states.shape
+            buffer = held_states.new_empty(rows * repeats, heads, max(self.capacity, held), dim)
+            grouped = buffer.view(rows, repeats, heads, buffer.shape[2], dim)[:, :, :, :held]
+            grouped.copy_(held_states[:, None].expand(rows, repeats, heads, held, dim))
+            repeated.append(buffer)
+        self.buffers = (repeated[0], repeated[1])
+        self.keys, self.values = repeated[0][:, :, :held], repeated[1][:, :, :held]
+
     def _holds(self, length: int, rows: int) -> bool:
         """Whether the buffers still back `self.keys` (a batch select or repeat replaces them;
         a crop keeps them) and have room for `length` positions of `rows` rows."""
