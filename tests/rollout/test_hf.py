@@ -165,18 +165,22 @@ def test_a_static_kv_cache_decodes_the_same_tokens(tiny_dir):
     assert batches[0].responses == batches[1].responses
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("temperature", [0, 0.8])
-def test_a_shared_prefill_samples_the_same_tokens_and_log_probs(tiny_dir, temperature):
+def test_a_shared_prefill_samples_the_same_tokens_and_log_probs(tiny_dir, temperature, static):
     """rollout.share_prompt_prefill: one prefill per distinct prompt, its cache repeated for
     the n rows; the same seed gives the same responses and rollout log-probs as a plain
-    generate, prompts of different lengths (left padding) included."""
+    generate, prompts of different lengths (left padding) included, with the reserved and with
+    the static KV cache."""
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     examples = [Example(prompt=p) for p in ("1+1=", "12+34=", "7=", "99+99=")]
     sampling = SamplingParams(n=3, temperature=temperature, max_new_tokens=6)
     batches = []
     for share in (False, True):
         torch.manual_seed(3)
-        engine = HFRolloutEngine(model, tok, return_logprobs=True, share_prefill=share)
+        engine = HFRolloutEngine(
+            model, tok, return_logprobs=True, share_prefill=share, static_cache=static and share
+        )
         batches.append(engine.generate(examples, sampling))
     plain, shared = batches
     assert torch.equal(plain.input_ids, shared.input_ids)
@@ -185,13 +189,14 @@ def test_a_shared_prefill_samples_the_same_tokens_and_log_probs(tiny_dir, temper
     torch.testing.assert_close(plain.rollout_logprobs[m], shared.rollout_logprobs[m])
 
 
-def test_the_shared_prefill_runs_each_distinct_prompt_once(tiny_dir):
+@pytest.mark.parametrize("static", [False, True])
+def test_the_shared_prefill_runs_each_distinct_prompt_once(tiny_dir, static):
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     shapes = []
     hook = model.register_forward_pre_hook(
         lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
-    engine = HFRolloutEngine(model, tok, share_prefill=True)
+    engine = HFRolloutEngine(model, tok, share_prefill=True, static_cache=static)
     engine.generate([Example(prompt="1+1="), Example(prompt="12+34=")], SamplingParams(n=4))
     hook.remove()
     assert shapes[0] == (2, 5)  # the prefill: 2 prompts, all but their last token (6 − 1)

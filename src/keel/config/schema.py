@@ -261,10 +261,12 @@ class RolloutConfig(Section):
     share_prompt_prefill: bool = Field(
         True,
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
-        "repeated n times); not with the static cache",
+        "repeated n times), with the reserved or the static KV cache",
     )
     static_cache: bool | None = Field(
-        None, description="HF generate with a static KV cache; null: on CUDA only"
+        None,
+        description="HF generate with transformers' static KV cache (what compiled decoding "
+        "needs) instead of Keel's reserved one; null: on CUDA only",
     )
     compile: bool | None = Field(
         None, description="torch.compile the decode step (static cache only); null: on CUDA"

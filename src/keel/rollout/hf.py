@@ -27,10 +27,10 @@ class HFRolloutEngine:
 
     dtype: autocast dtype of the forward passes (a colocated actor in mixed precision).
     The KV cache reserves the whole generation's room up front (`keel.rollout.kvcache`);
-    static_cache: transformers' static cache (`cache_implementation="static"`) instead, which
-    lets transformers compile the decode step on CUDA when `compile` is on.
-    share_prefill: the n rows of a prompt share one prefill (`shared_prefill`; not with the
-    static cache)."""
+    static_cache: transformers' `StaticCache` instead (attention over all its positions, masked),
+    which lets transformers compile the decode step on CUDA when `compile` is on.
+    share_prefill: the n rows of a prompt share one prefill (`shared_prefill`), into either
+    cache."""
 
     def __init__(
         self,
@@ -101,6 +101,15 @@ class HFRolloutEngine:
     def close(self) -> None:
         """Nothing to release (the model belongs to the worker that built it)."""
 
+    def _empty_cache(self, capacity: int) -> Any:
+        """The KV cache of one `generate` call of prompt + new tokens ≤ capacity: transformers'
+        static cache with `static_cache` (what compiled decoding needs), else a reserved one."""
+        if self.static_cache:
+            from transformers import StaticCache
+
+            return StaticCache(config=self.model.config, max_cache_len=capacity)
+        return reserved_cache(self.model.config, capacity)
+
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, n: int = 1
     ) -> tuple[list[list[int]], list[list[float]]]:
@@ -121,8 +130,6 @@ class HFRolloutEngine:
                 "top_p": sampling.top_p,
                 "top_k": 0,
             }
-        if self.static_cache:
-            kwargs["cache_implementation"] = "static"
         recorder = None
         if self.return_logprobs:
             recorder = ChosenLogprobs(1.0 if greedy else sampling.temperature)
@@ -134,13 +141,10 @@ class HFRolloutEngine:
         # training forward and must not become inference tensors.
         try:
             with torch.inference_mode(not self.synced), autocast(device, self.dtype):
-                if not self.static_cache:
-                    cache = reserved_cache(self.model.config, p + sampling.max_new_tokens)
-                    if self.share_prefill and n > 1 and p > 1:
-                        shared_prefill(
-                            self.model, input_ids.to(device), attention.to(device), n, cache
-                        )
-                    kwargs["past_key_values"] = cache
+                cache = self._empty_cache(p + sampling.max_new_tokens)
+                if self.share_prefill and n > 1 and p > 1:
+                    shared_prefill(self.model, input_ids.to(device), attention.to(device), n, cache)
+                kwargs["past_key_values"] = cache  # unfilled: generate prefills every row
                 out = self.model.generate(
                     input_ids=input_ids.to(device),
                     attention_mask=attention.to(device),
@@ -166,26 +170,34 @@ class HFRolloutEngine:
 def shared_prefill(
     model: Any, input_ids: torch.Tensor, attention: torch.Tensor, n: int, cache: Any = None
 ) -> Any:
-    """Fill `cache` (an empty one; None: a new `DynamicCache`) with every row's prompt but its
-    last token, by one forward pass per distinct prompt repeated for its `n` adjacent rows:
-    `generate` then runs only the last prompt token and the new ones. input_ids, attention
-    [B, P], B = prompts × n. The sampled tokens are those of a plain `generate` (tested; the
-    logits agree up to float rounding). Returns the cache."""
-    if cache is None:
-        from transformers import DynamicCache
+    """Fill `cache` (an empty reserved or static cache; None: a new reserved one) with every
+    row's prompt but its last token, by one forward pass per distinct prompt repeated for its
+    `n` adjacent rows: `generate` then runs only the last prompt token and the new ones.
+    input_ids, attention [B, P], B = prompts × n. The sampled tokens are those of a plain
+    `generate` (tested; the logits agree up to float rounding). A static cache (rows fixed at
+    its first write) is filled from a reserved one after the repeat. Returns the cache, or None
+    (nothing run) for a static cache with other than full-attention layers (sliding windows)."""
+    from transformers.cache_utils import StaticLayer
 
-        cache = DynamicCache(config=model.config)
+    width = input_ids.shape[1] - 1
+    target = cache if cache is not None else reserved_cache(model.config, width)
+    static = [layer for layer in target.layers if isinstance(layer, StaticLayer)]
+    if static and any(type(layer) is not StaticLayer for layer in target.layers):
+        return None
+    staged = reserved_cache(model.config, width) if static else target
     mask = attention[::n, :-1]
     model(
         input_ids=input_ids[::n, :-1],
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
-        past_key_values=cache,
+        past_key_values=staged,
         use_cache=True,
         logits_to_keep=1,
     )
-    cache.batch_repeat_interleave(n)
-    return cache
+    staged.batch_repeat_interleave(n)
+    for layer, filled in zip(static, staged.layers, strict=bool(static)):
+        layer.update(filled.keys, filled.values)
+    return target
 
 
 class ChosenLogprobs:
