@@ -155,14 +155,15 @@ def test_rollout_logprobs_under_top_p_are_the_full_distributions(tiny_dir):
 def test_a_static_kv_cache_decodes_the_same_tokens(tiny_dir):
     """rollout.static_cache (a preallocated cache; compiled on CUDA) changes speed, not tokens."""
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
-    examples = [Example(prompt=p) for p in ("1+1=", "12+34=", "7=")]
     greedy = SamplingParams(n=1, temperature=0, max_new_tokens=6)
-    batches = [
-        HFRolloutEngine(model, tok, static_cache=static).generate(examples, greedy)
-        for static in (False, True)
-    ]
-    assert torch.equal(batches[0].input_ids, batches[1].input_ids)
-    assert batches[0].responses == batches[1].responses
+    engines = [HFRolloutEngine(model, tok, static_cache=static) for static in (False, True)]
+    # the second call is shorter: the static cache keeps the first call's length
+    for prompts in (("1+1=", "12+34=", "7="), ("3=", "5=")):
+        examples = [Example(prompt=p) for p in prompts]
+        batches = [engine.generate(examples, greedy) for engine in engines]
+        assert torch.equal(batches[0].input_ids, batches[1].input_ids)
+        assert batches[0].responses == batches[1].responses
+    assert engines[1].static_length == len("12+34=") + 6
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -60,6 +60,7 @@ class HFRolloutEngine:
         self.synced = synced  # FSDP2: all ranks keep decoding until every rank is done
         self.dtype = dtype
         self.static_cache = static_cache
+        self.static_length = 0  # the static cache's length: the longest generate call's so far
         self.compile = compile
         self.share_prefill = share_prefill
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -103,11 +104,14 @@ class HFRolloutEngine:
 
     def _empty_cache(self, capacity: int) -> Any:
         """The KV cache of one `generate` call of prompt + new tokens ≤ capacity: transformers'
-        static cache with `static_cache` (what compiled decoding needs), else a reserved one."""
+        static cache with `static_cache` (what compiled decoding needs), else a reserved one.
+        A static cache is as long as the longest call so far, as transformers sizes its own,
+        so that a compiled decode step keeps its shapes from call to call."""
         if self.static_cache:
             from transformers import StaticCache
 
-            return StaticCache(config=self.model.config, max_cache_len=capacity)
+            self.static_length = max(self.static_length, capacity)
+            return StaticCache(config=self.model.config, max_cache_len=self.static_length)
         return reserved_cache(self.model.config, capacity)
 
     def _generate_chunk(
