@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-tools lint format bench bench-trl bench-engines clean install mutants \
+.PHONY: demo gpu-wheels test test-tools lint format bench bench-trl bench-engines clean install mutants \
 	golden learning install-vllm test-vllm
 
 install: $(STAMP)
@@ -51,6 +51,17 @@ test: $(STAMP) $(VLLM_STAMP) test-tools
 
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm -n $(TEST_WORKERS) --dist loadfile
+
+# Wheels of Keel's pure-Python dependencies (and TRL's, for bench/gpu_step.py) for a GPU
+# machine that has torch and transformers but no package index: bench/gpu_check.sh installs
+# them from bench/wheels/ (git-ignored; carried to the machine). CPython 3.12, x86-64.
+GPU_WHEELS = pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing_extensions==4.16.0 trl==1.16.0 datasets==5.2.0 \
+	dill==0.4.1 multiprocess==0.70.19
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d bench/wheels $(GPU_WHEELS)
 
 # The mutation check: every wrong-math mutation must make the learning tests fail
 # (tests/learning/mutants.py; the suite runs a subset). A few minutes.

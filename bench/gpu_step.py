@@ -36,20 +36,12 @@ Printed (a table on stderr, one JSON line on stdout), per program:
 Keel's phase split comes from the timing/* metrics RLController.step returns.
 
 Preparing the GPU machine (Python 3.12, torch with CUDA, transformers 5.17, peft, rich,
-prometheus-client, but no pydantic; no network): the script needs `PYTHONPATH=src` (it imports
-no Keel module that needs Ray or FastAPI) plus the Keel dependencies it lacks, as wheels
-(3.6 MB; numpy too, should the machine lack it):
-
-    # here: pydantic pulls pydantic-core, annotated-types, typing-inspection, typing-extensions
-    pip download pydantic==2.14.4 PyYAML==6.0.4 --only-binary=:all: --python-version 3.12 \\
-        --platform manylinux2014_x86_64 -d bench/wheels
-    # there (bench/wheels/ is git-ignored: name it in the run's carry list)
-    pip install --no-index bench/wheels/*.whl && PYTHONPATH=src python -m bench.gpu_step
-
-TRL's half needs trl==1.16.0, accelerate, datasets, pandas, pyarrow, dill, multiprocess and
-xxhash: 67 MB of wheels, 55 of them pyarrow, more than a device run carries (64 MiB). Where the
-machine has pyarrow and pandas, the rest is 3 MB (download them the same way with --no-deps);
-without trl the TRL half is skipped (as with --no-trl).
+prometheus-client, pyarrow, pandas, accelerate, but no pydantic; no network): the script needs
+`PYTHONPATH=src` (it imports no Keel module that needs Ray or FastAPI) plus the packages the
+machine lacks, as wheels: `make gpu-wheels` downloads them into bench/wheels/ (4.5 MB:
+pydantic and its parts, and TRL's half: trl, datasets, dill, multiprocess), and
+`bash bench/gpu_check.sh step` installs them there and runs this script (`all`: the GPU tests
+first, tests/gpu). Without trl the TRL half is skipped (as with --no-trl).
 """
 
 from __future__ import annotations

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks of Keel in one command, for a machine with one NVIDIA GPU that has torch and
+# transformers but not Keel's pure-Python dependencies (the lent H200: docs/performance.md).
+#
+#   here:   make gpu-wheels            # 4.5 MB of wheels into bench/wheels/ (git-ignored)
+#   there:  bash bench/gpu_check.sh [all|tests|step]   (carry bench/wheels; ≈ 9 min for all)
+#
+# tests: pytest -m gpu tests/gpu (devices of every role and a separate rollout copy, mixed
+#        precision's small updates, exact resume in mixed precision, the example YAML through
+#        `keel train`), ≤ 150 s;
+# step:  bench/gpu_step.py (Keel, then TRL when its wheels are there), ≤ 420 s.
+# Logs and the JSON lines go to $OUT (the device tool's folder) or /tmp/keel-gpu-check.
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-/tmp/keel-gpu-check}
+mkdir -p "$out"
+if compgen -G "bench/wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/keel-site bench/wheels/*.whl || exit 1
+    export PYTHONPATH=/tmp/keel-site
+fi
+export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+{
+    nvidia-smi -L
+    python3 -c "import torch, transformers as t; print('torch', torch.__version__, \
+'transformers', t.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+} 2>&1 | tee "$out/machine.txt"
+status=0
+if [[ $what == all || $what == tests ]]; then
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/tests.log"
+    status=$((status | PIPESTATUS[0]))
+fi
+if [[ $what == all || $what == step ]]; then
+    timeout 420 python3 -m bench.gpu_step 2>&1 | tee "$out/gpu_step.log"
+    status=$((status | PIPESTATUS[0]))
+fi
+exit $status
