@@ -3,12 +3,13 @@
 # transformers but not Keel's pure-Python dependencies (the lent H200: docs/performance.md).
 #
 #   here:   make gpu-wheels            # 4.5 MB of wheels into bench/wheels/ (git-ignored)
-#   there:  bash bench/gpu_check.sh [all|tests|step]   (carry bench/wheels; ≈ 9 min for all)
+#   there:  bash bench/gpu_check.sh [all|tests|step|chunk]   (carry bench/wheels; all ≈ 9 min)
 #
 # tests: pytest -m gpu tests/gpu (devices of every role and a separate rollout copy, mixed
 #        precision's small updates, exact resume in mixed precision, the example YAML through
 #        `keel train`), ≤ 150 s;
-# step:  bench/gpu_step.py (Keel, then TRL when its wheels are there), ≤ 420 s.
+# step:  bench/gpu_step.py (Keel, then TRL when its wheels are there), ≤ 420 s;
+# chunk: bench/gpu_step.py, Keel only, with train.logits_chunk_tokens 8192 (peak memory), ≤ 240 s.
 # Logs and the JSON lines go to $OUT (the device tool's folder) or /tmp/keel-gpu-check.
 set -uo pipefail
 what=${1:-all}
@@ -32,6 +33,11 @@ if [[ $what == all || $what == tests ]]; then
 fi
 if [[ $what == all || $what == step ]]; then
     timeout 420 python3 -m bench.gpu_step 2>&1 | tee "$out/gpu_step.log"
+    status=$((status | PIPESTATUS[0]))
+fi
+if [[ $what == chunk ]]; then
+    timeout 240 python3 -m bench.gpu_step --no-trl --logits-chunk 8192 2>&1 |
+        tee "$out/gpu_step_chunk.log"
     status=$((status | PIPESTATUS[0]))
 fi
 exit $status

@@ -208,6 +208,7 @@ def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path)
         device=device,
         dtype="bfloat16",
         prompt_length=args.prompt_length,
+        extra_config={"train.logits_chunk_tokens": args.logits_chunk},
     )
     try:
         placed = next(keel.actor_model.parameters()).device.type
@@ -369,6 +370,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-length", type=int, default=None, help="tokens (120; smoke 8)")
     p.add_argument("--micro-batch", type=int, default=None, help="rows per fwd/bwd (32; smoke 2)")
     p.add_argument("--kl", type=float, default=0.0, help="KL coefficient (0: no reference)")
+    p.add_argument(
+        "--logits-chunk",
+        type=int,
+        default=None,
+        help="Keel's train.logits_chunk_tokens (the LM head in chunks: less memory, one more "
+        "LM-head matmul per token); default: off",
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--peak-tflops", dest="peak", type=float, default=None)
     p.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
@@ -420,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
             "prompt_length": args.prompt_length,
             "kl": args.kl,
             "micro_batch": args.micro_batch,
+            "logits_chunk": args.logits_chunk,
             "steps": args.steps,
             "warmup": args.warmup,
             "torch": torch.__version__,

@@ -4,7 +4,7 @@ the plain pass computes, log-probs, entropy and gradients alike."""
 import pytest
 import torch
 
-from keel.engine.forward import response_forward, shared_prompt_logits
+from keel.engine.forward import response_forward, shared_prompt_outputs
 from keel.models import load_causal_lm
 from keel.types import Batch
 
@@ -65,7 +65,7 @@ def test_each_distinct_prompt_runs_once(tiny_dir):
         lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
     with torch.no_grad():
-        logits = shared_prompt_logits(model, batch.input_ids, batch.attention_mask, 5)
+        logits = shared_prompt_outputs(model, batch.input_ids, batch.attention_mask, 5)
     hook.remove()
     assert shapes == [(3, 6), (12, 4)]
     assert logits.shape == (12, 5, model.config.vocab_size)
@@ -74,8 +74,8 @@ def test_each_distinct_prompt_runs_once(tiny_dir):
 def test_distinct_prompts_and_gradient_checkpointing_take_the_plain_pass(tiny_dir):
     model = load_causal_lm(tiny_dir)
     batch = grouped_batch(model.config.vocab_size, groups=4, n=1)
-    assert shared_prompt_logits(model, batch.input_ids, batch.attention_mask, 5) is None
+    assert shared_prompt_outputs(model, batch.input_ids, batch.attention_mask, 5) is None
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     grouped = grouped_batch(model.config.vocab_size)
-    assert shared_prompt_logits(model, grouped.input_ids, grouped.attention_mask, 5) is None
+    assert shared_prompt_outputs(model, grouped.input_ids, grouped.attention_mask, 5) is None

@@ -357,6 +357,13 @@ class TrainConfig(Section):
         description="micro-batches by a token budget: rows sorted by length, padding removed; "
         "null: micro_batch_size rows each",
     )
+    logits_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the policy's and reference's log-prob passes run the LM head on this many "
+        "tokens at a time and recompute each chunk's logits in the backward, never holding the "
+        "[rows, tokens, vocabulary] logits (a large vocabulary's memory); null: all at once",
+    )
 
 
 class EvalConfig(Section):
@@ -743,4 +750,11 @@ class KeelConfig(Section):
         from keel.config.derived import check_lora
 
         check_lora(self)
+        return self
+
+    @model_validator(mode="after")
+    def _logits_chunks_apply(self) -> KeelConfig:
+        from keel.config.derived import check_logits_chunks
+
+        check_logits_chunks(self)
         return self

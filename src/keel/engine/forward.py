@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
+from keel.engine.chunked_logits import chunked_logprobs
 from keel.engine.devices import autocast, model_device
 from keel.engine.micro import MicroBatches
 from keel.types import Batch
@@ -27,6 +28,7 @@ def response_forward(
     entropy_grad: bool = True,
     dtype: torch.dtype | None = None,
     share_prompts: bool = False,
+    logits_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs [B, R], entropy [B, R] or None) of the response tokens under `model`, on the
     model's device.
@@ -36,36 +38,61 @@ def response_forward(
     entropy_grad False: the entropy is a diagnostic only, computed without an autograd graph.
     dtype: the model runs under autocast in it (mixed precision); None: as its weights are.
     share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it
-    (`shared_prompt_logits`); the result equals the plain pass up to float rounding.
+    (`shared_prompt_outputs`); the result equals the plain pass up to float rounding.
+    logits_chunk: the LM head runs on this many tokens at a time, never on the whole [B, R]
+    (`keel.engine.chunked_logits`; the decoder's hidden states are taken instead of logits).
     """
     assert batch.input_ids is not None and batch.attention_mask is not None
     r = batch.response_length
     device = model_device(model)
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
+    labels = input_ids[:, -r:]
+    states = logits_chunk is not None
     with autocast(device, dtype):
-        logits = None
+        outputs = None
         if share_prompts:
-            logits = shared_prompt_logits(model, input_ids, attention, r)
-        if logits is None:
-            out = model(
+            outputs = shared_prompt_outputs(model, input_ids, attention, r, states=states)
+        if outputs is None:
+            outputs = _outputs(
+                model,
+                states,
+                keep=r + 1,
                 input_ids=input_ids,
                 attention_mask=attention,
                 position_ids=position_ids_from_mask(attention),
-                logits_to_keep=r + 1,
                 use_cache=False,
+            )[:, :-1]
+        if states:
+            assert logits_chunk is not None
+            return chunked_logprobs(
+                model.get_output_embeddings(),
+                outputs,
+                labels,
+                chunk_tokens=logits_chunk,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
             )
-            logits = out.logits[:, -(r + 1) : -1, :]
-    logits = logits.float()
+    logits = outputs.float()
     if temperature not in (0, 1.0):
         logits = logits / temperature
-    labels = input_ids[:, -r:]
     logprobs = logprobs_from_logits(logits, labels)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs, entropy
+
+
+def _outputs(model: Any, states: bool, keep: int = 0, **inputs: Any) -> torch.Tensor:
+    """The model's logits [B, T', V] at its last `keep` positions (0: all), or with `states`
+    its decoder's last hidden states there [B, T', H]: the LM head's inputs, for
+    `chunked_logprobs`."""
+    if not states:
+        return model(**inputs, logits_to_keep=keep).logits
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    return hidden[:, -keep:] if keep else hidden
 
 
 @torch.no_grad()
@@ -75,18 +102,19 @@ def micro_batched_logprobs(model: Any, micros: MicroBatches, **options: Any) -> 
     return micros.merge([response_forward(model, micro, **options)[0] for micro in micros]).cpu()
 
 
-def shared_prompt_logits(
-    model: Any, input_ids: torch.Tensor, attention: torch.Tensor, r: int
+def shared_prompt_outputs(
+    model: Any, input_ids: torch.Tensor, attention: torch.Tensor, r: int, *, states: bool = False
 ) -> torch.Tensor | None:
-    """The logits [B, R, V] that predict the R response tokens, with every distinct prompt
-    run through the model once: the prompts' KV cache (with its autograd graph) is then
-    gathered per row and the responses attend to it, as a decoder does after its prefill.
-    Rows of a GRPO group share their prompt, so a group of n costs one prompt pass instead of
-    n, in the forward and the backward. None (run the plain pass) when every prompt is
-    distinct or the model does not fill a cache here (gradient checkpointing in training).
+    """The logits [B, R, V] that predict the R response tokens (with `states`, the decoder's
+    hidden states [B, R, H] there, the LM head's inputs), with every distinct prompt run
+    through the model once: the prompts' KV cache (with its autograd graph) is then gathered
+    per row and the responses attend to it, as a decoder does after its prefill. Rows of a
+    GRPO group share their prompt, so a group of n costs one prompt pass instead of n, in the
+    forward and the backward. None (run the plain pass) when every prompt is distinct or the
+    model does not fill a cache here (gradient checkpointing in training).
 
-    input_ids, attention [B, P+R] (prompts left-padded): the logits at the last prompt position
-    predict response token 0; the response tokens 0..R−2, attending to the gathered cache,
+    input_ids, attention [B, P+R] (prompts left-padded): the output at the last prompt position
+    predicts response token 0; the response tokens 0..R−2, attending to the gathered cache,
     predict tokens 1..R−1 (the last response token predicts nothing and is not run).
     """
     p = input_ids.shape[1] - r
@@ -100,26 +128,30 @@ def shared_prompt_logits(
 
     cache = DynamicCache(config=model.config)
     prompt_mask = distinct[:, p:]
-    out = model(
+    last = _outputs(
+        model,
+        states,
+        keep=1,
         input_ids=distinct[:, :p],
         attention_mask=prompt_mask,
         position_ids=position_ids_from_mask(prompt_mask),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
     )
-    first = out.logits[rows, -1:, :]  # [B, 1, V]: predicts response token 0
+    first = last[rows, -1:, :]  # [B, 1, ·]: predicts response token 0
     if r == 1:
         return first
     cache.batch_select_indices(rows)  # every row's copy of its prompt's keys and values
     seen = attention[:, : p + r - 1]
-    rest = model(
+    rest = _outputs(
+        model,
+        states,
         input_ids=input_ids[:, p : p + r - 1],
         attention_mask=seen,
         position_ids=position_ids_from_mask(seen)[:, p:],
         past_key_values=cache,
         use_cache=True,
-    ).logits
+    )
     return torch.cat([first, rest], dim=1)
 
 

@@ -73,6 +73,11 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
         out.append((["models.critic"], "no critic"))
     if stage != "rl":
         out.append((["models.reward"], "reward models score RL rollouts only"))
+    if stage == "rm":
+        out.append((
+            ["train.logits_chunk_tokens"],
+            "a reward model has a scalar head: no vocabulary-wide logits to chunk",
+        ))  # fmt: skip
     out.extend(_data(cfg, spec))
     if cfg.resources.backend == "local":
         out.append((

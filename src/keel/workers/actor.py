@@ -46,6 +46,7 @@ class ActorWorker(TrainableWorker):
         micro_batch_size: int,
         max_tokens_per_micro_batch: int | None = None,
         share_prompts: bool = False,
+        logits_chunk: int | None = None,
     ):
         super().__init__(
             model,
@@ -57,6 +58,7 @@ class ActorWorker(TrainableWorker):
         )
         self.temperature = temperature
         self.share_prompts = share_prompts  # train.share_prompts: one pass per distinct prompt
+        self.logits_chunk = logits_chunk  # train.logits_chunk_tokens: the LM head in chunks
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
 
     # ---------------------------------------------------------------- inference
@@ -70,6 +72,7 @@ class ActorWorker(TrainableWorker):
             temperature=self.temperature,
             dtype=self.dtype,
             share_prompts=self.share_prompts,
+            logits_chunk=self.logits_chunk,
         )
         return batch.replace(old_logprobs=logprobs)
 
@@ -114,6 +117,7 @@ class ActorWorker(TrainableWorker):
             entropy_grad=spec.entropy_coeff != 0,
             dtype=self.dtype,
             share_prompts=self.share_prompts,
+            logits_chunk=self.logits_chunk,
         )
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         weights = self._tis_weights(micro, old, spec.tis_cap)
@@ -177,7 +181,9 @@ class ActorWorker(TrainableWorker):
             num_tokens, num_seqs = global_denominators(mini.response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
-                logprobs, _ = response_forward(self.model, micro, dtype=self.dtype)
+                logprobs, _ = response_forward(
+                    self.model, micro, dtype=self.dtype, logits_chunk=self.logits_chunk
+                )
                 loss = sft_loss(
                     logprobs,
                     micro.response_mask,

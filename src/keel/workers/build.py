@@ -16,6 +16,7 @@ from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import batch_plan, rank_batch_sizes
 from keel.config.schema import KeelConfig
 from keel.engine import GradientStep, build_optimizer, build_scheduler
+from keel.engine.chunked_logits import check_plain_head
 from keel.engine.devices import (
     compute_dtype,
     place,
@@ -170,6 +171,7 @@ def build_workers(
             micro_batch_size=micro,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
             share_prompts=cfg.train.share_prompts and spec.stage == "rl",
+            logits_chunk=_logits_chunk(model, cfg),
         )
     if "rollout" in names:
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
@@ -188,12 +190,21 @@ def build_workers(
             dtype=mixed if adapter_off else None,
             max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
             share_prompts=cfg.train.share_prompts and spec.stage == "rl",
+            logits_chunk=_logits_chunk(ref_model, cfg),
         )
     if "critic" in names:
         out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
     if "reward" in names:
         out["reward"] = reward_worker(cfg, scorer)
     return out
+
+
+def _logits_chunk(model: Any, cfg: KeelConfig) -> int | None:
+    """train.logits_chunk_tokens, once the model is known to compute its logits as the LM
+    head of the last hidden states (`check_plain_head` names the setting otherwise)."""
+    if cfg.train.logits_chunk_tokens is not None:
+        check_plain_head(model)
+    return cfg.train.logits_chunk_tokens
 
 
 def _causal_lm(path: Path, tokenizer: Any, cfg: KeelConfig, *, trained: bool) -> torch.nn.Module:

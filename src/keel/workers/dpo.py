@@ -28,7 +28,11 @@ class DPOWorker(ActorWorker):
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
                 logps = response_forward(
-                    self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
+                    self.model,
+                    micro,
+                    dtype=self.dtype,
+                    share_prompts=self.share_prompts,
+                    logits_chunk=self.logits_chunk,
                 )[0]
                 logps = sequence_logps(logps, micro.response_mask)
                 ref = sequence_logps(micro.ref_logprobs, micro.response_mask)
@@ -55,7 +59,11 @@ class DPOWorker(ActorWorker):
         parts = [
             sequence_logps(
                 response_forward(
-                    self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
+                    self.model,
+                    micro,
+                    dtype=self.dtype,
+                    share_prompts=self.share_prompts,
+                    logits_chunk=self.logits_chunk,
                 )[0],
                 micro.response_mask,
             ).cpu()

@@ -31,11 +31,13 @@ class ReferenceWorker:
         dtype: torch.dtype | None = None,
         max_tokens_per_micro_batch: int | None = None,
         share_prompts: bool = False,
+        logits_chunk: int | None = None,
     ):
         self.model = model
         self.adapter_off = adapter_off
         self.dtype = dtype
         self.share_prompts = share_prompts
+        self.logits_chunk = logits_chunk
         if not adapter_off:
             self.model.eval()
             self.model.requires_grad_(False)
@@ -54,5 +56,6 @@ class ReferenceWorker:
                 temperature=self.temperature,
                 dtype=self.dtype,
                 share_prompts=self.share_prompts,
+                logits_chunk=self.logits_chunk,
             )
         return batch.replace(ref_logprobs=logprobs)

@@ -1,0 +1,80 @@
+"""Peak memory and seconds of one training log-prob pass (forward + backward) with the LM head
+on the whole batch against `train.logits_chunk_tokens`: a small Llama (hidden 64, 2 layers)
+with a large vocabulary, so that the [rows, tokens, vocabulary] logits dominate as they do for
+a real model's 150k vocabulary. Each case runs in a fresh process (peak RSS is per process);
+prints one JSON line per case.
+
+    OMP_NUM_THREADS=1 python -m bench.logits_memory [--vocab 50000] [--rows 16] [--tokens 256]
+        [--chunks none,1024,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def one_case(vocab: int, rows: int, tokens: int, chunk: int | None, prompt: int = 16) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from keel.engine.forward import response_forward
+    from keel.types import Batch
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=prompt + tokens,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(3, vocab, (rows, prompt + tokens))
+    attention = torch.ones_like(ids)
+    batch = Batch(
+        input_ids=ids, attention_mask=attention, response_mask=attention[:, prompt:].float()
+    )
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.process_time()
+    logprobs, _ = response_forward(
+        model, batch, with_entropy=True, entropy_grad=False, logits_chunk=chunk
+    )
+    (logprobs * batch.response_mask).sum().backward()
+    seconds = time.process_time() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "vocab": vocab, "rows": rows, "tokens": tokens, "chunk": chunk,
+        "logits_mb": rows * tokens * vocab * 4 / 2**20, "peak_rss_mb": round(peak),
+        "peak_over_start_mb": round(peak - base), "cpu_s": round(seconds, 2),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=50_000)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--chunks", default="none,1024,256")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's case
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        chunk = None if args.one == "none" else int(args.one)
+        print(json.dumps(one_case(args.vocab, args.rows, args.tokens, chunk)))
+        return 0
+    for chunk in args.chunks.split(","):
+        command = [sys.executable, "-m", "bench.logits_memory", "--one", chunk,
+                   "--vocab", str(args.vocab), "--rows", str(args.rows),
+                   "--tokens", str(args.tokens)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        print(done.stdout.strip().splitlines()[-1], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

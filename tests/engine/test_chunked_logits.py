@@ -1,0 +1,123 @@
+"""train.logits_chunk_tokens: the LM head a chunk of tokens at a time gives the whole pass's
+log-probs, entropy and gradients, and never holds the [B, R, V] logits."""
+
+import pytest
+import torch
+
+from keel.config import validate
+from keel.engine.chunked_logits import check_plain_head
+from keel.engine.forward import response_forward
+from keel.models import load_causal_lm
+from keel.recipes import build_spec
+from keel.workers.build import build_workers
+from tests.engine.test_forward import grouped_batch
+from tests.workers.test_actor import rl_spec, synthetic_batch
+
+
+def _pass(model, batch, **options):
+    model.zero_grad()
+    logprobs, entropy = response_forward(
+        model, batch, temperature=0.7, with_entropy=True, **options
+    )
+    mask = batch.response_mask
+    ((logprobs * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
+    return logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+def test_chunks_give_the_whole_pass(tiny_dir, share_prompts, chunk):
+    """Chunks of 1 token, of 7 (not a divisor of a row's 5 response positions: chunks straddle
+    rows) and of everything: the same log-probs, entropy and gradients as full logits."""
+    model = load_causal_lm(tiny_dir).train()
+    batch = grouped_batch(model.config.vocab_size)
+    whole = _pass(model, batch, share_prompts=share_prompts)
+    chunked = _pass(model, batch, share_prompts=share_prompts, logits_chunk=chunk)
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(chunked[0][m], whole[0][m], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked[1][m], whole[1][m], atol=1e-6, rtol=1e-6)
+    for a, b in zip(chunked[2], whole[2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_lm_head_never_sees_more_than_a_chunk(tiny_dir):
+    """Forward and the backward's recomputation alike: at most `chunk` rows of hidden states go
+    through the LM head at once, and the no-grad entropy adds no graph."""
+    model = load_causal_lm(tiny_dir).train()
+    batch = grouped_batch(model.config.vocab_size)
+    rows = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda _m, args, out: rows.append(out.shape[:-1].numel()))
+    logprobs, entropy = response_forward(
+        model, batch, with_entropy=True, entropy_grad=False, logits_chunk=8
+    )
+    forward_calls = len(rows)
+    (logprobs * batch.response_mask).sum().backward()
+    hook.remove()
+    assert not entropy.requires_grad
+    assert max(rows) <= 8
+    assert forward_calls == -(-batch.response_mask.numel() // 8)
+    assert len(rows) == 2 * forward_calls  # each chunk recomputed once in the backward
+
+
+def test_a_no_grad_pass_in_chunks_equals_the_whole_one(tiny_dir):
+    model = load_causal_lm(tiny_dir).eval()
+    batch = grouped_batch(model.config.vocab_size)
+    with torch.no_grad():
+        whole = response_forward(model, batch, share_prompts=True)[0]
+        chunked = response_forward(model, batch, share_prompts=True, logits_chunk=5)[0]
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(chunked[m], whole[m], atol=1e-6, rtol=1e-6)
+
+
+def _workers(tiny_dir, *, chunk, **models):
+    cfg = validate({
+        "models": {"actor": str(tiny_dir), **models},
+        "algorithm": {"name": "grpo", "kl_loss_coef": 0.1},
+        "rollout": {"n": 2},
+        "train": {"batch_size": 4, "lr": 1e-3, "lr_schedule": "constant",
+                  "logits_chunk_tokens": chunk},
+    })  # fmt: skip
+    return build_workers(cfg, build_spec(cfg), ("actor", "reference"), None)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_update_in_chunks_equals_the_whole_update(tiny_dir, lora):
+    """The actor's update and the reference's log-probs with train.logits_chunk_tokens equal
+    those without, for a full and a LoRA actor (whose reference is the adapter switched off)."""
+    models = {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}} if lora else {}
+    results = []
+    for chunk in (None, 16):
+        torch.manual_seed(0)
+        built = _workers(tiny_dir, chunk=chunk, **models)
+        actor, reference = built["actor"], built["reference"]
+        assert actor.logits_chunk == chunk and reference.logits_chunk == chunk
+        batch = synthetic_batch(actor.model.config.vocab_size)
+        batch = reference.compute_ref_logprobs(batch)
+        metrics = actor.update(batch, rl_spec("token-mean", kl=0.1))
+        weights = [p.detach().clone() for p in actor.model.parameters() if p.requires_grad]
+        results.append((batch.ref_logprobs, metrics["actor/loss"], weights))
+    (ref_a, loss_a, w_a), (ref_b, loss_b, w_b) = results
+    torch.testing.assert_close(ref_b, ref_a, atol=1e-6, rtol=1e-6)
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    for a, b in zip(w_a, w_b, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_a_model_with_logit_softcapping_is_refused_naming_the_setting(tiny_dir):
+    model = load_causal_lm(tiny_dir)
+    check_plain_head(model)  # a plain head: accepted
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"train\.logits_chunk_tokens.*final_logit_softcapping"):
+        check_plain_head(model)
+
+
+def test_fsdp_groups_are_refused_naming_both_settings(tiny_dir):
+    with pytest.raises(ValueError, match=r"train\.logits_chunk_tokens.*groups\[0\]\.fsdp"):
+        validate({
+            "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"},
+            "rollout": {"n": 2}, "train": {"batch_size": 4, "logits_chunk_tokens": 64},
+            "resources": {"backend": "ray", "groups": [
+                {"roles": ["actor", "rollout", "reference", "reward"], "workers": 2,
+                 "fsdp": True}]},
+        })  # fmt: skip
