@@ -7,8 +7,8 @@
 #
 # tests: pytest -m gpu tests/gpu (devices of every role and a separate rollout copy, mixed
 #        precision's small updates, exact resume in mixed precision, the example YAML through
-#        `keel train`), ≤ 150 s;
-# step:  bench/gpu_step.py (Keel, then TRL when its wheels are there), ≤ 420 s;
+#        `keel train`), ≤ 240 s;
+# step:  bench/gpu_step.py (Keel, then TRL when its wheels are there), ≤ 330 s;
 # chunk: bench/gpu_step.py, Keel only, with train.logits_chunk_tokens 8192 (peak memory), ≤ 240 s.
 # Logs and the JSON lines go to $OUT (the device tool's folder) or /tmp/keel-gpu-check.
 set -uo pipefail
@@ -28,11 +28,11 @@ export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBU
 } 2>&1 | tee "$out/machine.txt"
 status=0
 if [[ $what == all || $what == tests ]]; then
-    timeout 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/tests.log"
+    timeout 240 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/tests.log"
     status=$((status | PIPESTATUS[0]))
 fi
 if [[ $what == all || $what == step ]]; then
-    timeout 420 python3 -m bench.gpu_step 2>&1 | tee "$out/gpu_step.log"
+    timeout 330 python3 -m bench.gpu_step 2>&1 | tee "$out/gpu_step.log"
     status=$((status | PIPESTATUS[0]))
 fi
 if [[ $what == chunk ]]; then

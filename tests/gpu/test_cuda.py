@@ -34,6 +34,9 @@ SHORT = [
     "train.steps=2", "eval.every=0", "data.arithmetic.eval_size=8", "train.batch_size=4",
     "train.mini_batch_size=4", "rollout.n=4", "monitor.progress=false",
 ]  # fmt: skip
+# In-process runs decode without torch.compile (each new model would compile its decode step
+# again); the CLI run keeps CUDA's defaults: static KV cache, compiled decoding, shared prefill.
+EAGER = ["rollout.compile=false"]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,7 +70,7 @@ def test_two_steps_train_on_the_gpu_with_asynchronous_rollout(example, tmp_path,
     """A separate rollout copy (max_staleness 1) and every role on the device, mixed
     precision: the steps run and log finite losses."""
     overrides = [
-        *SHORT, f"models.actor={tiny_dir}", f"resources.device={DEVICE}",
+        *SHORT, *EAGER, f"models.actor={tiny_dir}", f"resources.device={DEVICE}",
         "models.dtype=bfloat16", "rollout.max_staleness=1", f"run_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     if example.startswith("ppo"):
@@ -102,7 +105,7 @@ def _actor(tiny_dir, dtype):
 
 @pytest.mark.parametrize("example", ["grpo_arith_tiny.yaml", "ppo_arith_tiny.yaml"])
 def test_exact_resume_on_the_gpu_in_mixed_precision(example, tmp_path, tiny_dir):
-    extra = [f"resources.device={DEVICE}", "models.dtype=bfloat16"]
+    extra = [*EAGER, f"resources.device={DEVICE}", "models.dtype=bfloat16"]
     check_exact_resume(ROOT / "examples" / example, tmp_path, tiny_dir, extra)
 
 
