@@ -4,8 +4,8 @@ the plain pass computes, log-probs, entropy and gradients alike."""
 import pytest
 import torch
 
-from keel.engine.forward import response_forward, shared_prompt_outputs
-from keel.models import load_causal_lm
+from keel.engine.forward import response_forward, shared_prompt_outputs, value_forward
+from keel.models import load_causal_lm, load_value_model
 from keel.types import Batch
 
 
@@ -79,3 +79,23 @@ def test_distinct_prompts_and_gradient_checkpointing_take_the_plain_pass(tiny_di
     model.train()
     grouped = grouped_batch(model.config.vocab_size)
     assert shared_prompt_outputs(model, grouped.input_ids, grouped.attention_mask, 5) is None
+
+
+@pytest.mark.parametrize("r", [1, 5])
+def test_a_critic_with_shared_prompts_gives_the_plain_values_and_gradients(tiny_dir, r):
+    """The critic (a token-classification model on the causal backbone) shares each group's
+    prompt pass too: the same values and gradients as its plain pass."""
+    model = load_value_model(tiny_dir).train()
+    batch = grouped_batch(model.config.vocab_size, r=r)
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        values = value_forward(model, batch, share_prompts=share)
+        (values * batch.response_mask).pow(2).sum().backward()
+        results.append((values.detach(), [p.grad.clone() for p in model.parameters()]))
+    (v_a, grads_a), (v_b, grads_b) = results
+    m = batch.response_mask.bool()
+    assert v_a.shape == v_b.shape == batch.response_mask.shape
+    torch.testing.assert_close(v_b[m], v_a[m], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)

@@ -172,8 +172,22 @@ def head_forward(model: Any, batch: Batch, *, dtype: torch.dtype | None = None) 
     return out.logits.float()
 
 
-def value_forward(model: Any, batch: Batch, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def value_forward(
+    model: Any, batch: Batch, *, dtype: torch.dtype | None = None, share_prompts: bool = False
+) -> torch.Tensor:
     """Critic values V [B, R] of the response tokens: V_t is read at position t−1, the state
-    before token t is generated (as for log-probs). `model` returns logits [B, T, 1]."""
+    before token t is generated (as for log-probs). `model` returns logits [B, T, 1] (a
+    token-classification model on a causal backbone, which takes a KV cache).
+    share_prompts: rows with the same prompt share one pass of it (`shared_prompt_outputs`,
+    as for log-probs); equal values up to float rounding."""
     r = batch.response_length
+    if share_prompts:
+        assert batch.input_ids is not None and batch.attention_mask is not None
+        device = model_device(model)
+        with autocast(device, dtype):
+            values = shared_prompt_outputs(
+                model, batch.input_ids.to(device), batch.attention_mask.to(device), r
+            )
+        if values is not None:
+            return values.float()[..., 0]
     return head_forward(model, batch, dtype=dtype)[:, -(r + 1) : -1, 0]

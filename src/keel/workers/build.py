@@ -395,6 +395,7 @@ def build_critic(
         mini_batch_size=mini,
         micro_batch_size=micro,
         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        share_prompts=cfg.train.share_prompts and spec.stage == "rl",
     )
 
 

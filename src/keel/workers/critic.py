@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from keel.algo import clipped_value_loss, masked_mean
@@ -14,14 +16,22 @@ from keel.workers.trainable import TrainableWorker, mean_prefixed
 
 class CriticWorker(TrainableWorker):
     """Owns the critic model (an HF token-classification model with one label), its optimizer
-    and scheduler (through GradientStep). Mini/micro-batching as the actor's."""
+    and scheduler (through GradientStep). Mini/micro-batching as the actor's.
+    share_prompts: rows with the same prompt share one pass of it (train.share_prompts)."""
+
+    def __init__(self, *args: Any, share_prompts: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.share_prompts = share_prompts
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """Fills `values` [B, R]: V_old, frozen for the whole step."""
         self.model.eval()
         micros = self.micro_batches(batch)
-        parts = [value_forward(self.model, micro, dtype=self.dtype) for micro in micros]
+        parts = [
+            value_forward(self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts)
+            for micro in micros
+        ]
         return batch.replace(values=micros.merge(parts).cpu())
 
     def update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
@@ -43,7 +53,9 @@ class CriticWorker(TrainableWorker):
         self, micro: Batch, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.response_mask
-        values = value_forward(self.model, micro, dtype=self.dtype)
+        values = value_forward(
+            self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
+        )
         loss, clipfrac = clipped_value_loss(
             values,
             micro.values,
