@@ -346,7 +346,8 @@ class TrainConfig(Section):
     share_prompts: bool = Field(
         True,
         description="rows with the same prompt (a group) share one forward pass of it in the "
-        "actor's and reference's log-prob passes; off: every row runs its prompt",
+        "actor's and reference's log-prob passes and the critic's value passes; off: every row "
+        "runs its prompt",
     )
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, ~30% more compute"
