@@ -46,8 +46,9 @@ def test_a_reserved_layer_holds_what_a_dynamic_layer_holds():
     for layer in (reserved, dynamic):
         layer.crop(-2)
     update(3, 2)  # over the cropped positions
-    update(3, 4)  # past the capacity of 6: grows
+    update(3, 4)  # past the buffer's 7 positions: grows to twice that
     assert reserved.get_seq_length() == 11
+    assert reserved.buffers[0].shape[-2] == 14
 
 
 @pytest.mark.parametrize("share_prefill", [False, True])
@@ -109,3 +110,21 @@ def test_a_reserved_cache_keeps_other_layer_kinds(tiny_dir):
     cache = reserved_cache(model.config, 16)
     assert len(cache.layers) == model.config.num_hidden_layers
     assert all(type(layer) is ReservedLayer and layer.capacity == 16 for layer in cache.layers)
+
+
+def test_a_generation_longer_than_the_reserved_room_grows_and_samples_the_same(
+    tiny_dir, monkeypatch
+):
+    """Past RESERVED_NEW_TOKENS new tokens the cache doubles: the same tokens and log-probs."""
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir).eval()
+    examples = [Example(prompt=p) for p in ("1+1=", "12+34=")]
+    sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=9)
+    batches = []
+    for reserved in (1024, 2):
+        monkeypatch.setattr("keel.rollout.hf.RESERVED_NEW_TOKENS", reserved)
+        torch.manual_seed(2)
+        engine = HFRolloutEngine(model, tok, return_logprobs=True, share_prefill=True)
+        batches.append(engine.generate(examples, sampling))
+    assert batches[0].responses == batches[1].responses
+    m = batches[0].response_mask.bool()
+    torch.testing.assert_close(batches[1].rollout_logprobs[m], batches[0].rollout_logprobs[m])

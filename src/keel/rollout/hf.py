@@ -11,7 +11,7 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
-from keel.rollout.kvcache import reserved_cache
+from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples
 from keel.types import Batch
@@ -26,7 +26,7 @@ class HFRolloutEngine:
     the model's generation config); its response_mask includes that token.
 
     dtype: autocast dtype of the forward passes (a colocated actor in mixed precision).
-    The KV cache reserves the whole generation's room up front (`keel.rollout.kvcache`);
+    The KV cache reserves the generation's room up front (`keel.rollout.kvcache`);
     static_cache: transformers' `StaticCache` instead (attention over all its positions, masked),
     which lets transformers compile the decode step on CUDA when `compile` is on.
     share_prefill: the n rows of a prompt share one prefill (`shared_prefill`), into either
@@ -102,17 +102,18 @@ class HFRolloutEngine:
     def close(self) -> None:
         """Nothing to release (the model belongs to the worker that built it)."""
 
-    def _empty_cache(self, capacity: int) -> Any:
-        """The KV cache of one `generate` call of prompt + new tokens ≤ capacity: transformers'
-        static cache with `static_cache` (what compiled decoding needs), else a reserved one.
-        A static cache is as long as the longest call so far, as transformers sizes its own,
-        so that a compiled decode step keeps its shapes from call to call."""
+    def _empty_cache(self, prompt: int, new_tokens: int) -> Any:
+        """The KV cache of one `generate` call: transformers' static cache with `static_cache`
+        (what compiled decoding needs), as long as the longest call so far, as transformers
+        sizes its own, so that a compiled decode step keeps its shapes from call to call; else
+        a reserved one with room for the prompt and up to RESERVED_NEW_TOKENS new tokens (it
+        doubles past that)."""
         if self.static_cache:
             from transformers import StaticCache
 
-            self.static_length = max(self.static_length, capacity)
+            self.static_length = max(self.static_length, prompt + new_tokens)
             return StaticCache(config=self.model.config, max_cache_len=self.static_length)
-        return reserved_cache(self.model.config, capacity)
+        return reserved_cache(self.model.config, prompt + min(new_tokens, RESERVED_NEW_TOKENS))
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, n: int = 1
@@ -145,7 +146,7 @@ class HFRolloutEngine:
         # training forward and must not become inference tensors.
         try:
             with torch.inference_mode(not self.synced), autocast(device, self.dtype):
-                cache = self._empty_cache(p + sampling.max_new_tokens)
+                cache = self._empty_cache(p, sampling.max_new_tokens)
                 if self.share_prefill and n > 1 and p > 1:
                     shared_prefill(self.model, input_ids.to(device), attention.to(device), n, cache)
                 kwargs["past_key_values"] = cache  # unfilled: generate prefills every row

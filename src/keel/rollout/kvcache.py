@@ -1,10 +1,11 @@
-"""A KV cache for HF generation that reserves the room of the whole generation up front.
+"""A KV cache for HF generation that reserves the room of the generation up front.
 
 transformers' `DynamicCache` appends each decode step's keys and values with `torch.cat`,
 which copies the whole cache every step: at 128 rows × 48 positions that copying was a fifth
 of a CPU `generate` (bench/compare_trl.py, W2). `ReservedLayer` writes each step into a buffer
-sized for prompt + max_new_tokens and hands attention a view of the filled part; the keys and
-values, and so the sampled tokens, are exactly those of the dynamic cache (tested).
+sized for prompt + max_new_tokens (at most RESERVED_NEW_TOKENS new ones; it doubles past
+that) and hands attention a view of the filled part; the keys and values, and so the sampled
+tokens, are exactly those of the dynamic cache (tested).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 class ReservedLayer(DynamicLayer):
     """One layer's cache: keys and values [B, H, T, D] held as views of [B, H, capacity, D]
     buffers. It behaves as a `DynamicLayer` (masks, length, batch repeat and select, crop), and
-    grows past its capacity by reallocating, so a wrong guess costs a copy, never a result.
-    A buffer is written in place: for generation (no autograd graph through the cache)."""
+    grows past its capacity by reallocating at twice the size, so a short guess costs a few
+    copies, never a result. A buffer is written in place: for generation (no autograd graph
+    through the cache)."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -75,6 +77,8 @@ class ReservedLayer(DynamicLayer):
     ) -> None:
         rows, heads, _, key_dim = key_states.shape
         size = max(self.capacity, length)
+        if self._holds(self.buffers[0].shape[-2] if self.buffers else 0, rows):
+            size = max(size, 2 * self.buffers[0].shape[-2])  # outgrown: double, as a list does
         keys = key_states.new_empty(rows, heads, size, key_dim)
         values = value_states.new_empty(rows, heads, size, value_states.shape[-1])
         if held:
@@ -82,6 +86,12 @@ class ReservedLayer(DynamicLayer):
             keys[:, :, :held] = self.keys
             values[:, :, :held] = self.values
         self.buffers = (keys, values)
+
+
+# New-token positions reserved up front: a generation longer than this grows its cache by
+# doubling, so that a request for many tokens that stops early does not hold the memory of
+# all of them (HF's dynamic cache holds what was generated; a static one, everything).
+RESERVED_NEW_TOKENS = 1024
 
 
 def reserved_cache(config: Any, capacity: int) -> DynamicCache:
