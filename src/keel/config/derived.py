@@ -105,13 +105,6 @@ def check_lora(cfg: KeelConfig) -> None:
             "models.lora does not apply to algorithm.name: rm (a reward model trains its scalar "
             "head and every weight); remove models.lora"
         )
-    for i, group in enumerate(cfg.resources.groups):
-        if cfg.resources.backend == "ray" and group.fsdp and "actor" in group.roles:
-            raise ValueError(
-                f"models.lora cannot be combined with resources.groups[{i}].fsdp: true (the "
-                "group of the actor): set fsdp: false (a LoRA actor's optimizer state is small; "
-                "data parallelism without sharding works) or remove models.lora"
-            )
 
 
 def check_logits_chunks(cfg: KeelConfig) -> None:

@@ -226,7 +226,14 @@ class RLController:
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "rollouts_ahead": self.rollouts.state_dict(),
+            "rollout_rng": self._rollout_rng(),
         }
+
+    def _rollout_rng(self) -> list[dict[str, Any]] | None:
+        """Each rank's random state, for rollout workers in processes of their own (Ray);
+        None in this process, whose random state the checkpoint holds anyway."""
+        group = self.roles.rollout
+        return None if group.in_process else group.call_all("rng_state")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
@@ -239,6 +246,9 @@ class RLController:
         if self.sampler is not None and state.get("sampler") is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.rollouts.load_state_dict(state.get("rollouts_ahead", []))
+        states = state.get("rollout_rng")
+        if states is not None and not self.roles.rollout.in_process:
+            self.roles.rollout.call("load_rng_state", states)
 
 
 def batch_eos_ids(meta: dict[str, Any]) -> list[int]:

@@ -170,7 +170,8 @@ def shard_fsdp2(
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32
         )
-    for layer in getattr(getattr(model, "model", None), "layers", []):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: peft's
+    for layer in getattr(getattr(base, "model", None), "layers", []):
         fully_shard(layer, **options)
     fully_shard(model, **options)
     for unit in model.modules():

@@ -148,6 +148,40 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def merged_from_state(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`merged_state_dict` computed from a full state dict of the LoRA model `state` (keys as
+    in `model.state_dict()`, e.g. an FSDP2 model's gathered one, whose live parameters are
+    shards): W + scaling·B·A for every adapted layer (transposed for fan-in-fan-out layers, as
+    peft's `get_delta_weight`), the adapter's own entries left out, plain names."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    prefix = BASE_PREFIX
+    if not any(key.startswith(prefix) for key in state):
+        raise ValueError(f"not a state dict of a LoRA model: no key starts with {prefix!r}")
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in state.items():
+            plain = _plain_key(key.removeprefix(prefix), layers)
+            if plain is None:  # the adapter's own parameters
+                continue
+            module, _, leaf = plain.rpartition(".")
+            if module in layers and leaf == "weight":
+                lora = layers[module]
+                a = state[f"{prefix}{module}.lora_A.{ADAPTER}.weight"]
+                b = state[f"{prefix}{module}.lora_B.{ADAPTER}.weight"]
+                delta = (b @ a) * lora.scaling[ADAPTER]
+                if getattr(lora, "fan_in_fan_out", False):
+                    delta = delta.T
+                value = value + delta.to(value.device, value.dtype)
+            out[plain] = value.cpu()
+    return out
+
+
+BASE_PREFIX = "base_model.model."  # a peft model's state-dict keys = this + its base model's
+
+
 def _plain_key(key: str, adapted: dict[str, torch.Tensor]) -> str | None:
     """`layer.base_layer.weight` → `layer.weight` for an adapted layer; None for its adapter
     parameters (`layer.lora_A.default.weight`, …); other keys unchanged."""
@@ -161,10 +195,14 @@ def _plain_key(key: str, adapted: dict[str, torch.Tensor]) -> str | None:
     return key
 
 
-def save_merged(model: Any, tokenizer: Any, path: str | Path) -> None:
-    """A plain HF folder (safetensors, config, tokenizer) of the merged weights: it loads with
-    `AutoModelForCausalLM.from_pretrained` and no peft."""
-    model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model))
+def save_merged(
+    model: Any, tokenizer: Any, path: str | Path, state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """A plain HF folder (safetensors, config, tokenizer) of the merged weights (`state`, or
+    `merged_state_dict(model)`): it loads with `AutoModelForCausalLM.from_pretrained` and no
+    peft."""
+    merged = state if state is not None else merged_state_dict(model)
+    model.get_base_model().save_pretrained(path, state_dict=merged)
     tokenizer.save_pretrained(path)
 
 

@@ -23,9 +23,8 @@ from keel.engine.distributed import (
 )
 from keel.engine.forward import micro_batched_logprobs, response_forward
 from keel.engine.update import GradientStep
-from keel.models.lora import merged_state_dict
 from keel.types import Batch
-from keel.workers.trainable import TrainableWorker, mean_prefixed
+from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
 
 
 class ActorWorker(TrainableWorker):
@@ -203,7 +202,7 @@ class ActorWorker(TrainableWorker):
         """(full weights on rank 0, None elsewhere; the weight version): pushed to separate
         rollout workers after each update. A LoRA model sends its merged weights, named as in
         the plain model the rollout holds."""
-        state = merged_state_dict(self.model) if self.adapter_only else full_state_dict(self.model)
+        state = merged_weights(self.model) if self.adapter_only else full_state_dict(self.model)
         return (state if rank() == 0 else None), self.weight_version
 
     def state_dict(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class WorkerLostError(RuntimeError):
 class WorkerGroup(Protocol):
     role: str
     world_size: int
+    in_process: bool  # the workers run in this process (their random state is this process's)
 
     def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any: ...
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]: ...
@@ -83,6 +84,8 @@ def shard_index(n: int, world: int, block: int, unit: int = 1) -> list[list[int]
 
 class LocalWorkerGroup:
     """In-process workers, one per rank. With one worker a call is a plain method call."""
+
+    in_process = True
 
     def __init__(
         self, role: str, workers: Sequence[Any], row_block: int | None = None, row_unit: int = 1

@@ -135,6 +135,8 @@ class RoleHost:
 class RayWorkerGroup:
     """The WorkerGroup interface over the Ray actors hosting `role` (one per rank)."""
 
+    in_process = False
+
     def __init__(
         self, role: str, hosts: Sequence[Any], row_block: int | None = None, row_unit: int = 1
     ):

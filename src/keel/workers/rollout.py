@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from keel.checkpoint.state import capture_rng, restore_rng
 from keel.data.examples import Example
 from keel.envs.episodes import EpisodeRunner
 from keel.rollout.protocol import RolloutEngine, SamplingParams
@@ -49,6 +50,18 @@ class RolloutWorker:
             raise ValueError("load_weights got no weights (the actor's rank 0 exports them)")
         self.engine.update_weights(state, int(version))
         self._version = int(version)
+
+    def rng_state(self) -> dict[str, Any]:
+        """This process's random state (python, numpy, torch): what sampling continues from.
+        Checkpointed for rollout workers in processes of their own (Ray), so that a resumed run
+        samples what the uninterrupted one sampled."""
+        return capture_rng()
+
+    def load_rng_state(self, states: list[dict[str, Any]]) -> None:
+        """Restore `rng_state()` output; `states` holds this rank's one (a group call splits
+        the list of every rank's state by rank)."""
+        (state,) = states
+        restore_rng(state)
 
     def needs_weights(self) -> bool:
         """True when the engine holds its own copy of the policy (pushed after each update)."""

@@ -14,6 +14,7 @@ import torch
 from keel.algo.spec import AlgorithmSpec
 from keel.engine.distributed import (
     full_state_dict,
+    is_sharded,
     load_full_state_dict,
     load_optimizer_state_dict,
     optimizer_state_dict,
@@ -26,6 +27,8 @@ from keel.models.lora import (
     adapter_state_dict,
     is_lora,
     load_adapter_state_dict,
+    merged_from_state,
+    merged_state_dict,
     save_merged,
 )
 from keel.types import Batch
@@ -90,8 +93,10 @@ class TrainableWorker:
         is written merged (W + scale·B·A): a plain folder that loads without peft."""
         if not self.adapter_only:
             save_hf_folder(self.model, self.tokenizer, path)
-        elif rank() == 0:
-            save_merged(self.model, self.tokenizer, path)
+            return
+        state = merged_weights(self.model) if is_sharded(self.model) or rank() == 0 else None
+        if rank() == 0:
+            save_merged(self.model, self.tokenizer, path, state)
 
     @property
     def adapter_only(self) -> bool:
@@ -103,7 +108,7 @@ class TrainableWorker:
     def state_dict(self) -> dict[str, Any]:
         """model, optimizer and scheduler states and the guard's LR scale (torch.save-able).
         FSDP2: full (unsharded) states, gathered by every rank. LoRA: the adapter's weights."""
-        weights = adapter_state_dict if self.adapter_only else full_state_dict
+        weights = adapter_weights if self.adapter_only else full_state_dict
         state = {
             "model": weights(self.model),
             "optimizer": optimizer_state_dict(self.model, self.step.optimizer),
@@ -118,7 +123,7 @@ class TrainableWorker:
         """Restore `state_dict()` output. The model's weights may omit parameters tied to
         another one (an HF folder stores a tied lm_head once). LoRA: exactly the adapter's."""
         if self.adapter_only:
-            load_adapter_state_dict(self.model, state["model"])
+            load_adapter_weights(self.model, state["model"])
         else:
             missing, unexpected = load_full_state_dict(self.model, state["model"])
             untied = [k for k in missing if not _is_tied(self.model, k)]
@@ -141,6 +146,42 @@ class TrainableWorker:
             if "initial_lr" in group:
                 group["initial_lr"] *= ratio
         self.lr_scale = scale
+
+
+def adapter_weights(model: Any) -> dict[str, torch.Tensor]:
+    """A LoRA model's trainable (adapter) weights on the CPU, by name; an FSDP2 model's
+    gathered from its shards (every rank must call this; complete on rank 0, empty on the
+    others, as `full_state_dict`)."""
+    if not is_sharded(model):
+        return adapter_state_dict(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    full = full_state_dict(model)  # complete on rank 0, empty on the others
+    return {n: full[n] for n in names} if full else {}
+
+
+def load_adapter_weights(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """`adapter_weights` output back into the model, exactly (an FSDP2 model's shards are
+    taken from the full tensors). ValueError naming the parameters when the names differ."""
+    if not is_sharded(model):
+        load_adapter_state_dict(model, state)
+        return
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter weights do not match the LoRA model (models.lora): missing {missing}, "
+            f"unexpected {unexpected}"
+        )
+    load_full_state_dict(model, state)
+
+
+def merged_weights(model: Any) -> dict[str, torch.Tensor]:
+    """A LoRA model's merged plain weights (`merged_state_dict`); an FSDP2 model's computed
+    from its gathered full state (every rank must call this; complete on rank 0 only)."""
+    if is_sharded(model):
+        full = full_state_dict(model)  # complete on rank 0, empty on the others
+        return merged_from_state(model, full) if full else {}
+    return merged_state_dict(model)
 
 
 def _is_tied(model: torch.nn.Module, name: str) -> bool:
