@@ -195,10 +195,12 @@ def test_a_lora_actor_on_fsdp2_ranks_trains_and_resumes_as_on_replicated_ranks(
     replicated_dir, sharded_dir = tmp_path / "replicated", tmp_path / "sharded"
     replicated = tiny_grpo(tiny_dir, replicated_dir, **ray_groups(fsdp=False))
     replicated.models.lora = LoraConfig(**LORA)
+    replicated.train.steps = 2
     run_training(replicated)
 
     sharded = tiny_grpo(tiny_dir, sharded_dir, **ray_groups(fsdp=True))
     sharded.models.lora = LoraConfig(**LORA)
+    sharded.train.steps = 2
     sharded.checkpoint.save_steps = 1
     with pytest.raises(RunPreempted):
         run_training(sharded, stop_after=1)
@@ -214,4 +216,4 @@ def test_a_lora_actor_on_fsdp2_ranks_trains_and_resumes_as_on_replicated_ranks(
     assert [r["actor/pg_loss"] for r in rows_b[1:]] == pytest.approx(
         [r["actor/pg_loss"] for r in rows_a[1:]], abs=1e-6
     )
-    assert [r["rollout/weight_version"] for r in rows_b[1:]] == [1.0, 2.0, 3.0]
+    assert [r["rollout/weight_version"] for r in rows_b[1:]] == [1.0, 2.0]
