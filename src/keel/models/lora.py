@@ -90,16 +90,23 @@ def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def load_adapter_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Copy `adapter_state_dict` output back into `model`'s trainable parameters, exactly.
-    Raises ValueError naming the parameters when the names do not match."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+def check_adapter_names(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the parameters when `state`'s names are not exactly `model`'s
+    trainable (adapter) parameters."""
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(params - set(state)), sorted(set(state) - params)
     if missing or unexpected:
         raise ValueError(
             f"adapter weights do not match the LoRA model (models.lora): missing {missing}, "
             f"unexpected {unexpected}"
         )
+
+
+def load_adapter_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy `adapter_state_dict` output back into `model`'s trainable parameters, exactly.
+    Raises ValueError naming the parameters when the names do not match."""
+    check_adapter_names(model, state)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(state[name])

@@ -25,6 +25,7 @@ from keel.engine.micro import MicroBatches, micro_batches
 from keel.engine.update import GradientStep
 from keel.models.lora import (
     adapter_state_dict,
+    check_adapter_names,
     is_lora,
     load_adapter_state_dict,
     merged_from_state,
@@ -165,13 +166,7 @@ def load_adapter_weights(model: Any, state: dict[str, torch.Tensor]) -> None:
     if not is_sharded(model):
         load_adapter_state_dict(model, state)
         return
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
-    if missing or unexpected:
-        raise ValueError(
-            f"adapter weights do not match the LoRA model (models.lora): missing {missing}, "
-            f"unexpected {unexpected}"
-        )
+    check_adapter_names(model, state)
     load_full_state_dict(model, state)
 
 
