@@ -1,5 +1,6 @@
-"""`make bench`: seconds per GRPO step on the tiny model, at the work of FIELD.md's CPU anchor
-(8 completions × 8 tokens per step), and a larger step. Prints one JSON line per case."""
+"""`make bench`: seconds per GRPO step on the tiny model, at the work of the CPU anchor TRL's
+GRPOTrainer was measured at (8 completions × 8 tokens per step; docs/performance.md), and a
+larger step. Prints one JSON line per case."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GRPO outcome advantage (ALGORITHMS.md §4): Â_i = (R_i − mean_g)/(std_g + ε), ε = 1e-6."""
+"""GRPO outcome advantage (docs/algorithms.md §4): Â_i = (R_i − mean_g)/(std_g + ε), ε = 1e-6."""
 
 import functools
 import math

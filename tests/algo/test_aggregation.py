@@ -1,4 +1,4 @@
-"""Loss aggregation agg(L, m, mode) and micro-batch invariance (ALGORITHMS.md §1).
+"""Loss aggregation agg(L, m, mode) and micro-batch invariance (docs/algorithms.md §1).
 
 Hand-computed example (3x4, row 2 fully masked):
     L = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]

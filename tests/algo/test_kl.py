@@ -1,4 +1,4 @@
-"""Per-token KL estimators (ALGORITHMS.md §2).
+"""Per-token KL estimators (docs/algorithms.md §2).
 
 Hand-computed example: ℓ = [-1.0, -2.0], ℓ_ref = [-1.5, -1.0] ⇒ d = ℓ − ℓ_ref = [0.5, -1.0],
 x = ℓ_ref − ℓ = [-0.5, 1.0].

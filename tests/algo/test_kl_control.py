@@ -1,4 +1,4 @@
-"""KL coefficient controllers (ALGORITHMS.md §3): fixed and Ziegler's adaptive controller."""
+"""KL coefficient controllers (docs/algorithms.md §3): fixed and Ziegler's adaptive controller."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""masked_sum / masked_mean / masked_whiten (ALGORITHMS.md §0, §3 whitening)."""
+"""masked_sum / masked_mean / masked_whiten (docs/algorithms.md §0, §3 whitening)."""
 
 import functools
 import math

@@ -1,4 +1,4 @@
-"""PPO-clip policy loss with dual-clip (ALGORITHMS.md §3), ε_low = ε_high = 0.2, c = 3."""
+"""PPO-clip policy loss with dual-clip (docs/algorithms.md §3), ε_low = ε_high = 0.2, c = 3."""
 
 import functools
 import math

@@ -1,4 +1,4 @@
-"""Bradley–Terry and the DPO family against hand-computed values (ALGORITHMS.md §9)."""
+"""Bradley–Terry and the DPO family against hand-computed values (docs/algorithms.md §9)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""DAPO's soft overlong punishment and dynamic-sampling group filter (ALGORITHMS.md §5)."""
+"""DAPO's soft overlong punishment and dynamic-sampling group filter (docs/algorithms.md §5)."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""Clipped value loss (ALGORITHMS.md §3): hand values, clip fraction, masks, micro-batching."""
+"""Clipped value loss (docs/algorithms.md §3): hand values, clip fraction, masks, micro-batching."""
 
 import functools
 

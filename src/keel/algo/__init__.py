@@ -2,7 +2,7 @@
 sampling. Tensors and numbers in, tensors out.
 
 Nothing here imports transformers, ray or vllm, and nothing reads a config object: every formula
-is testable in milliseconds. The formulas follow ../shared/docs/ALGORITHMS.md (verl semantics).
+is testable in milliseconds. The formulas follow docs/algorithms.md (§0–§10; verl semantics).
 """
 
 from keel.algo.advantages import (

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md §3, §4, §7, §8), registered by name.
+"""Advantage estimators (docs/algorithms.md §3, §4, §7, §8), registered by name.
 
 The pure formulas take scores [B] or token rewards [B, R]; ADVANTAGE_ESTIMATORS wraps each in
 one calling convention (see the registry below). Advantages are 0 outside the response mask.
@@ -75,7 +75,7 @@ def token_level_rewards(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> torch.Tensor:
-    """r[i,t] = −β·k[i,t]·m[i,t] + R_i·1[t = last valid token of row i] (ALGORITHMS.md §3).
+    """r[i,t] = −β·k[i,t]·m[i,t] + R_i·1[t = last valid token of row i] (docs/algorithms.md §3).
 
     scores [B], response_mask [B, R], kl [B, R] (per-token estimate, None: no KL) → [B, R],
     exactly 0 outside the mask. A fully masked row gets no score.
@@ -112,7 +112,7 @@ def gae_advantage_return(
     gamma: float = 1.0,
     lam: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman arXiv:1506.02438) backwards over response tokens (ALGORITHMS.md §3).
+    """GAE (Schulman arXiv:1506.02438) backwards over response tokens (docs/algorithms.md §3).
 
     r, V, m: [B, R] → (A, Ret) [B, R], both 0 outside the mask, A un-whitened.
     δ_t = r_t + γ·V_next − V_t;  g_t = δ_t + γλ·g_next;  A_t = g_t;  Ret_t = A_t + V_t.
@@ -142,7 +142,7 @@ def discounted_returns(
     token_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0
 ) -> torch.Tensor:
     """G_t = Σ_{s≥t} γ^{s−t} r_s over valid tokens (m = 0 tokens skipped, the running return
-    carried over them). r, m: [B, R] → G [B, R], 0 outside the mask (ALGORITHMS.md §8)."""
+    carried over them). r, m: [B, R] → G [B, R], 0 outside the mask (docs/algorithms.md §8)."""
     m = response_mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=m.device)
     r = torch.where(m, token_rewards.float(), zero)

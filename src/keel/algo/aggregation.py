@@ -1,4 +1,4 @@
-"""Loss aggregation `agg(L, m, mode)` (ALGORITHMS.md §1, verl `agg_loss`).
+"""Loss aggregation `agg(L, m, mode)` (docs/algorithms.md §1, verl `agg_loss`).
 
 Micro-batch and data-parallel invariance: pass the *global* denominators of the whole mini-batch
 (`num_tokens`, `num_seqs`, from `loss_denominators`) to every micro-batch and sum the micro-batch

@@ -1,4 +1,4 @@
-"""Per-token KL estimators (Schulman 2020, "Approximating KL divergence"; ALGORITHMS.md §2).
+"""Per-token KL estimators (Schulman 2020, "Approximating KL divergence"; docs/algorithms.md §2).
 
 d = ℓ − ℓ_ref with samples from π. Names follow verl: `kl`/`k1`, `abs`, `mse`/`k2`,
 `low_var_kl`/`k3`, and `k1+`, `k3+` … (value of kX, gradient of k2: straight-through).

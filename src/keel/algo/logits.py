@@ -8,7 +8,7 @@ import torch
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[label] per position. logits [B, R, V] float, labels [B, R] long.
 
-    Callers divide logits by the sampling temperature first (ALGORITHMS.md §0).
+    Callers divide logits by the sampling temperature first (docs/algorithms.md §0).
     """
     logits = logits.float()
     picked = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)

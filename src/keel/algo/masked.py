@@ -19,7 +19,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(x − μ)/sqrt(σ² + 1e-8) over valid positions, σ² unbiased (ALGORITHMS.md §3).
+    """(x − μ)/sqrt(σ² + 1e-8) over valid positions, σ² unbiased (docs/algorithms.md §3).
 
     values, mask: [B, R]. Positions outside the mask come back as 0. N = 1 valid value raises,
     as whitening is undefined there.

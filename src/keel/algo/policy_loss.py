@@ -1,4 +1,4 @@
-"""Policy-gradient losses (ALGORITHMS.md §3), registered by name.
+"""Policy-gradient losses (docs/algorithms.md §3), registered by name.
 
 Sign convention: losses are minimised; an advantage A > 0 pushes ℓ up. Inputs outside the
 response mask may be garbage or NaN: they are replaced by 0 before any arithmetic, so neither
@@ -116,7 +116,7 @@ def gspo_loss(
     token_level: bool = False,
     token_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
-    """GSPO (arXiv:2507.18071, ALGORITHMS.md §6). ℓ, ℓ_old, A, m: [B, R].
+    """GSPO (arXiv:2507.18071, docs/algorithms.md §6). ℓ, ℓ_old, A, m: [B, R].
 
     s_i = exp((1/|y_i|) Σ_t m·(ℓ − ℓ_old)). Sequence level (token_level=False): Â_i = masked
     mean of A over row i, L_i = max(−Â_i·s_i, −Â_i·clip(s_i, 1−ε_l, 1+ε_r)) on every token of

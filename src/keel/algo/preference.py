@@ -1,4 +1,4 @@
-"""Preference losses: Bradley–Terry for reward models, the DPO family (ALGORITHMS.md §9).
+"""Preference losses: Bradley–Terry for reward models, the DPO family (docs/algorithms.md §9).
 
 Pairs are given as tensors of per-pair quantities [N] (N pairs). Every loss is returned as the sum
 over pairs divided by `num_pairs` (default N): pass the mini-batch's pair count to every

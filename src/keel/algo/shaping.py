@@ -1,4 +1,4 @@
-"""Reward shaping and sample selection for DAPO (arXiv:2503.14476, ALGORITHMS.md §5)."""
+"""Reward shaping and sample selection for DAPO (arXiv:2503.14476, docs/algorithms.md §5)."""
 
 from __future__ import annotations
 

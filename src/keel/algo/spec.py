@@ -19,7 +19,7 @@ class AlgorithmSpec:
     roles: which role worker groups exist.
     advantage / advantage_kwargs: a key of keel.algo.ADVANTAGE_ESTIMATORS and its options.
     policy_loss / policy_loss_kwargs: a key of keel.algo.POLICY_LOSSES and its options.
-    agg_mode, loss_scale_factor: loss aggregation (ALGORITHMS.md §1) for every loss term.
+    agg_mode, loss_scale_factor: loss aggregation (docs/algorithms.md §1) for every loss term.
     kl_loss_coef, kl_loss_type: KL as a loss against the reference (0: no reference model).
     entropy_coeff: the entropy bonus c_H.
     preference_loss / preference_loss_kwargs: a key of keel.algo.preference.DPO_LOSSES and its
@@ -28,9 +28,9 @@ class AlgorithmSpec:
     generate_eval: evaluation also generates answers to the held-out prompts and scores them
       with the reward role (pair stages, which otherwise evaluate pairwise only).
     ppo_epochs: passes over each rollout batch.
-    kl_reward_type / kl_ctrl: KL in the reward (ALGORITHMS.md §3): the estimator on (ℓ_old, ℓ_ref)
-      and the controller options for keel.algo.build_kl_controller (kind, kl_coef, target_kl,
-      horizon); None: no KL in the reward.
+    kl_reward_type / kl_ctrl: KL in the reward (docs/algorithms.md §3): the estimator on
+      (ℓ_old, ℓ_ref) and the controller options for keel.algo.build_kl_controller (kind,
+      kl_coef, target_kl, horizon); None: no KL in the reward.
     value_clip, critic_warmup_steps: the critic's value clipping ε_v (None: off) and the number
       of first steps in which only the critic is updated, and its learning rate (roles with
       "critic").

@@ -1,4 +1,4 @@
-"""The critic's clipped value loss (ALGORITHMS.md §3, verl `compute_value_loss`)."""
+"""The critic's clipped value loss (docs/algorithms.md §3, verl `compute_value_loss`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ device a model lives on, and the autocast context of mixed precision.
 
 Batches travel between roles on the host (they are small: token ids and per-token floats);
 each worker moves what it computes on to its model's device, and hands results back on the
-host. Mixed precision (ALGORITHMS.md has nothing to say about it; this is the usual recipe):
+host. Mixed precision (docs/algorithms.md has nothing to say about it; this is the usual recipe):
 trained models keep float32 weights, gradients and optimizer states, and their forward passes
 run under autocast in the compute dtype, so an update of lr·g far below bfloat16's resolution
 of the weight still lands in the float32 master copy.

@@ -3,7 +3,7 @@
 Every function is a no-op without an initialised torch.distributed process group of more than
 one rank, so the same worker code runs in-process (local backend) and as one rank of a Ray group.
 Gradients are *summed* across ranks because each rank's loss is already divided by the global
-denominators (ALGORITHMS.md §1): Σ_ranks ∇(Σ_micro loss) = ∇ of the single-batch loss.
+denominators (docs/algorithms.md §1): Σ_ranks ∇(Σ_micro loss) = ∇ of the single-batch loss.
 """
 
 from __future__ import annotations

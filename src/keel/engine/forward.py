@@ -34,7 +34,7 @@ def response_forward(
     model's device.
 
     The logits at position t−1 predict token t, so only the last R+1 positions are projected
-    onto the vocabulary. Logits are divided by the sampling temperature (ALGORITHMS.md §0).
+    onto the vocabulary. Logits are divided by the sampling temperature (docs/algorithms.md §0).
     entropy_grad False: the entropy is a diagnostic only, computed without an autograd graph.
     dtype: the model runs under autocast in it (mixed precision); None: as its weights are.
     share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it

@@ -20,7 +20,7 @@ MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float | torch.Tensor
 class GradientStep:
     """Owns a model's optimizer and scheduler and applies one update per `apply` call.
 
-    The loss function must already use the mini-batch's global denominators (ALGORITHMS.md §1),
+    The loss function must already use the mini-batch's global denominators (docs/algorithms.md §1),
     so micro-batch losses are *summed*: 1 × 8 and 8 × 1 give the same gradient. As one rank of a
     data-parallel group, gradients and metrics are summed across ranks as well (an FSDP2 model
     reduces its own gradients, set up by `keel.engine.distributed.shard_fsdp2` to sum them too).

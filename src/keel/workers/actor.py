@@ -105,7 +105,7 @@ class ActorWorker(TrainableWorker):
         self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
-        denominators (ALGORITHMS.md §3 'Full verl actor loss'). The entropy has no autograd
+        denominators (docs/algorithms.md §3 'Full verl actor loss'). The entropy has no autograd
         graph when c_H is 0 (it is only a diagnostic then). Metrics stay on the device."""
         mask = micro.response_mask
         logprobs, entropy = response_forward(

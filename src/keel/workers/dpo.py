@@ -1,4 +1,4 @@
-"""DPOWorker: the policy trained offline on preference pairs (ALGORITHMS.md §9)."""
+"""DPOWorker: the policy trained offline on preference pairs (docs/algorithms.md §9)."""
 
 from __future__ import annotations
 
