@@ -51,7 +51,7 @@ def sgd_actor(model, tok, micro: int) -> ActorWorker:
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_one_micro_batch_equals_four(tiny_dir, mode):
-    """1 × 8 and 4 × 2 give the same update (global denominators, ALGORITHMS.md §1)."""
+    """1 × 8 and 4 × 2 give the same update (global denominators, docs/algorithms.md §1)."""
     tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = synthetic_batch(len(tok))
     spec = rl_spec(mode, kl=0.1, entropy=0.01)
