@@ -52,16 +52,22 @@ test: $(STAMP) $(VLLM_STAMP) test-tools
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm -n $(TEST_WORKERS) --dist loadfile
 
-# Wheels of Keel's pure-Python dependencies (and TRL's, for bench/gpu_step.py) for a GPU
-# machine that has torch and transformers but no package index: bench/gpu_check.sh installs
-# them from bench/wheels/ (git-ignored; carried to the machine). CPython 3.12, x86-64.
+# Wheels for an offline GPU machine (no package index) that already has torch, transformers
+# and most of Keel's dependencies: pydantic (and its parts) and TRL's half (for
+# bench/gpu_step.py), downloaded here into bench/wheels/ (git-ignored; CPython 3.12, x86-64).
+# Copy the checkout with that folder to the machine; `bash bench/gpu_check.sh` installs them
+# there (docs/performance.md, "GPU"). For another Python or more packages the machine lacks:
+#   make gpu-wheels GPU_PYTHON=3.11 GPU_EXTRA_WHEELS="name==version ..."
+GPU_PYTHON = 3.12
+GPU_EXTRA_WHEELS =
 GPU_WHEELS = pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing_extensions==4.16.0 trl==1.16.0 datasets==5.2.0 \
 	dill==0.4.1 multiprocess==0.70.19
 gpu-wheels: $(STAMP)
-	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 -d bench/wheels $(GPU_WHEELS)
+		--platform manylinux2014_x86_64 -d bench/wheels $(GPU_WHEELS) \
+		$(GPU_EXTRA_WHEELS)
 
 # The mutation check: every wrong-math mutation must make the learning tests fail
 # (tests/learning/mutants.py; the suite runs a subset). A few minutes.

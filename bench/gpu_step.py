@@ -35,13 +35,14 @@ Printed (a table on stderr, one JSON line on stdout), per program:
 
 Keel's phase split comes from the timing/* metrics RLController.step returns.
 
-Preparing the GPU machine (Python 3.12, torch with CUDA, transformers 5.17, peft, rich,
-prometheus-client, pyarrow, pandas, accelerate, but no pydantic; no network): the script needs
-`PYTHONPATH=src` (it imports no Keel module that needs Ray or FastAPI) plus the packages the
-machine lacks, as wheels: `make gpu-wheels` downloads them into bench/wheels/ (4.5 MB:
-pydantic and its parts, and TRL's half: trl, datasets, dill, multiprocess), and
-`bash bench/gpu_check.sh step` installs them there and runs this script (`all`: the GPU tests
-first, tests/gpu). Without trl the TRL half is skipped (as with --no-trl).
+The machine: one NVIDIA GPU, torch 2.11–2.13 built with CUDA, transformers 5.17, and Keel's
+other dependencies (`pip install -e '.[bench]'`; the script itself needs only `PYTHONPATH=src`,
+it imports no Keel module that needs Ray or FastAPI). A machine without a package index gets
+the packages it lacks as wheels: `make gpu-wheels` elsewhere downloads them into bench/wheels/
+(4.5 MB: pydantic and its parts, and TRL's half: trl, datasets, dill, multiprocess), and
+`bash bench/gpu_check.sh step` installs them on the machine and runs this script (`all`: the
+GPU tests first, tests/gpu; `--help` says more). Without trl the TRL half is skipped (as with
+--no-trl).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Checks only a machine with an NVIDIA GPU can make (marker `gpu`: deselected by the suite's
-default options; `bench/gpu_check.sh` runs them on a lent GPU machine with
-`pytest -m gpu tests/gpu`). The device comes from KEEL_GPU_TEST_DEVICE (default cuda), so that
-the checks' own logic can be tried on a CPU: KEEL_GPU_TEST_DEVICE=cpu pytest -m gpu tests/gpu.
+default options; run them there with `pytest -m gpu tests/gpu` or `bash bench/gpu_check.sh
+tests`, which also keeps the log). The device comes from KEEL_GPU_TEST_DEVICE (default
+cuda), so that the checks' own logic can be tried on a CPU: KEEL_GPU_TEST_DEVICE=cpu pytest -m
+gpu tests/gpu (or `bash bench/gpu_check.sh smoke`).
 
 - every role's model, a separate rollout copy included, and the step's math on the GPU;
 - mixed precision keeps the small updates there as on the CPU (≥ 99% of float32's);
