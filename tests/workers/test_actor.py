@@ -1,6 +1,7 @@
 """ActorWorker updates: micro-batching never changes the update; the loss terms compose."""
 
 import copy
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -211,3 +212,46 @@ def test_observation_tokens_do_not_reach_the_gradient(tiny_dir, mode):
     grad = logits[0].grad[:, :r].abs().sum(dim=-1)  # [B, R]: at the position predicting column j
     assert (grad[holes] == 0).all()
     assert (grad[batch.response_mask.bool()] > 0).any()
+
+
+def zero_advantage_updates(base, tok, coef: float, steps: int = 4) -> list[float]:
+    """actor/entropy before each of `steps` SGD updates on one batch whose advantages are all
+    0 (no policy-gradient signal, no KL term): only the entropy bonus c_H·H moves the policy."""
+    batch = synthetic_batch(len(tok))
+    batch = batch.replace(advantages=torch.zeros_like(batch.advantages), old_logprobs=None)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    actor = ActorWorker(model, tok, GradientStep(model, opt, sched, grad_clip=None),
+                        temperature=1.0, mini_batch_size=8, micro_batch_size=4)  # fmt: skip
+    spec = rl_spec("token-mean", entropy=coef)
+    history = [actor.update(batch, spec) for _ in range(steps)]
+    assert all(m["actor/pg_loss"] == 0.0 for m in history)
+    return [m["actor/entropy"] for m in history]
+
+
+def test_the_entropy_bonus_raises_the_entropy_and_a_negative_one_lowers_it(tiny_dir):
+    """With zero advantages the loss is −c_H·H: c_H = +0.1 makes the entropy rise update after
+    update, c_H = −0.1 makes it fall, and c_H = 0 leaves the policy where it is."""
+    tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    up = zero_advantage_updates(base, tok, +0.1)
+    down = zero_advantage_updates(base, tok, -0.1)
+    still = zero_advantage_updates(base, tok, 0.0)
+    start = pytest.approx(still[0], rel=1e-5)  # the same policy before the first update
+    assert up[0] == start and down[0] == start
+    assert all(b > a for a, b in itertools.pairwise(up)), up
+    assert all(b < a for a, b in itertools.pairwise(down)), down
+    assert still == pytest.approx([still[0]] * len(still), rel=1e-6)
+    assert up[-1] - up[0] > 5e-4 and down[0] - down[-1] > 5e-4  # float noise: ~1e-6
+
+
+def test_the_logged_loss_is_pg_minus_the_entropy_bonus_plus_the_kl_term(tiny_dir):
+    """actor/loss = pg_loss − c_H·entropy + β·kl, with every term live (non-zero advantages,
+    a reference) and β the controller's coefficient, not the spec's."""
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
+    batch = synthetic_batch(len(tok))
+    spec = rl_spec("token-mean", kl=0.05, entropy=0.1)
+    m = sgd_actor(model, tok, 4).update(batch, spec, kl_coef=0.2)
+    assert min(abs(m["actor/pg_loss"]), m["actor/entropy"], m["actor/kl"]) > 1e-3
+    expected = m["actor/pg_loss"] - 0.1 * m["actor/entropy"] + 0.2 * m["actor/kl"]
+    assert m["actor/loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
