@@ -304,6 +304,49 @@ def test_asynchronous_rollout_trains_with_a_bounded_weight_lag(tiny_grpo):
     assert all("timing/rollout_wait_s" in r and r["actor/grad_norm"] > 0 for r in rows)
 
 
+def test_asynchronous_pi_old_is_the_trainers_recomputation_not_the_engines(tiny_dir):
+    """rollout.max_staleness 1 with the engine's log-probs kept: a batch generated one update
+    ago is trained with π_old = the trainer's log-probs under its current weights (recomputed
+    just before the update), not the rollout engine's, so the drift metric sees the lag (≈ 0
+    at lag 0, clearly > 0 at lag 1) and PPO's ratio starts at 1 (ppo_kl 0)."""
+    from keel.engine.forward import response_forward
+
+    graded = {"fn": f"{Path(__file__).parents[1] / 'cli/format_reward.py'}:digit_fraction"}
+    ctl = controller(tiny_dir, {"name": "grpo"}, reward=graded, rollout={
+        "n": 2, "max_new_tokens": 4, "max_staleness": 1, "return_logprobs": True,
+    }, train={"batch_size": 4, "lr": 1e-3, "warmup_steps": 0, "steps": 3})  # fmt: skip
+    actor = ctl.roles.actor.workers[0]
+    trained: list[tuple[Batch, torch.Tensor]] = []  # (the batch, the trainer's log-probs)
+
+    def spy(call):
+        def wrapped(method, *args, **kwargs):
+            if method == "update":
+                with torch.no_grad():
+                    live = response_forward(actor.model.eval(), args[0],
+                                            temperature=actor.temperature)[0]  # fmt: skip
+                trained.append((args[0], live))
+            return call(method, *args, **kwargs)
+
+        return wrapped
+
+    ctl.roles.actor.call = spy(ctl.roles.actor.call)
+    try:
+        metrics = [ctl.step(step) for step in (1, 2, 3)]
+    finally:
+        ctl.rollouts.close()
+    assert [m["rollout/weight_version_lag"] for m in metrics] == [0.0, 1.0, 1.0]
+    for (batch, live), m in zip(trained, metrics, strict=True):
+        mask = batch.response_mask.bool()
+        torch.testing.assert_close(batch.old_logprobs[mask], live[mask], atol=1e-5, rtol=0)
+        assert m["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+        assert m["actor/grad_norm"] > 0  # graded rewards: every update moves the policy
+    assert metrics[0]["rollout/logprob_abs_diff"] < 1e-4  # the engine's copy: the same weights
+    for (batch, live), m in zip(trained[1:], metrics[1:], strict=True):
+        gap = (batch.rollout_logprobs - live)[batch.response_mask.bool()].abs()
+        assert m["rollout/logprob_abs_diff"] > 1e-3, m["rollout/logprob_abs_diff"]
+        assert m["rollout/logprob_abs_diff_max"] == pytest.approx(float(gap.max()), rel=1e-3)
+
+
 def test_a_batch_older_than_max_staleness_is_refused(tiny_grpo):
     from keel.controller.rl import RLController
 
