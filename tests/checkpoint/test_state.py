@@ -1,4 +1,5 @@
-"""Checkpoint folders: atomic publication, `latest`, validation, retention, full disk, leftovers."""
+"""Checkpoint folders: atomic publication, `latest`, validation, retention, full disk, leftovers;
+a role's training state (weights, optimizer, LR schedule) saved and restored."""
 
 import json
 import resource
@@ -7,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
@@ -14,14 +16,21 @@ from keel.checkpoint import (
     CheckpointError,
     clean_leftovers,
     list_checkpoints,
+    load_checkpoint,
     prune_step_folders,
     resume_candidates,
+    save_checkpoint,
     validate_checkpoint,
 )
 from keel.checkpoint.state import read_latest
+from keel.config import validate
 from keel.controller import run_training
 from keel.controller.runner import RunDirError
 from keel.guard import read_events
+from keel.recipes import build_spec
+from keel.workers.build import build_workers
+from keel.workers.group import LocalWorkerGroup
+from tests.workers.test_actor import rl_spec, synthetic_batch
 
 
 @pytest.fixture
@@ -125,3 +134,43 @@ def test_same_size_corruption_fails_its_checksum_and_falls_back(run, tiny_grpo):
         assert run_training(cfg).resumed_from == 3
     events = read_events(Path(run.run_dir) / "events.jsonl")
     assert any("SHA-256" in e["message"] for e in events if e["event"] == "restart")
+
+
+def built_actor(tiny_dir):
+    cfg = validate({
+        "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo", "kl_loss_coef": 0.0},
+        "rollout": {"n": 2}, "train": {"batch_size": 4, "lr": 1e-3, "warmup_steps": 2},
+    })  # fmt: skip
+    return build_workers(cfg, build_spec(cfg), ["actor"], None)["actor"]
+
+
+def test_a_checkpoint_restores_the_optimizer_state(tiny_dir, tmp_path):
+    """save_checkpoint after two AdamW updates, load_checkpoint into a freshly built actor: its
+    weights, AdamW's moments (exp_avg, exp_avg_sq) and step counts, param groups and LR schedule
+    are the saved ones, and the next update continues as the saved actor's does."""
+    trained = built_actor(tiny_dir)
+    batch = synthetic_batch(trained.model.config.vocab_size)
+    spec = rl_spec("token-mean")
+    for _ in range(2):
+        trained.update(batch, spec)
+    group = LocalWorkerGroup("actor", [trained])
+    info = save_checkpoint(tmp_path / "checkpoints", 2, roles={"actor": group}, components={},
+                           config_text="seed: 0\n", healthy=True)  # fmt: skip
+    fresh = built_actor(tiny_dir)
+    assert not fresh.step.optimizer.state  # nothing there before the load
+    load_checkpoint(info.path, roles={"actor": LocalWorkerGroup("actor", [fresh])}, components={})
+    saved = trained.step.optimizer.state_dict()
+    restored = fresh.step.optimizer.state_dict()
+    assert saved["state"] and restored["state"].keys() == saved["state"].keys()
+    for index, state in saved["state"].items():
+        assert restored["state"][index].keys() == state.keys() >= {"step", "exp_avg", "exp_avg_sq"}
+        for name, value in state.items():
+            assert torch.equal(restored["state"][index][name], value), (index, name)
+    assert restored["param_groups"] == saved["param_groups"]
+    assert fresh.step.scheduler.state_dict() == trained.step.scheduler.state_dict()
+    for a, b in zip(fresh.model.parameters(), trained.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    after = [trained.update(batch, spec), fresh.update(batch, spec)]
+    assert after[1]["actor/lr"] == after[0]["actor/lr"]
+    for a, b in zip(fresh.model.parameters(), trained.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
