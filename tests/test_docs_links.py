@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCANNED = ["README.md", "Makefile", "pyproject.toml", "docs", "bench", "src", "deploy",
+SCANNED = ["README.md", "Makefile", "pyproject.toml", ".ci", "docs", "bench", "src", "deploy",
            "examples", "scripts", "tests"]  # fmt: skip
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".proto", ".json",
                  ".cfg", ".ini", ".j2", ".jinja", ".pyi", ".typed", ".jsonl"}  # fmt: skip
