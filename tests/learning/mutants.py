@@ -1,11 +1,13 @@
-"""The mutation check: wrong math must make the learning tests fail.
+"""The mutation check: wrong math must make the tests fail.
 
 Each mutation is one exact text replacement in Keel's source: a sign flipped, a ratio inverted,
-a target swapped. `run_mutant` copies `src/keel` to a temporary folder, applies the mutation
-there (the original tree is never touched), and runs the learning tests that must catch it in
-a subprocess whose PYTHONPATH puts the mutated copy first. The mutant is *killed* when every one
-of those tests fails; it *survived* when any of them passes. Any other outcome (a collection
-error, a crash, a time-out) is reported as an error, not as a kill.
+a target swapped, a step skipped. `run_mutant` copies `src/keel` to a temporary folder, applies
+the mutation there (the original tree is never touched), and runs the tests that must catch it
+in a subprocess whose PYTHONPATH puts the mutated copy first: learning cases
+(`caught_by`: test ids of tests/learning/test_learning.py::test_learns) and any other pytest
+node ids (`tests`: unit tests of the behaviour). The mutant is *killed* when every one of those
+tests fails; it *survived* when any of them passes. Any other outcome (a collection error, a
+crash, a time-out) is reported as an error, not as a kill.
 
 `make mutants` runs every mutation (`python -m tests.learning.mutants`); the suite runs a small
 subset (tests/learning/test_mutants.py). docs/testing.md lists each mutation and its catcher.
@@ -42,7 +44,8 @@ class Mutation:
     old: str
     new: str
     wrong: str  # the wrong math, in words
-    caught_by: tuple[str, ...]  # learning cases (test ids of test_learns) that must fail
+    caught_by: tuple[str, ...] = ()  # learning cases (test ids of test_learns) that must fail
+    tests: tuple[str, ...] = ()  # other pytest node ids (path::test) that must fail
 
     def apply(self, src_root: Path) -> None:
         file = src_root / "keel" / self.path
@@ -56,7 +59,13 @@ class Mutation:
         file.write_text(text.replace(self.old, self.new), encoding="utf-8")
 
     def test_ids(self) -> list[str]:
-        return [f"{LEARNING}[{case}]" for case in self.caught_by]
+        """The pytest node ids of every catcher: the learning cases first, then `tests`."""
+        return [f"{LEARNING}[{case}]" for case in self.caught_by] + list(self.tests)
+
+    def catchers(self) -> list[str]:
+        """The catchers as `make mutants` prints them: a learning case by its name, a test by
+        its node id."""
+        return [*self.caught_by, *self.tests]
 
 
 class MutationError(RuntimeError):
@@ -146,6 +155,59 @@ MUTATIONS: dict[str, Mutation] = {
             "DPO's margin taken the wrong way round (rejected over chosen)",
             ("dpo_sigmoid", "dpo_ipo"),
         ),
+        # caught by unit tests of the behaviour (not by a learning case)
+        Mutation(
+            "entropy_bonus_sign",
+            "workers/actor.py",
+            "loss = pg.loss - spec.entropy_coeff * entropy_term",
+            "loss = pg.loss + spec.entropy_coeff * entropy_term",
+            "the entropy bonus's sign flipped: c_H > 0 lowers the entropy",
+            tests=(
+                "tests/workers/test_actor.py::"
+                "test_the_entropy_bonus_raises_the_entropy_and_a_negative_one_lowers_it",
+                "tests/workers/test_actor.py::"
+                "test_the_logged_loss_is_pg_minus_the_entropy_bonus_plus_the_kl_term",
+            ),
+        ),
+        Mutation(
+            "grad_clip_off",
+            "engine/update.py",
+            "max_norm = self.grad_clip if self.grad_clip is not None else math.inf",
+            "max_norm = math.inf",
+            "gradient clipping disabled (the pre-clip norm is still logged)",
+            tests=(
+                "tests/engine/test_update.py::"
+                "test_clipping_scales_the_update_to_grad_clip_and_logs_the_norm_before_it",
+                "tests/engine/test_update.py::test_train_grad_clip_clips_the_built_actors_update",
+            ),
+        ),
+        Mutation(
+            "async_old_logprobs_from_engine",
+            "controller/rl.py",
+            '                batch = roles.actor.call("compute_logprobs", batch)\n',
+            "                batch = (\n"
+            "                    batch.replace(old_logprobs=batch.rollout_logprobs)\n"
+            "                    if self.max_staleness and batch.rollout_logprobs is not None\n"
+            '                    else roles.actor.call("compute_logprobs", batch)\n'
+            "                )\n",
+            "asynchronous rollout takes the engine's (stale) log-probs as π_old instead of the "
+            "trainer's recomputation",
+            tests=(
+                "tests/controller/test_rl.py::"
+                "test_asynchronous_pi_old_is_the_trainers_recomputation_not_the_engines",
+            ),
+        ),
+        Mutation(
+            "optimizer_state_not_restored",
+            "workers/trainable.py",
+            "        load_optimizer_state_dict("
+            'self.model, self.step.optimizer, state["optimizer"])\n',
+            "",
+            "a checkpoint load keeps the fresh optimizer: AdamW's moments and step counts lost",
+            tests=(
+                "tests/checkpoint/test_state.py::test_a_checkpoint_restores_the_optimizer_state",
+            ),
+        ),
     ]
 }
 
@@ -188,7 +250,8 @@ def run_mutant(
             cmd, cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=timeout
         )
     failed, passed = _count(proc.stdout, "failed"), _count(proc.stdout, "passed")
-    if proc.returncode == 1 and failed == len(tests):
+    errors = _count(proc.stdout, "errors?")
+    if proc.returncode == 1 and failed == len(tests) and not errors:
         status = "killed"
     elif proc.returncode in (0, 1) and passed:
         status = "survived"
@@ -208,7 +271,9 @@ def _count(pytest_output: str, word: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run mutations (all by default); exit 1 unless every one is killed."""
+    """Run mutations (all by default); exit 1 unless every one is killed. Prints one line per
+    mutation (status, name, time, how many of its catchers failed, the wrong math), then its
+    catchers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"mutations (default all: {', '.join(MUTATIONS)})")
     args = parser.parse_args(argv)
@@ -216,14 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in MUTATIONS]
     if unknown:
         parser.error(f"unknown mutation(s) {unknown}; known: {', '.join(MUTATIONS)}")
-    env = prepare_shared_fixtures()
+    # the warm start only when a learning case is among the catchers
+    learning = any(MUTATIONS[n].caught_by for n in names)
+    env = prepare_shared_fixtures() if learning else {}
     bad = 0
     for name in names:
         result = run_mutant(MUTATIONS[name], env=env)
         bad += result.status != "killed"
-        print(f"{result.status:8s} {name:22s} {result.seconds:6.1f}s  {result.failed} of "
-              f"{len(result.mutation.caught_by)} failed ({', '.join(result.mutation.caught_by)}): "
-              f"{result.mutation.wrong}", flush=True)  # fmt: skip
+        catchers = result.mutation.catchers()
+        print(f"{result.status:8s} {name:30s} {result.seconds:6.1f}s  {result.failed} of "
+              f"{len(catchers)} failed: {result.mutation.wrong}", flush=True)  # fmt: skip
+        for catcher in catchers:
+            print(f"{'':9s}caught by {catcher}", flush=True)
         if result.status != "killed":
             print(result.output[-3000:])
     print(f"{len(names) - bad} of {len(names)} mutants killed")
