@@ -15,8 +15,8 @@ from keel.rewards.remote import RemoteRewardScorer
 
 class Service:
     """A reward service: score = len(response) + the answer; `plan` gives, per request, what
-    to do instead: an HTTP status to fail with, "stall" (sleep past the client's time-out) or
-    "short" (one score too few)."""
+    to do instead: an HTTP status to fail with, "stall" (sleep past the client's time-out),
+    "short" (one score too few); with `hang` set, every request waits for `release`."""
 
     def __init__(self):
         self.plan: list = []
@@ -24,6 +24,8 @@ class Service:
         self.headers: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
+        self.hang = False
+        self.release = threading.Event()
         service = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -40,6 +42,8 @@ class Service:
                     service.max_in_flight = max(service.max_in_flight, service.in_flight)
                 try:
                     time.sleep(0.05)  # long enough for concurrent requests to overlap
+                    if service.hang:
+                        service.release.wait(60)
                     if action == "stall":
                         time.sleep(1.0)
                     if isinstance(action, int):
@@ -69,6 +73,7 @@ class Service:
 def service():
     s = Service()
     yield s
+    s.release.set()
     s.server.shutdown()
     s.server.server_close()
 
@@ -117,7 +122,11 @@ def test_a_refusal_is_not_retried_and_says_why(service):
     service.plan = [401]
     with pytest.raises(RewardError, match=r"refused the request: HTTP 401: .*told to fail"):
         scorer(service.url).score(*ROWS)
-    assert len(service.requests) == 3  # one per batch: the refused one was not retried
+    assert len(service.requests) == 1  # not retried, and under raise the step stopped there
+    service.plan = [401]
+    scores, errors = scorer(service.url, on_error="fallback", fallback_score=-1.0).score(*ROWS)
+    assert errors == 3 and scores[3:] == [4.0, 2.0, 2.0, 4.0]
+    assert len(service.requests) == 1 + 3  # one per batch: the refused one was not retried
 
 
 def test_a_wrong_number_of_scores_and_a_dead_service_are_errors(service):
@@ -129,6 +138,47 @@ def test_a_wrong_number_of_scores_and_a_dead_service_are_errors(service):
     service.server.server_close()
     with pytest.raises(RewardError, match="3 attempts failed"):
         scorer(url).score(*ROWS)
+
+
+def test_a_stalled_service_fails_the_step_after_about_one_timeout(service):
+    """A service that accepts requests and never answers: 40 requests of one row, 0.25 s each
+    (reward.timeout_s); the first time-out fails the step, naming reward.url and the limit
+    (before: each request waited out its own, 40 × 0.25 s)."""
+    service.hang = True
+    rows = (["p"] * 40, ["r"] * 40, [None] * 40)
+    slow = scorer(service.url, batch_size=1, timeout_s=0.25, request_timeout_s=0.1, retries=3)
+    start = time.monotonic()
+    with pytest.raises(RewardError) as info:
+        slow.score(*rows)
+    assert time.monotonic() - start < 40 * 0.25 / 2.5  # ≈ 0.25 s; serial would be 10 s
+    message = str(info.value)
+    assert f"reward.url={service.url}" in message and "0.25s (reward.timeout_s)" in message
+
+
+def test_an_attempt_that_times_out_is_warned_about_and_retried(service, caplog):
+    """Each attempt past reward.http.timeout_s is logged as it fails, naming reward.url and
+    the limit; the retry that succeeds scores the rows."""
+    import logging
+
+    service.plan = ["stall"]
+    with caplog.at_level(logging.WARNING, logger="keel.rewards"):
+        out = scorer(service.url, batch_size=7, request_timeout_s=0.3).score(*ROWS)
+    assert out[1] == 0 and len(service.requests) == 2
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"reward.url={service.url}" in warning and "reward.http.timeout_s=0.3s" in warning
+
+
+def test_retries_stop_at_the_deadline_of_the_call(service):
+    """A request whose retries cannot finish within reward.timeout_s fails when the next wait
+    would pass it, and the thread it ran on does not go on retrying (no hung call)."""
+    service.plan = [503] * 10
+    slow = scorer(service.url, batch_size=7, timeout_s=1.0, retries=8, backoff_s=0.2,
+                  on_error="fallback")  # fmt: skip
+    start = time.monotonic()
+    assert slow.score(*ROWS)[1] == 7
+    assert time.monotonic() - start < 5  # 8 retries with these waits would take 51 s
+    assert slow.hung_calls() == 0
+    assert len(service.requests) <= 4  # 0.2 + 0.4 fit in 1 s, 0.8 more does not
 
 
 def test_grpo_trains_with_rewards_from_the_service(service, tiny_grpo):

@@ -276,3 +276,118 @@ def test_hung_calls_that_return_late_no_longer_count():
     assert scorer.hung_calls() == 0
     scorer.timeout_s = 5.0  # the calls return at once now; 10 ms is too tight under load
     assert scorer.score(["p"] * 2, ["r"] * 2, [None] * 2) == ([1.0, 1.0], 0)
+
+
+# -------------------------------------------- a hung reward: prompt failure, overlapping time-outs
+def hanging_on(release, hang=lambda response: True):
+    """A reward that blocks until `release` is set on the rows `hang` picks, 1.0 otherwise."""
+
+    def fn(prompt, response, answer, **kwargs):
+        if hang(response):
+            release.wait(60)
+        return 1.0
+
+    return fn
+
+
+def test_a_hung_reward_fails_a_raise_step_after_about_one_timeout():
+    """40 rows of a reward that never returns, 0.25 s each: with on_error raise the first
+    time-out stops the step (before: every row waited out its own, 40 × 0.25 s)."""
+    import threading
+    import time
+
+    release = threading.Event()
+    scorer = RewardScorer(hanging_on(release), name="hang.py:fn", timeout_s=0.25)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RewardError, match=r"hang\.py:fn failed on row 0 .*timed out after"):
+            scorer.score(["p"] * 40, ["r"] * 40, [None] * 40)
+        assert time.monotonic() - start < 40 * 0.25 / 2.5  # ≈ 0.25 s; serial would be 10 s
+        assert scorer.hung_calls() == 1  # the rows after the first were never started
+    finally:
+        release.set()
+
+
+def test_timeouts_of_concurrent_calls_overlap():
+    """Every 8th of 160 rows hangs, 8 calls at once: a hung call holds its slot only until its
+    own deadline and no call waits behind it, so the 20 time-outs overlap (before: the batch
+    waited on each in turn, 20 × 0.25 s)."""
+    import threading
+    import time
+
+    release = threading.Event()
+    responses = [("hang" if i % 8 == 0 else "ok") for i in range(160)]
+    scorer = RewardScorer(hanging_on(release, lambda r: r == "hang"), on_error="fallback",
+                          fallback_score=-1.0, timeout_s=0.25, max_concurrency=8)  # fmt: skip
+    start = time.monotonic()
+    try:
+        scores, errors = scorer.score(["p"] * 160, responses, [None] * 160)
+        assert time.monotonic() - start < 20 * 0.25 / 2  # ≈ 3 waves of 0.25 s; serial: 5 s
+        assert errors == 20
+        assert scores == [(-1.0 if r == "hang" else 1.0) for r in responses]
+        assert len(scorer.pop_warnings()) == 1  # the first time-out; the others are counted
+    finally:
+        release.set()
+
+
+def test_a_timeout_is_warned_about_when_it_happens(caplog):
+    """A call past reward.timeout_s is logged at once (and kept for pop_warnings), not only
+    counted in reward/errors after the step."""
+    import logging
+    import threading
+
+    release = threading.Event()
+    seen = []
+
+    def slow_then_note(prompt, response, answer, **kwargs):
+        if response == "slow":
+            release.wait(60)
+        elif response == "after":  # the row after the hung one: the warning is already out
+            seen.append([r.getMessage() for r in caplog.records])
+        return 1.0
+
+    scorer = RewardScorer(slow_then_note, name="slow.py:fn", on_error="fallback",
+                          timeout_s=0.2)  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="keel.rewards"):
+            assert scorer.score(["p"] * 2, ["slow", "after"], [None] * 2) == ([0.0, 1.0], 1)
+        (messages,) = seen
+        assert any("slow.py:fn" in m and "reward.timeout_s" in m for m in messages), messages
+        ((rule, message),) = scorer.pop_warnings()
+        assert rule == "reward_timeout" and "row 0" in message
+        assert "reward.max_hung_calls" in message
+        assert scorer.pop_warnings() == []
+    finally:
+        release.set()
+
+
+def test_a_failure_under_raise_stops_the_running_calls_without_leaking_workers():
+    """With 4 calls at once a failure stops the step at once; calls still running are given
+    up (hung until they return), and the scorer scores normally afterwards."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def fn(prompt, response, answer, **kwargs):
+        if response == "bad":
+            raise KeyError("bad row")
+        if response == "wait":
+            release.wait(60)
+        return 1.0
+
+    before = threading.active_count()
+    scorer = RewardScorer(fn, max_concurrency=4, timeout_s=30.0)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match="failed on row 3"):
+        scorer.score(["p"] * 8, ["wait", "wait", "wait", "bad", *["ok"] * 4], [None] * 8)
+    assert time.monotonic() - start < 10  # not the 30 s deadline of the waiting calls
+    assert scorer.hung_calls() == 3
+    release.set()
+    for _ in range(500):
+        if scorer.hung_calls() == 0:
+            break
+        time.sleep(0.01)
+    assert scorer.hung_calls() == 0
+    assert scorer.score(["p"] * 8, ["ok"] * 8, [None] * 8) == ([1.0] * 8, 0)
+    assert threading.active_count() - before <= 4

@@ -13,23 +13,29 @@ connection error, a time-out (`reward.http.timeout_s`), 429 or a 5xx status is r
 `reward.http.retries` times, after `backoff_s · 2^attempt` seconds; any other status is not
 retried. A request that still fails fails its rows, which then go through the usual error
 policy (`reward.on_error`, `fallback_score`, `max_error_rate`); `reward.timeout_s` bounds one
-request with all its retries.
+request with all its retries: an attempt gets at most what is left of it, and no retry starts
+whose wait would pass it. Each failed attempt that is retried is logged as it fails (logger
+`keel.rewards.remote`, and kept for `pop_warnings`), and requests fail fast as function calls
+do (keel.rewards.scoring): a stalled service fails a step under `on_error: raise` after about
+one `reward.timeout_s`, with a message naming reward.url and the limit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from keel.rewards.scoring import RewardScorer, _Call, checked_scores
+from keel.rewards.scoring import RewardScorer, checked_scores
 
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
+log = logging.getLogger(__name__)
 
 
 class RewardServiceError(RuntimeError):
@@ -51,6 +57,7 @@ class RemoteRewardScorer(RewardScorer):
         **options: Any,
     ):
         super().__init__(self._post, name=url, **options)
+        self.what = f"the reward service at reward.url={url}"
         self.url = url
         self.batch_size = batch_size
         self.retries = retries
@@ -63,29 +70,18 @@ class RemoteRewardScorer(RewardScorer):
     ) -> tuple[list[float], int]:
         rows = list(zip(prompts, responses, answers, strict=True))
         chunks = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        outcomes: list[float | BaseException] = []
-        running: deque[tuple[_Call, int]] = deque()
-        for chunk in chunks:
-            if len(running) == self.max_concurrency:
-                outcomes.extend(self._chunk_result(*running.popleft()))
-            self._check_hung()
-            running.append((self._submit(partial(self._request, chunk)), len(chunk)))
-        while running:
-            outcomes.extend(self._chunk_result(*running.popleft()))
-        return self._apply_policy(rows, outcomes)
-
-    def _chunk_result(self, call: _Call, size: int) -> list[float | BaseException]:
-        outcome = self._result(call)
-        return [outcome] * size if isinstance(outcome, BaseException) else outcome
+        calls = [partial(self._request, chunk) for chunk in chunks]
+        return self._score_calls(rows, calls, [len(c) for c in chunks], lists=True)
 
     def _request(self, rows: list[tuple[Any, str, Any]]) -> list[float | BaseException]:
         """One request for `rows`, retried on transient failures; a score per row (an
         exception for a row whose value is unusable)."""
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s else math.inf
         body = {
             "items": [{"prompt": p, "response": r, "answer": a} for p, r, a in rows],
             "kwargs": self.kwargs,
         }
-        reply = self._post_with_retries(json.dumps(body).encode())
+        reply = self._post_with_retries(json.dumps(body).encode(), deadline)
         scores = reply.get("scores") if isinstance(reply, dict) else None
         if not isinstance(scores, list) or len(scores) != len(rows):
             got = len(scores) if isinstance(scores, list) else repr(reply)[:200]
@@ -94,27 +90,53 @@ class RemoteRewardScorer(RewardScorer):
             )
         return checked_scores(scores, self.max_abs)
 
-    def _post_with_retries(self, data: bytes) -> Any:
+    def _post_with_retries(self, data: bytes, deadline: float = math.inf) -> Any:
+        """The reply to `data`, retried (with backoff) while the retries and the `deadline`
+        (of reward.timeout_s) allow; each attempt gets at most what is left before it."""
         for attempt in range(self.retries + 1):
+            timeout = min(self.request_timeout_s, max(deadline - time.monotonic(), 0.01))
             try:
-                return self._post(data)
+                return self._post(data, timeout)
             except RewardServiceError:
                 raise
             except (OSError, _Retry) as exc:  # URLError, timeouts and resets are OSErrors
+                reason = self._reason(exc, timeout)
+                wait = self.backoff_s * 2**attempt
+                tries = f"{attempt + 1} attempt{'s' if attempt else ''}"
                 if attempt == self.retries:
                     raise RewardServiceError(
-                        f"{self.url}: {self.retries + 1} attempts failed, the last with {exc}"
+                        f"{self.url}: {tries} failed, the last with {reason}"
                     ) from exc
-                time.sleep(self.backoff_s * 2**attempt)
+                if time.monotonic() + wait >= deadline:
+                    raise RewardServiceError(
+                        f"{self.url}: {tries} failed, the last with {reason}; the next retry "
+                        f"(in {wait:g}s) would end past reward.timeout_s={self.timeout_s:g}s"
+                    ) from exc
+                self._warn(
+                    "reward_service_retry",
+                    f"reward.url={self.url}: attempt {attempt + 1} of {self.retries + 1} "
+                    f"failed ({reason}); retrying in {wait:g}s",
+                )
+                time.sleep(wait)
         raise AssertionError("unreachable")
 
-    def _post(self, data: bytes) -> Any:
+    def _reason(self, exc: BaseException, timeout: float) -> str:
+        """What went wrong with an attempt, a time-out naming the limit it ran into."""
+        cause = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if not isinstance(cause, TimeoutError):
+            return str(exc)
+        if timeout < self.request_timeout_s:
+            return f"no answer within {timeout:.3g}s, what was left of reward.timeout_s"
+        return f"no answer within reward.http.timeout_s={self.request_timeout_s:g}s"
+
+    def _post(self, data: bytes, timeout: float | None = None) -> Any:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
+            timeout = self.request_timeout_s if timeout is None else timeout
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             text = exc.read()[:300].decode("utf-8", "replace")

@@ -15,20 +15,29 @@ it is remembered until it returns. When `reward.max_hung_calls` hung calls are s
 scorer stops the run with a RewardError instead of starting more threads, so a reward that hangs
 cannot leak a thread per call. When the fraction of a batch's rows that errored exceeds
 `reward.max_error_rate`, the run stops.
+
+Failures are acted on as they happen: a slot frees as soon as any running call returns or
+passes its own deadline (no call waits behind a slower one, so the time-outs of calls running
+at once overlap); a call past its deadline is logged at once (logger `keel.rewards.scoring`,
+and kept for `pop_warnings`); under `raise` the first failure stops the step (the calls still
+running are given up, the rows not started are never started), so a reward that never returns
+fails a step after about one `reward.timeout_s`; under `fallback` the step stops as soon as its
+failed rows alone pass `reward.max_error_rate`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: scores are float32 tensors
+log = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
@@ -40,31 +49,48 @@ class RewardTimeout(TimeoutError):
 
 
 class _Call:
-    """One reward call, run by a `_Worker`; `outcome` is a value or an exception."""
+    """One reward call, run by a `_Worker`; `outcome` is a value or an exception. When it
+    returns in time, its `index` is put on `finished` (the queue its batch waits on)."""
 
-    def __init__(self, fn: Callable[[], Any], timeout_s: float | None):
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        timeout_s: float | None,
+        index: int = 0,
+        finished: queue.SimpleQueue[int] | None = None,
+    ):
         self.fn = fn
         self.outcome: Any = None
         self.timeout_s = timeout_s
+        self.index = index
+        self.finished = finished
         self.done = threading.Event()
-        self.abandoned = False  # timed out: its worker leaves the pool once the call returns
+        self.abandoned = False  # given up: its worker leaves the pool once the call returns
         self.worker: _Worker | None = None
         self.deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+        self._lock = threading.Lock()  # orders "returned" against "given up"
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Run the call (on its worker's thread); True if it had been given up meanwhile."""
         try:
-            self.outcome = self.fn()
+            outcome = self.fn()
         except BaseException as exc:  # user code: SystemExit, KeyboardInterrupt… are failures
-            self.outcome = exc
-        self.done.set()
+            outcome = exc
+        with self._lock:
+            self.outcome = outcome
+            self.done.set()
+            abandoned = self.abandoned
+        if not abandoned and self.finished is not None:
+            self.finished.put(self.index)
+        return abandoned
 
-    def result(self) -> Any:
-        """The value or exception, waiting until the deadline at most (then it is abandoned)."""
-        left = self.deadline - time.monotonic()
-        if not self.done.wait(None if math.isinf(left) else max(left, 0.0)):
+    def abandon(self) -> bool:
+        """Give the call up: True, unless it has returned already (its outcome then counts)."""
+        with self._lock:
+            if self.done.is_set():
+                return False
             self.abandoned = True
-            return RewardTimeout(f"timed out after {self.timeout_s:.3g}s (reward.timeout_s)")
-        return self.outcome
+            return True
 
 
 class _Worker:
@@ -78,9 +104,7 @@ class _Worker:
 
     def _loop(self) -> None:
         while True:
-            call = self.jobs.get()
-            call.run()
-            if call.abandoned:
+            if self.jobs.get().run():
                 return
 
 
@@ -133,6 +157,7 @@ class RewardScorer:
         self.on_error = on_error
         self.fallback_score = fallback_score
         self.name = name
+        self.what = f"reward function {name}"  # how messages name the reward
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.max_error_rate = max_error_rate
@@ -140,15 +165,59 @@ class RewardScorer:
         self.max_abs = max_abs
         self._hung: list[_Call] = []  # timed-out calls whose threads may still be running
         self._idle: list[_Worker] = []  # at most max_concurrency workers waiting for a call
+        self._warnings: list[tuple[str, str]] = []  # (rule, message) since pop_warnings
 
     def score(
         self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         """(one score per row, number of rows that errored)."""
         rows = list(zip(prompts, responses, answers, strict=True))
-        outcomes = self._call_all(rows)
+        calls = [partial(self._checked, p, r, a) for p, r, a in rows]
+        return self._score_calls(rows, calls, [1] * len(rows), lists=False)
+
+    def pop_warnings(self) -> list[tuple[str, str]]:
+        """(rule, message) of the warnings (calls past reward.timeout_s, retried requests)
+        since the last call; each was logged when it happened."""
+        out, self._warnings = self._warnings, []
+        return out
+
+    def _warn(self, rule: str, message: str) -> None:
+        log.warning("%s", message)
+        self._warnings.append((rule, message))
+
+    def _score_calls(
+        self,
+        rows: list[tuple[Any, str, Any]],
+        calls: list[Callable[[], Any]],
+        sizes: list[int],
+        *,
+        lists: bool,
+    ) -> tuple[list[float], int]:
+        """Run `calls` under the error policy, failing fast; (scores, rows that errored). Call
+        k scores the next sizes[k] rows: it returns their scores as a list (`lists`) or its
+        row's score, and a call that raises or times out fails all its rows."""
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        errors = 0
+
+        def failed(k: int, exc: BaseException) -> None:
+            nonlocal errors
+            p, r, _ = rows[starts[k]]
+            self._raise_unless_fallback(starts[k], p, r, exc)
+            errors += sizes[k]
+            self._check_error_rate(errors, len(rows))
+
+        def label(k: int) -> str:
+            if sizes[k] == 1:
+                return f"row {starts[k]}"
+            return f"rows {starts[k]}–{starts[k] + sizes[k] - 1}"
+
+        outcomes = self._run_calls(calls, failed, label)
         self._check_hung()
-        return self._apply_policy(rows, outcomes)
+        flat: list[Any] = []
+        for size, outcome in zip(sizes, outcomes, strict=True):
+            failed_call = isinstance(outcome, BaseException)
+            flat.extend(outcome if lists and not failed_call else [outcome] * size)
+        return self._apply_policy(rows, flat)
 
     def _apply_policy(
         self, rows: list[tuple[Any, str, Any]], outcomes: Sequence[float | BaseException]
@@ -160,12 +229,15 @@ class RewardScorer:
                 self._raise_unless_fallback(i, p, r, value)
                 value, errors = self.fallback_score, errors + 1
             scores.append(value)
-        if rows and errors / len(rows) > self.max_error_rate:
+        self._check_error_rate(errors, len(rows))
+        return scores, errors
+
+    def _check_error_rate(self, errors: int, rows: int) -> None:
+        if rows and errors / rows > self.max_error_rate:
             raise RewardError(
-                f"reward function {self.name} failed on {errors} of {len(rows)} rows, above "
+                f"{self.what} failed on {errors} of {rows} rows, above "
                 f"reward.max_error_rate={self.max_error_rate}; stopping the run"
             )
-        return scores, errors
 
     def hung_calls(self) -> int:
         """Timed-out calls whose threads are still running."""
@@ -175,46 +247,110 @@ class RewardScorer:
     def _checked(self, prompt: Any, response: str, answer: Any) -> float:
         return checked_score(self.fn(prompt, response, answer, **self.kwargs), self.max_abs)
 
-    def _call_all(self, rows: list[tuple[Any, str, Any]]) -> list[float | BaseException]:
-        """Each row on a daemon thread, at most `max_concurrency` running at once; a call past
-        its deadline becomes a RewardTimeout and is remembered as hung."""
-        outcomes: list[float | BaseException] = []
-        running: deque[_Call] = deque()
-        for p, r, a in rows:
-            if len(running) == self.max_concurrency:
-                outcomes.append(self._result(running.popleft()))
-            self._check_hung()
-            running.append(self._submit(partial(self._checked, p, r, a)))
-        while running:
-            outcomes.append(self._result(running.popleft()))
+    def _run_calls(
+        self,
+        fns: list[Callable[[], Any]],
+        failed: Callable[[int, BaseException], None],
+        label: Callable[[int], str],
+    ) -> list[Any]:
+        """The outcome of each of `fns` (a value, an exception, or a RewardTimeout), each on a
+        daemon thread, at most `max_concurrency` at once, each until its own deadline. A slot
+        frees as soon as any call returns or passes its deadline. `failed(k, exc)` hears of a
+        failed call as it fails; when it raises, the calls still running are given up (hung
+        until they return) and the rest are not started."""
+        outcomes: list[Any] = [None] * len(fns)
+        finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+        running: dict[int, _Call] = {}
+        started = timeouts = 0
+        try:
+            while started < len(fns) or running:
+                while started < len(fns) and len(running) < self.max_concurrency:
+                    self._check_hung()
+                    running[started] = self._submit(fns[started], started, finished)
+                    started += 1
+                for k, outcome in self._settle(running, finished):
+                    if isinstance(outcome, RewardTimeout):
+                        timeouts += 1
+                        if timeouts == 1:  # the later ones of the batch: in reward/errors
+                            self._warn_timeout(label(k))
+                    outcomes[k] = outcome
+                    if isinstance(outcome, BaseException):
+                        failed(k, outcome)
+        finally:
+            for call in running.values():
+                self._give_up(call)
         return outcomes
 
-    def _submit(self, fn: Callable[[], Any]) -> _Call:
+    def _settle(
+        self, running: dict[int, _Call], finished: queue.SimpleQueue[int]
+    ) -> list[tuple[int, Any]]:
+        """Wait until a running call returns or the earliest deadline passes; (index, outcome)
+        of every call settled by then (taken out of `running`)."""
+        left = min(call.deadline for call in running.values()) - time.monotonic()
+        returned = []
+        try:
+            returned.append(finished.get(timeout=None if math.isinf(left) else max(left, 0.0)))
+            while True:
+                returned.append(finished.get_nowait())
+        except queue.Empty:
+            pass
+        settled = []
+        for k in returned:
+            call = running.pop(k)
+            if call.worker is not None:
+                self._idle.append(call.worker)
+            settled.append((k, call.outcome))
+        now = time.monotonic()
+        for k, call in list(running.items()):
+            if call.deadline <= now and call.abandon():
+                del running[k]
+                self._hung.append(call)
+                timeout = RewardTimeout(f"timed out after {call.timeout_s:.3g}s (reward.timeout_s)")
+                settled.append((k, timeout))
+        return settled
+
+    def _warn_timeout(self, what: str) -> None:
+        """Say at once that the call for `what` ran past reward.timeout_s (once a batch)."""
+        then = (
+            "the step fails (reward.on_error: raise)"
+            if self.on_error == "raise"
+            else f"scored reward.fallback_score={self.fallback_score:g}; any further time-outs "
+            "of this batch are counted in reward/errors"
+        )
+        self._warn(
+            "reward_timeout",
+            f"{self.what}: the call for {what} ran past reward.timeout_s={self.timeout_s:g}s "
+            f"and is given up ({then}); a hung call keeps its thread until it returns "
+            f"({self.hung_calls()} such calls now; the run stops at reward.max_hung_calls="
+            f"{self.max_hung_calls})",
+        )
+
+    def _submit(self, fn: Callable[[], Any], index: int, finished: queue.SimpleQueue[int]) -> _Call:
         """Start `fn` on an idle worker (a new one when none is idle)."""
-        call = _Call(fn, self.timeout_s)
+        call = _Call(fn, self.timeout_s, index, finished)
         worker = self._idle.pop() if self._idle else _Worker()
         call.worker = worker
         worker.jobs.put(call)
         return call
 
-    def _result(self, call: _Call) -> float | BaseException:
-        outcome = call.result()
-        if isinstance(outcome, RewardTimeout):
+    def _give_up(self, call: _Call) -> None:
+        """A call still running when its batch stopped: hung until it returns (or, if it has
+        just returned, its worker is idle again)."""
+        if call.abandon():
             self._hung.append(call)
         elif call.worker is not None:
             self._idle.append(call.worker)
-        return outcome
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (threads are not): a copy starts with no workers and no hung calls."""
-        return {**self.__dict__, "_hung": [], "_idle": []}
+        return {**self.__dict__, "_hung": [], "_idle": [], "_warnings": []}
 
     def _check_hung(self) -> None:
         """Stop rather than start more threads once max_hung_calls hung calls are running."""
         hung = self.hung_calls()
         if hung >= self.max_hung_calls:
             raise RewardError(
-                f"reward function {self.name}: {hung} calls are still running after timing out "
+                f"{self.what}: {hung} calls are still running after timing out "
                 f"(reward.timeout_s={self.timeout_s}), reaching reward.max_hung_calls="
                 f"{self.max_hung_calls}; a hung call cannot be killed, so the run stops instead "
                 "of leaking more threads. Fix the function, or raise reward.timeout_s"
@@ -225,7 +361,7 @@ class RewardScorer:
     ) -> None:
         if self.on_error == "raise":
             raise RewardError(
-                f"reward function {self.name} failed on row {i} "
+                f"{self.what} failed on row {i} "
                 f"(prompt {str(prompt)[:60]!r}, response {response[:60]!r}): {exc!r}. "
                 "Set reward.on_error: fallback to score such rows with "
                 "reward.fallback_score instead."
@@ -254,15 +390,20 @@ class BatchRewardScorer(RewardScorer):
         rows = list(zip(prompts, responses, answers, strict=True))
         if not rows:
             return [], 0
-        self._check_hung()
-        outcome = self._result(self._submit(partial(self._call, rows)))
-        if isinstance(outcome, BaseException):
+
+        def failed(_: int, exc: BaseException) -> None:
             if self.on_error == "raise":
                 raise RewardError(
-                    f"reward function {self.name} (reward.signature: trl) failed on a batch of "
-                    f"{len(rows)} rows: {outcome!r}. Set reward.on_error: fallback to score "
+                    f"{self.what} (reward.signature: trl) failed on a batch of "
+                    f"{len(rows)} rows: {exc!r}. Set reward.on_error: fallback to score "
                     "such rows with reward.fallback_score instead."
-                ) from outcome
+                ) from exc
+
+        (outcome,) = self._run_calls(
+            [partial(self._call, rows)], failed, lambda _: f"the batch of {len(rows)} rows"
+        )
+        self._check_hung()
+        if isinstance(outcome, BaseException):
             return self._apply_policy(rows, [outcome] * len(rows))
         return self._apply_policy(rows, outcome)
 
