@@ -130,6 +130,19 @@ def test_a_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, cas
     assert completion(server, prompt="1", max_tokens=1)[0] == 200
 
 
+def test_json_past_the_parsers_limits_is_a_400_not_an_internal_error(server):
+    """3,000-deep nesting (within serve.max_body_bytes here) exhausts the JSON parser's
+    recursion: a 400 naming the problem, no traceback in the log (before: a 500
+    internal_error). The 5,001-digit integer: tests/serve/test_reward_service.py."""
+    body = b'{"model": "tiny", "prompt": ' + b"[" * 3000  # the parser never reaches the end
+    status, answer = server.request("POST", "/v1/completions", body, AUTH)
+    assert status == 400, answer
+    assert answer["error"]["code"] == "invalid_json"
+    assert "nested too deeply" in answer["error"]["message"]
+    assert "Traceback" not in server.text()
+    assert completion(server, prompt="1", max_tokens=1)[0] == 200
+
+
 def test_auth_routes_and_methods(server):
     body = {"model": "tiny", "prompt": "1", "max_tokens": 1}
     assert server.request("POST", "/v1/completions", body)[1]["error"]["code"] == "missing_api_key"

@@ -117,6 +117,51 @@ def test_score_on_a_policy_server_is_unimplemented_and_errors_are_counted(stub, 
     assert server.metric(score) == 1
 
 
+def length_delimited(field: int, payload: bytes) -> bytes:
+    """A protobuf field of wire type 2 (a message, bytes or string), by hand."""
+    size, varint = len(payload), b""
+    while True:
+        low, size = size & 0x7F, size >> 7
+        varint += bytes([low | (0x80 if size else 0)])
+        if not size:
+            return bytes([field << 3 | 2]) + varint + payload
+
+
+def deep_kwargs(depth: int) -> bytes:
+    """A ScoreRequest whose kwargs Struct nests lists `depth` deep: past protobuf's depth
+    limit (100 messages), which no client library would encode."""
+    value = length_delimited(3, b"x")  # Value.string_value
+    for _ in range(depth):
+        value = length_delimited(6, length_delimited(1, value))  # list_value.values
+    entry = length_delimited(1, b"x") + length_delimited(2, value)  # Struct.fields["x"]
+    return length_delimited(3, length_delimited(1, entry))  # ScoreRequest.kwargs
+
+
+@pytest.mark.parametrize(
+    ("method", "data"),
+    [("Generate", b"\xff\xff\xff\xff"), ("GenerateStream", b"\x0a\x05ab"),
+     ("Score", deep_kwargs(200))],
+    ids=["garbage", "truncated", "200-deep kwargs"],
+)  # fmt: skip
+def test_a_message_that_cannot_be_decoded_is_invalid_argument(server, stub, method, data):
+    """Bytes that are not a message of the method's type (or nest past protobuf's limit) are
+    the client's: INVALID_ARGUMENT naming the problem, counted, no traceback logged (before:
+    grpcio's INTERNAL "Exception deserializing request!")."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        path = f"/keel.serve.v1.Keel/{method}"
+        call = (channel.unary_stream if method == "GenerateStream" else channel.unary_unary)(path)
+        with pytest.raises(grpc.RpcError) as info:
+            result = call(data, metadata=AUTH, timeout=60)
+            if method == "GenerateStream":
+                list(result)  # the status comes with the stream
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith("invalid_message: ")
+    assert "Traceback" not in server.text()
+    assert server.metric('keel_serve_errors_total{kind="invalid_message"}') >= 1
+    request = pb.GenerateRequest(prompt="1", n=4, max_tokens=1)
+    assert stub.Generate(request, metadata=AUTH, timeout=60).choices  # still serving
+
+
 def send_together(server: LiveServer, stub: pb_grpc.KeelStub) -> list[int]:
     """Two HTTP completions and two gRPC Generate calls of one row each, let go at once with
     the same sampling settings; the HTTP statuses and the gRPC choice counts."""

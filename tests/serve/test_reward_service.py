@@ -105,6 +105,28 @@ def test_a_bad_score_request_gets_a_clear_4xx(server, body, headers, status, cod
     assert server.request("POST", "/v1/completions", {"prompt": "1"}, AUTH)[0] == 404
 
 
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b'{"items": [{"prompt": "1", "response": "2", "answer": ' + b"9" * 5001 + b"}]}",
+         "at most 4300 digits"),
+        (b'{"items": [], "kwargs": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+         "nested too deeply"),
+    ],
+    ids=["5001-digit integer", "100000-deep nesting"],
+)  # fmt: skip
+def test_json_past_the_parsers_limits_is_a_400_not_an_internal_error(server, body, needle):
+    """Python's JSON parser refuses integers past its digit limit (ValueError) and nesting
+    past the recursion limit (RecursionError): both are the client's, a 400 invalid_json
+    naming the problem, with no traceback logged (before: 500 internal_error)."""
+    status, answer = server.request("POST", "/v1/score", body, AUTH)
+    assert (status, answer["error"]["code"]) == (400, "invalid_json"), answer
+    assert needle in answer["error"]["message"]
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in server.text()
+    assert server.request("POST", "/v1/score", {"items": ITEMS}, AUTH)[0] == 200
+
+
 def test_grpo_trains_with_rewards_from_a_real_keel_serve_reward(server, rm_dir, tiny_grpo,
                                                                  monkeypatch):  # fmt: skip
     from keel.controller import run_training

@@ -7,7 +7,10 @@ checks the bearer token in its `authorization` metadata, turns the message into 
 request model (the same validation, limits and error codes: keel.serve.schema and
 keel.serve.handling), submits its rows and blocks on their future. Refusals are status codes
 (`STATUS`), their detail `CODE: message` with the HTTP API's error code; every call is counted in
-the same metrics as HTTP's, with endpoint `grpc/METHOD` and its status code's name.
+the same metrics as HTTP's, with endpoint `grpc/METHOD` and its status code's name. Bytes that
+do not decode as the method's message (malformed, or nested past protobuf's depth limit) are the
+client's: INVALID_ARGUMENT `invalid_message` (grpcio alone would answer INTERNAL and log a
+traceback).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class KeelServicer(pb_grpc.KeelServicer):
                 system_fingerprint=fingerprint(reply.step),
             )  # fmt: skip
 
-        return self._answer("Generate", context, run)
+        return self._answer("Generate", request, context, run)
 
     def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Any:
         def run() -> list[pb.GenerateChunk]:
@@ -94,7 +97,7 @@ class KeelServicer(pb_grpc.KeelServicer):
             return chunks
 
         # Answered in full before the first chunk (as the HTTP stream is): an error is a status.
-        return iter(self._answer("GenerateStream", context, run))
+        return iter(self._answer("GenerateStream", request, context, run))
 
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.ScoreResponse:
@@ -115,18 +118,23 @@ class KeelServicer(pb_grpc.KeelServicer):
             reward.count(rows)
             return pb.ScoreResponse(scores=scores)
 
-        return self._answer("Score", context, run)
+        return self._answer("Score", request, context, run)
 
     # ------------------------------------------------------------------ the shared parts
-    def _answer(self, method: str, context: grpc.ServicerContext, run: Callable[[], Any]) -> Any:
-        """run() after the token check; an APIError becomes its status code (the call ends),
-        and the call is counted like an HTTP request."""
+    def _answer(
+        self, method: str, request: Any, context: grpc.ServicerContext, run: Callable[[], Any]
+    ) -> Any:
+        """run() after the token check (and, for a request that did not decode, a 400); an
+        APIError becomes its status code (the call ends), and the call is counted like an HTTP
+        request."""
         metrics = self.served.metrics
         endpoint, code = f"grpc/{method}", grpc.StatusCode.OK
         start = time.perf_counter()
         metrics.in_flight.inc()
         try:
             authorize(dict(context.invocation_metadata()).get("authorization"), self.token)
+            if isinstance(request, Undecodable):
+                raise bad_request(str(request), code="invalid_message")
             return run()
         except APIError as err:
             code = STATUS.get(err.status, grpc.StatusCode.INTERNAL)
@@ -199,6 +207,51 @@ def _score_item(item: pb.ScoreItem, i: int) -> dict[str, Any]:
     return {"prompt": prompt, "response": item.response, "answer": answer}
 
 
+class Undecodable:
+    """What the request deserializer gives for bytes that are not a message of its type: the
+    servicer answers it with INVALID_ARGUMENT (grpcio would abort a deserializer's exception
+    with INTERNAL and log it)."""
+
+    def __init__(self, message: str, error: Exception):
+        self.message = message
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"the request is not a {self.message} message: {self.error}"
+
+
+def _decoder(message: Any) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception as exc:  # DecodeError: malformed, or nested past the depth limit
+            return Undecodable(message.DESCRIPTOR.full_name, exc)
+
+    return decode
+
+
+def add_servicer(servicer: KeelServicer, server: grpc.Server) -> None:
+    """keel_serve_pb2_grpc.add_KeelServicer_to_server, with request deserializers that hand an
+    undecodable message to the servicer (`Undecodable`) instead of failing the call."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=_decoder(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=_decoder(pb.GenerateRequest),
+            response_serializer=pb.GenerateChunk.SerializeToString,
+        ),
+        "Score": grpc.unary_unary_rpc_method_handler(
+            servicer.Score, request_deserializer=_decoder(pb.ScoreRequest),
+            response_serializer=pb.ScoreResponse.SerializeToString,
+        ),
+    }  # fmt: skip
+    service = pb.DESCRIPTOR.services_by_name["Keel"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
 def start_grpc(served: Served, cfg: ServeConfig, host: str, port: int) -> grpc.Server:
     """The gRPC server on host:port, started (TLS with serve.tls_certfile/keyfile when set);
     a port it cannot listen on is a ConfigError. Says where it listens on stderr."""
@@ -210,7 +263,7 @@ def start_grpc(served: Served, cfg: ServeConfig, host: str, port: int) -> grpc.S
             ("grpc.so_reuseport", 0),  # a port another server holds is an error, not shared
         ],
     )
-    pb_grpc.add_KeelServicer_to_server(KeelServicer(served, cfg), server)
+    add_servicer(KeelServicer(served, cfg), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         if cfg.tls_certfile and cfg.tls_keyfile:

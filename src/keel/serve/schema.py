@@ -8,6 +8,7 @@ sampling pass, so a seed cannot make one request reproducible."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -167,17 +168,44 @@ class ScoreRequest(BaseModel):
 
 
 def parse_body(body: bytes, model: type[BaseModel]) -> Any:
-    """The request `model` from a JSON body; malformed JSON and invalid parameters are 400s
-    naming the problem (and the parameter)."""
+    """The request `model` from a JSON body; malformed JSON, JSON past the parser's limits (an
+    integer longer than Python's int-string limit, nesting deeper than its recursion limit)
+    and invalid parameters are 400s naming the problem (and the parameter)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_int=_json_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:  # any other refusal of the parser is the body's too
+        raise APIError(
+            400, f"the request body cannot be parsed as JSON: {exc}", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return validate(data, model)
+
+
+def _json_int(text: str) -> int:
+    """A JSON integer; one past Python's int-string limit (sys.get_int_max_str_digits, 4300
+    digits by default: int() raises ValueError past it) is a 400."""
+    limit = sys.get_int_max_str_digits()
+    digits = len(text) - text.startswith("-")
+    if limit and digits > limit:
+        raise APIError(
+            400, f"the request body has an integer of {digits} digits; this server parses "
+            f"integers of at most {limit} digits", code="invalid_json",
+        )  # fmt: skip
+    return int(text)
+
+
+def _too_deep() -> APIError:
+    return APIError(
+        400, "the request body is nested too deeply to parse (arrays and objects inside one "
+        "another, past the JSON parser's recursion limit)", code="invalid_json",
+    )  # fmt: skip
 
 
 def validate(data: dict[str, Any], model: type[BaseModel]) -> Any:
@@ -187,6 +215,8 @@ def validate(data: dict[str, Any], model: type[BaseModel]) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def _invalid(exc: ValidationError) -> APIError:
