@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: demo gpu-wheels test test-tools lint format bench bench-trl bench-engines clean install mutants \
-	golden learning install-vllm test-vllm
+	golden learning install-vllm test-vllm test-portable
 
 install: $(STAMP)
 
@@ -48,6 +48,13 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) test-tools
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory test-vllm
+
+# Portability: the golden and learning tests (PORTABLE_TESTS) under every CPU kernel level
+# PyTorch can be forced to here (ATEN_CPU_CAPABILITY default, avx2, avx512 where the CPU has
+# it) and with oneDNN off (scripts/test-portable). PORTABLE_TESTS=tests runs the main suite so.
+PORTABLE_TESTS ?= -m learning
+test-portable: $(STAMP)
+	PYTEST=$(BIN)/pytest scripts/test-portable $(PORTABLE_TESTS) -n $(TEST_WORKERS) --dist loadfile
 
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm -n $(TEST_WORKERS) --dist loadfile

@@ -110,5 +110,9 @@ def test_lora_dpo_uses_the_base_as_reference_and_trains_the_adapter(tiny_dir, tm
     batch = ctl.encode(ctl.train_pairs[:4])
     ref = ctl.roles.reference.call("compute_ref_logprobs", batch).ref_logprobs
     with torch.no_grad():
-        assert torch.equal(ref, response_forward(load_causal_lm(tiny_dir).eval(), batch)[0])
-        assert not torch.allclose(ref, response_forward(actor.eval(), batch)[0])
+        base = response_forward(load_causal_lm(tiny_dir).eval(), batch)[0]
+        trained = response_forward(actor.eval(), batch)[0]
+    # Two code paths (peft with the adapter off, a plain load): equal up to float rounding,
+    # which differs from one CPU to another; the trained adapter moves far more than that.
+    torch.testing.assert_close(ref, base, rtol=1e-5, atol=1e-6)
+    assert (ref - trained).abs().max() > 1e-3

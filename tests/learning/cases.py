@@ -14,6 +14,16 @@ moves in the right direction by at least `margin` between the first and the last
 accuracy starts anywhere between 30% and 85% depending on its random head, so a rise alone
 says little).
 
+The online RL cases are judged against a control: the same case, same seed, with a constant
+training reward (`rewards.py:constant_in_training`; the held-out prompts keep the verifier, so
+the control measures the same accuracy). Without a reward signal the policy still moves: the
+KL loss's gradient at policy = reference is float rounding (the reference's and the actor's
+passes batch rows differently), not 0, and Adam's first update is lr·sign(g), whatever g's
+size, so every weight takes a full step in a direction the rounding picks; PPO's critic also
+moves the policy through its untrained values. That drift moved held-out accuracy by up to
+±0.05 over 30 steps, more than the margin on some machines. A case passes when its change
+exceeds the control's by the margin (the gain over the control).
+
 Thresholds come from measured runs on three seeds (`python -m tests.learning.cases --seeds
 0,1,2`, which prints every case's change next to its margin); docs/testing.md has the table.
 The warm start of the RL cases is the policy that the SFT case trains (`sft`), so every RL case
@@ -24,10 +34,11 @@ wrong ones.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import mean
 
@@ -35,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 CONSTANT_REWARD = f"{Path(__file__).with_name('rewards.py')}:constant"
 LEADING_DIGIT_REWARD = f"{Path(__file__).with_name('rewards.py')}:leading_digit_high"
+CONTROL_REWARD = f"{Path(__file__).with_name('rewards.py')}:constant_in_training"
 
 # Every case: no checkpoints, no console, no side files; warm-up off (short budgets).
 COMMON = (
@@ -61,6 +73,7 @@ class LearningCase:
     eval_every: int = 0
     reach: float | None = None
     needs_warm_start: bool = True
+    control: bool = False  # also run the constant-reward control; judge the gain over it
 
     def config_overrides(self, warm: Path | None, run_dir: Path, seed: int) -> list[str]:
         extra = [o.replace(WARM, str(warm)) for o in self.overrides]
@@ -76,28 +89,65 @@ class Outcome:
     after: float
     rows: list[dict] = field(default_factory=list)
     model_dir: Path | None = None
+    control: Outcome | None = None  # the constant-reward control's outcome (case.control)
 
     @property
     def change(self) -> float:
-        """The metric's movement in the case's direction (relative to its start if asked)."""
+        """The metric's movement in the case's direction (relative to its start if asked; NaN,
+        a failure, when a relative change starts from exactly 0)."""
         delta = (self.after - self.before) * self.case.direction
-        return delta / abs(self.before) if self.case.relative else delta
+        if not self.case.relative:
+            return delta
+        return delta / abs(self.before) if self.before != 0 else math.nan
+
+    @property
+    def gain(self) -> float:
+        """The change beyond the control's (the change itself without a control)."""
+        return self.change - (self.control.change if self.control is not None else 0.0)
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the case fails (empty: it passes)."""
+        c, out = self.case, []
+        if not (math.isfinite(self.before) and math.isfinite(self.after)):
+            out.append(f"{c.metric} is not finite")
+        elif c.relative and self.before == 0:
+            out.append(f"{c.metric} starts at exactly 0: a relative change is undefined")
+        elif not self.gain >= c.margin:
+            out.append("the gain is below the margin")
+        if c.reach is not None and not (self.after - c.reach) * c.direction >= 0:
+            out.append(f"the end value misses {c.reach:.3g}")
+        if c.control and self.control is None:
+            out.append("the control did not run")
+        if self.control is not None and self.control.before != self.before:
+            out.append(
+                f"the control starts at {self.control.before:.4g}, not at {self.before:.4g}: "
+                "it does not measure the same thing"
+            )
+        return out
 
     @property
     def passed(self) -> bool:
-        reach = self.case.reach
-        reached = reach is None or (self.after - reach) * self.case.direction >= 0
-        return math.isfinite(self.change) and self.change >= self.case.margin and reached
+        return not self.problems
 
     def describe(self) -> str:
         c = self.case
         kind = "relative " if c.relative else ""
         word = "rise" if c.direction > 0 else "fall"
         reach = f" and an end value of {c.reach:.3g}" if c.reach is not None else ""
-        return (
+        text = (
             f"{c.name}: {c.metric} {self.before:.4g} -> {self.after:.4g} in {c.steps} steps; "
-            f"{kind}{word} {self.change:+.3f}, needed {c.margin:+.3f}{reach}"
+            f"{kind}{word} {self.change:+.3f}"
         )
+        if self.control is not None:
+            ctl = self.control
+            text += (
+                f", control (constant reward) {ctl.before:.4g} -> {ctl.after:.4g} "
+                f"({ctl.change:+.3f}): gain {self.gain:+.3f}"
+            )
+        text += f", needed {c.margin:+.3f}{reach}"
+        problems = self.problems
+        return text + (f" — FAILS: {'; '.join(problems)}" if problems else "")
 
 
 RL = "eval/accuracy"
@@ -106,9 +156,10 @@ RL_BUDGET = {"steps": 30, "eval_every": 5, "window": 3, "margin": 0.03}
 
 def rl_case(name: str, example: str, *overrides: str) -> LearningCase:
     """An online RL case: the example as written (32 prompts a step, 4 optimizer updates), 30
-    steps, from the SFT case's policy; held-out accuracy every 5 steps. (At 16 prompts a step
-    the gains over 30 steps fell to +0.015..+0.13: too close to the noise.)"""
-    return LearningCase(name, example, metric=RL, overrides=overrides, **RL_BUDGET)
+    steps, from the SFT case's policy; held-out accuracy every 5 steps, judged against its
+    constant-reward control. (At 16 prompts a step the gains over 30 steps fell to
+    +0.015..+0.13: too close to the noise.)"""
+    return LearningCase(name, example, metric=RL, overrides=overrides, control=True, **RL_BUDGET)
 
 
 CASES: dict[str, LearningCase] = {
@@ -160,7 +211,32 @@ CASES: dict[str, LearningCase] = {
 
 
 def run_case(case: LearningCase, run_dir: Path, *, warm: Path | None, seed: int = 0) -> Outcome:
-    """Train `case` into `run_dir` and measure its metric."""
+    """Train `case` into `run_dir` and measure its metric (and, for a case with a control,
+    the control's, trained into `run_dir`-control)."""
+    outcome = _train(case, run_dir, warm=warm, seed=seed)
+    if case.control:
+        overrides = (*case.overrides, *control_overrides(case))
+        control = replace(case, control=False, overrides=overrides)
+        control_dir = run_dir.with_name(run_dir.name + "-control")
+        outcome.control = _train(control, control_dir, warm=warm, seed=seed)
+    return outcome
+
+
+def control_overrides(case: LearningCase) -> tuple[str, ...]:
+    """The control's reward: constant on the training prompts, the case's verifier (strict
+    numeric_match) on the held-out prompts of the case's arithmetic task."""
+    from keel.config.loading import load_config
+
+    cfg = load_config(EXAMPLES / case.example, list(case.overrides))
+    task, reward = cfg.data.arithmetic, cfg.reward
+    if reward.fn != "builtin:numeric_match" or cfg.data.eval != "builtin:arithmetic":
+        raise ValueError(f"{case.name}: the control knows numeric_match on builtin:arithmetic only")
+    kwargs = {"strict": bool(reward.kwargs.get("strict", False)), "max_operand": task.max_operand,
+              "ops": task.ops, "eval_size": task.eval_size, "seed": task.seed}  # fmt: skip
+    return (f"reward.fn={CONTROL_REWARD}", f"reward.kwargs={json.dumps(kwargs)}")
+
+
+def _train(case: LearningCase, run_dir: Path, *, warm: Path | None, seed: int) -> Outcome:
     from keel.config.loading import load_config
     from keel.controller import run_training
     from keel.monitor.jsonl import read_metrics

@@ -208,6 +208,16 @@ MUTATIONS: dict[str, Mutation] = {
                 "tests/checkpoint/test_state.py::test_a_checkpoint_restores_the_optimizer_state",
             ),
         ),
+        Mutation(
+            "kl_against_itself",
+            "algo/kl.py",
+            "value = _BASE[base](logprobs, ref_logprobs)",
+            "value = _BASE[base](logprobs, logprobs)",
+            "the KL estimated between the policy and itself (the reference ignored): the KL and "
+            "its gradient are 0 from the first step (the learning harness must report a KL "
+            "that starts at 0 as a failure, not crash)",
+            ("kl_loss", "kl_reward"),
+        ),
     ]
 }
 
