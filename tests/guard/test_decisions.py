@@ -29,3 +29,38 @@ def test_the_latest_rollback_abandons_newer_older_checkpoints_and_skips_again():
     assert d.skip_after_loading(4, written_at=110.0) == 0  # a later checkpoint of step 4
     assert d.skip_after_loading(6, written_at=110.0) == 0
     assert GuardDecisions().skip_after_loading(4, 90.0) == 0
+
+
+GOOD = {"rollbacks": 1, "lr_scale": 0.5, "kl_scale": 2.0, "rollback": None, "stop": None}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"lr_scale": float("nan")}, "lr_scale"),
+        ({"lr_scale": -1000, "rollbacks": -100}, "rollbacks"),
+        ({"lr_scale": -1000}, "lr_scale"),
+        ({"lr_scale": 3.0}, "lr_scale"),  # the guard only ever lowers the LR
+        ({"kl_scale": float("inf")}, "kl_scale"),
+        ({"kl_scale": 0.5}, "kl_scale"),  # ... and only ever raises the KL coefficient
+        ({"rollbacks": 1.5}, "rollbacks"),
+        ({"rollbacks": True}, "rollbacks"),
+        ({"lr_scale": "0.5"}, "lr_scale"),
+        ({"rollback": {"to_step": -1, "time": 1.0, "skip_batches": 0}}, "rollback.to_step"),
+        ({"rollback": {"to_step": 2, "time": 1.0}}, "rollback.skip_batches"),
+        ({"rollback": [2]}, "rollback"),
+        ({"stop": {"step": 3}}, "stop.reason"),
+    ],
+)
+def test_values_the_guard_never_writes_are_refused_naming_the_field(tmp_path, change, field):
+    """guard_state.json is applied to the run (the LR scale goes to the optimizer): a value the
+    guard cannot have written (a NaN or negative LR scale, a negative rollback count, …) is a
+    GuardStateError naming the file and the field, never applied."""
+    import json
+
+    path = tmp_path / "guard_state.json"
+    path.write_text(json.dumps({**GOOD, **change}))  # json writes NaN and Infinity as Python does
+    with pytest.raises(GuardStateError, match=rf"{path}: {field}\b.*--reset-guard"):
+        read_decisions(path)
+    path.write_text(json.dumps(GOOD))
+    assert read_decisions(path) == GuardDecisions(1, 0.5, 2.0)

@@ -20,6 +20,7 @@ belong to the trajectory it abandoned, and a resume from checkpoint `to_step` sk
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,21 +74,72 @@ def write_decisions(path: str | Path, decisions: GuardDecisions) -> None:
 
 def read_decisions(path: str | Path) -> GuardDecisions | None:
     """The decisions in `path`, or None when there is no such file. GuardStateError names the
-    file when it cannot be read."""
+    file (and the field) when it cannot be read or holds a value the guard cannot have written:
+    the decisions are applied to the run (the LR scale goes to the optimizer), so a NaN or
+    negative scale, a negative count, … is refused, never applied."""
     path = Path(path)
     if not path.is_file():
         return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-        return GuardDecisions(
-            rollbacks=int(raw["rollbacks"]),
-            lr_scale=float(raw["lr_scale"]),
-            kl_scale=float(raw["kl_scale"]),
-            rollback=raw.get("rollback"),
-            stop=raw.get("stop"),
-        )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise GuardStateError(
-            f"{path} is unreadable ({exc}); pass --reset-guard to start the guard's decisions "
-            "afresh"
-        ) from exc
+    except (OSError, ValueError) as exc:
+        raise GuardStateError(f"{path} is unreadable ({exc}); {RESET_HINT}") from exc
+    if not isinstance(raw, dict):
+        raise GuardStateError(f"{path}: not a JSON object; {RESET_HINT}")
+    problems: list[str] = []
+    decisions = GuardDecisions(
+        rollbacks=_field(raw, "rollbacks", _COUNT, problems),
+        lr_scale=_field(raw, "lr_scale", _LR_SCALE, problems),
+        kl_scale=_field(raw, "kl_scale", _KL_SCALE, problems),
+        rollback=_record(raw, "rollback", _ROLLBACK, problems),
+        stop=_record(raw, "stop", _STOP, problems),
+    )
+    if problems:
+        raise GuardStateError(f"{path}: {'; '.join(problems)}; {RESET_HINT}")
+    return decisions
+
+
+RESET_HINT = "pass --reset-guard to start the guard's decisions afresh"
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# (what a value must be, the check): every value the guard writes passes. The LR scale is a
+# product of guard.lr_factor ∈ (0, 1], the KL scale one of guard.kl_factor ≥ 1.
+_COUNT = ("an integer ≥ 0", _is_count)
+_LR_SCALE = ("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1)
+_KL_SCALE = ("a finite number ≥ 1", lambda v: _is_number(v) and v >= 1)
+_TIME = ("a finite number (unix seconds)", _is_number)
+_ROLLBACK = {"to_step": _COUNT, "time": _TIME, "skip_batches": _COUNT}
+_STOP = {"step": _COUNT, "reason": ("a string", lambda v: isinstance(v, str))}
+
+
+def _field(raw: dict[str, Any], name: str, rule: tuple[str, Any], problems: list[str]) -> Any:
+    what, ok = rule
+    if name not in raw:
+        problems.append(f"{name} is missing")
+    elif not ok(raw[name]):
+        problems.append(f"{name} is {raw[name]!r}; it must be {what}")
+    return raw.get(name)
+
+
+def _record(
+    raw: dict[str, Any], name: str, rules: dict[str, tuple[str, Any]], problems: list[str]
+) -> dict[str, Any] | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        problems.append(f"{name} is {value!r}; it must be null or an object")
+        return None
+    nested: list[str] = []
+    for key, rule in rules.items():
+        _field(value, key, rule, nested)
+    problems.extend(f"{name}.{p}" for p in nested)
+    return value
