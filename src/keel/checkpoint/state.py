@@ -143,11 +143,13 @@ def validate_checkpoint(path: Path) -> CheckpointInfo:
     SHA-256 digest."""
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        files, digests = meta["files"], meta.get("sha256", {})
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {path}: meta.json is unreadable ({exc})") from exc
+    meta = read_meta(path)
+    files, digests = meta.get("files"), meta.get("sha256", {})
+    for key, value in (("files", files), ("sha256", digests)):
+        if value is None:
+            raise CheckpointError(f"checkpoint {path}: meta.json lacks {key}")
+        if not isinstance(value, dict):
+            raise CheckpointError(f"checkpoint {path}: meta.json {key} is not an object")
     for rel, size in files.items():
         file = path / rel
         if not file.is_file() or file.stat().st_size != size:
@@ -160,39 +162,102 @@ def validate_checkpoint(path: Path) -> CheckpointInfo:
     return info_of(path, meta)
 
 
+# The keys every meta.json holds, with what each must be.
+_META_KEYS: dict[str, tuple[str, Any]] = {
+    "step": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "healthy": ("true or false", lambda v: isinstance(v, bool)),
+    "time": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "metrics": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of the checkpoint folder `path`, checked: a CheckpointError that says what is
+    wrong with it (missing, not UTF-8 or JSON, a key missing or of the wrong kind, a step other
+    than its `step_N` folder's)."""
+    file = path / "meta.json"
+    where = f"checkpoint {path}: meta.json"
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{where} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where} cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{where} is not valid UTF-8 ({exc.reason})") from None
+    try:
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{where} is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} is not a JSON object")
+    problems = []
+    folder_step = step_of(path.name)
+    step = meta.get("step")
+    if _META_KEYS["step"][1](step) and folder_step is not None and step != folder_step:
+        problems.append(f"records step {step} but the folder is {path.name}")
+    missing = [key for key in _META_KEYS if key not in meta]
+    if missing:
+        problems.append("lacks " + ", ".join(missing))
+    for key, (what, ok) in _META_KEYS.items():
+        if key in meta and not ok(meta[key]):
+            problems.append(f"{key} is {meta[key]!r}, not {what}")
+    if problems:
+        raise CheckpointError(f"{where} " + "; meta.json ".join(problems))
+    return meta
+
+
 def info_of(path: Path, meta: dict[str, Any] | None = None) -> CheckpointInfo:
-    meta = meta if meta is not None else json.loads((path / "meta.json").read_text())
+    """The checkpoint's step, health, time and metrics from its meta.json (CheckpointError: what
+    is wrong with it)."""
+    meta = meta if meta is not None else read_meta(path)
     return CheckpointInfo(
         path, int(meta["step"]), bool(meta["healthy"]), float(meta["time"]), meta["metrics"]
     )
 
 
-def list_checkpoints(root: str | Path, *, warn: bool = True) -> list[CheckpointInfo]:
-    """Complete checkpoints under `root`, oldest first. Folders without the completion marker
-    (a save that did not finish) are skipped with a warning."""
+def scan_checkpoints(root: str | Path) -> tuple[list[CheckpointInfo], list[str]]:
+    """Complete checkpoints under `root`, oldest first, and for each `step_N` folder passed over
+    a line naming it and why: no completion marker (a save that did not finish), or a meta.json
+    that cannot be used (what is wrong with it)."""
     root = Path(root)
     if not root.is_dir():
-        return []
-    found = []
+        return [], []
+    found, skipped = [], []
     for path in sorted(root.iterdir()):
         if step_of(path.name) is None or not path.is_dir():
             continue
         if not (path / MARKER).is_file():
-            if warn:
-                warnings.warn(f"ignoring incomplete checkpoint {path}", stacklevel=2)
+            skipped.append(f"incomplete checkpoint {path} (no {MARKER} marker)")
             continue
         try:
             found.append(info_of(path))
-        except (OSError, ValueError, KeyError):
-            if warn:
-                warnings.warn(f"ignoring checkpoint {path}: unreadable meta.json", stacklevel=2)
-    return sorted(found, key=lambda c: c.step)
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+    return sorted(found, key=lambda c: c.step), skipped
 
 
-def resume_candidates(root: str | Path) -> list[CheckpointInfo]:
-    """Checkpoints to try, best first: the one `latest` names, then the others newest first."""
+def list_checkpoints(root: str | Path, *, warn: bool = True) -> list[CheckpointInfo]:
+    """Complete checkpoints under `root`, oldest first. Folders without the completion marker
+    (a save that did not finish) or with an unusable meta.json are skipped, with a warning
+    saying why (scan_checkpoints returns the reasons instead)."""
+    found, skipped = scan_checkpoints(root)
+    if warn:
+        for line in skipped:
+            warnings.warn(f"ignoring {line}", stacklevel=2)
+    return found
+
+
+def resume_candidates(root: str | Path, skipped: list[str] | None = None) -> list[CheckpointInfo]:
+    """Checkpoints to try, best first: the one `latest` names, then the others newest first.
+    The folders skipped (scan_checkpoints) are appended to `skipped`, else warned about."""
     root = Path(root)
-    found = list_checkpoints(root)
+    found, passed_over = scan_checkpoints(root)
+    if skipped is None:
+        for line in passed_over:
+            warnings.warn(f"ignoring {line}", stacklevel=2)
+    else:
+        skipped.extend(passed_over)
     named = read_latest(root)
     first = [c for c in found if c.path.name == named]
     return first + [c for c in reversed(found) if c.path.name != named]
