@@ -1,8 +1,9 @@
-"""JSON-lines files with a torn last line: readers leave it out, repair_tail cuts it off."""
+"""JSON-lines files with a torn last line: readers leave it out; before appending, it and any
+other bad line are set aside."""
 
 import pytest
 
-from keel.jsonlines import parse_rows, read_rows, repair_tail, torn_tail
+from keel.jsonlines import parse_rows, read_rows, set_aside_bad_lines
 
 
 def test_a_torn_last_line_is_left_out_and_a_bad_middle_line_named():
@@ -13,25 +14,34 @@ def test_a_torn_last_line_is_left_out_and_a_bad_middle_line_named():
         parse_rows('{"step": 1}\n{"ste\n{"step": 3}\n', "m.jsonl")
 
 
-def test_torn_tail_says_what_to_keep():
-    assert torn_tail(b'{"a": 1}\n') == (9, b"")
-    assert torn_tail(b'{"a": 1}\n{"b": ') == (9, b"")
-    assert torn_tail(b'{"a": 1}\n\x00\x00\n') == (9, b"")
-    assert torn_tail(b'{"a": 1}\n{"b": 2}') == (17, b"\n")  # whole, only the newline missing
-    assert torn_tail(b"") == (0, b"")
-
-
-def test_repair_tail_cuts_the_torn_line_so_appends_stay_whole(tmp_path):
-    path = tmp_path / "events.jsonl"
-    path.write_bytes(b'{"step": 1}\n{"step": 2, "message": "cut sh')
-    assert "dropped a torn last line" in repair_tail(path)
+@pytest.mark.parametrize(
+    ("content", "kept", "aside", "said"),
+    [
+        (b'{"step": 1}\n', b'{"step": 1}\n', None, []),
+        (b'{"step": 1}', b'{"step": 1}\n', None, []),  # whole: only the newline was missing
+        (b'{"step": 1}\n{"step": 2, "message": "cut sh', b'{"step": 1}\n',
+         b'{"step": 2, "message": "cut sh\n', ["a torn last line"]),
+        (b'{"step": 1}\nxx\n{"step": 2}\n', b'{"step": 1}\n{"step": 2}\n', b"xx\n",
+         ["line 2 (not a JSON object with a step)"]),
+        (b'\xff\n{"step": 1}\n{"a": 1}\n', b'{"step": 1}\n', b'\xff\n{"a": 1}\n',
+         ["line 1 (not", "line 3 (not"]),
+    ],
+)  # fmt: skip
+def test_bad_lines_are_set_aside_byte_for_byte_so_appends_stay_whole(
+    tmp_path, content, kept, aside, said
+):
+    path, beside = tmp_path / "events.jsonl", tmp_path / "events.jsonl.bad"
+    path.write_bytes(content)
+    moved = set_aside_bad_lines(path, beside)
+    assert path.read_bytes() == kept
+    assert (beside.read_bytes() if beside.exists() else None) == aside
+    assert len(moved) == len(said) and all(s in m for s, m in zip(said, moved, strict=True))
+    assert all(f"to {beside}" in m for m in moved)
+    assert set_aside_bad_lines(path, beside) == []  # clean now
     with path.open("a") as fh:
         fh.write('{"step": 3}\n')
-    assert read_rows(path) == [{"step": 1}, {"step": 3}]
-    assert repair_tail(path) is None  # already clean
-    assert repair_tail(tmp_path / "absent.jsonl") is None
-    path.write_bytes(b'{"step": 1}')
-    assert repair_tail(path) is None and path.read_bytes() == b'{"step": 1}\n'
+    assert read_rows(path)[-1] == {"step": 3}
+    assert set_aside_bad_lines(tmp_path / "absent.jsonl", beside) == []
 
 
 def test_bytes_that_are_not_utf8_name_the_line_unless_in_a_torn_last_line(tmp_path):

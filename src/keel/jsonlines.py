@@ -2,8 +2,9 @@
 line, each line written whole with its newline and fsync'd.
 
 A crash or a full disk in the middle of a write can leave the file's last line cut short (a
-*torn* line). Readers leave a torn last line out; `repair_tail` cuts it off before a writer
-appends again, so that a torn line never ends up in the middle of the file.
+*torn* line). Readers leave a torn last line out; `set_aside_bad_lines` moves it (and any other
+line that is not a row) to a file beside before a writer appends again, so that a torn line
+never ends up in the middle of the file and nothing is lost.
 """
 
 from __future__ import annotations
@@ -50,44 +51,81 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return parse_rows(text, str(path))
 
 
-def torn_tail(data: bytes) -> tuple[int, bytes]:
-    """Where the intact part of a JSON-lines file's content ends, and what must follow it.
-
-    Returns (keep, suffix): the file should be its first `keep` bytes plus `suffix`. A last line
-    that is not a JSON object is cut off (keep = where it starts, suffix = b""); a last line that
-    is a whole object but lacks its newline keeps its bytes and gets one (suffix = b"\\n");
-    otherwise (len(data), b"")."""
-    body = data.rstrip(b"\n")
-    start = body.rfind(b"\n") + 1
-    last = body[start:]
-    if not last.strip() or _object(last.decode("utf-8", errors="replace")) is not None:
-        missing_newline = bool(data) and not data.endswith(b"\n")
-        return len(data), b"\n" if missing_newline else b""
-    return start, b""
-
-
-def repair_tail(path: str | Path) -> str | None:
-    """Cut a torn last line off the file at `path` (and fsync it), or give a whole last line its
-    missing newline. Returns a one-line description of what was cut, or None when the file is
-    absent or already ends cleanly."""
-    path = Path(path)
+def set_aside_bad_lines(path: str | Path, aside: str | Path) -> list[str]:
+    """Move every line of the file at `path` that is not a JSON object with a "step" (every row
+    of metrics.jsonl, events.jsonl and samples.jsonl has one) to the end of `aside`, byte for
+    byte, each ending in a newline: a torn last line, or a bad line anywhere else (bytes that are
+    not UTF-8, a line a person or a tool damaged). Run before a writer appends again, so that
+    the file holds only whole rows and every reader (`keel report`) takes it whole; nothing is
+    deleted. `aside` is written and fsync'd before `path` changes: a crash between the two
+    leaves a line in both, never in neither. A whole last line that lacks its newline gets one.
+    Returns one line per line moved, naming it."""
+    path, aside = Path(path), Path(aside)
     if not path.is_file():
-        return None
+        return []
     data = path.read_bytes()
-    keep, suffix = torn_tail(data)
-    if keep == len(data) and not suffix:
-        return None
-    with path.open("r+b") as fh:
-        fh.truncate(keep)
-        fh.seek(keep)
-        fh.write(suffix)
+    lines = data.split(b"\n")
+    ends = [b"\n"] * (len(lines) - 1) + [b""]  # the last piece has no newline after it
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    bad = [i for i, line in enumerate(lines) if line.strip() and not _row(line)]
+    if not bad:
+        if last >= 0 and not ends[last]:
+            _append(path, b"\n")  # nothing was lost: the last line only lacked its newline
+        return []
+    _append(aside, b"".join(lines[i] + b"\n" for i in bad))
+    moving = set(bad)
+    kept = b"".join(lines[i] + ends[i] for i in range(len(lines)) if i not in moving)
+    if kept.strip() and not kept.endswith(b"\n"):
+        kept += b"\n"
+    if data.startswith(kept):  # only the last line goes (a torn write): cut it off in place
+        with path.open("r+b") as fh:
+            fh.truncate(len(kept))
+            fh.flush()
+            os.fsync(fh.fileno())
+    else:
+        _replace(path, kept)
+    moved = []
+    for i in bad:
+        shown = lines[i][:60].decode("utf-8", errors="replace")
+        torn = i == last and _object(lines[i].decode("utf-8", errors="replace")) is None
+        what = "a torn last line" if torn else f"line {i + 1} (not a JSON object with a step)"
+        moved.append(f"moved {what} of {path} ({len(lines[i])} bytes: {shown!r}) to {aside}")
+    return moved
+
+
+def _row(line: bytes) -> bool:
+    try:
+        row = _object(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
+    return row is not None and "step" in row
+
+
+def _append(path: Path, data: bytes) -> None:
+    with path.open("ab") as fh:
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-    if suffix:
-        return None  # nothing was lost: the last line only lacked its newline
-    cut = data[keep:]
-    shown = cut[:60].decode("utf-8", errors="replace")
-    return f"dropped a torn last line of {path} ({len(cut)} bytes: {shown!r})"
+    _fsync_dir(path.parent)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Replace the file with `data` atomically: a temporary sibling, fsync'd, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _object(line: str) -> dict[str, Any] | None:
