@@ -85,7 +85,7 @@ def test_the_weight_push_copies_the_actors_weights_and_version():
     actor.weight_version = 3
     push = WeightPush(LocalWorkerGroup("actor", [actor]), LocalWorkerGroup("rollout", [rollout]))
     metrics = push()
-    assert metrics["rollout/weight_version"] == 3 and metrics["rollout/weight_push_s"] >= 0
+    assert metrics["rollout/weight_version"] == 3 and metrics["timing/weight_push_s"] >= 0
     assert rollout.weight_version == 3 and rollout.engine.versions == [3]
     assert torch.equal(rollout.engine.model.weight, actor.model.weight)
 

@@ -103,7 +103,7 @@ def test_two_ray_workers_make_the_same_update_as_one_local_worker(
     # `staleness` updates old (the first batch: the initial weights)
     assert [r["rollout/weight_version"] for r in rows[1:]] == [1.0, 2.0, 3.0]
     assert [r["rollout/weight_version_lag"] for r in rows[1:]] == [0, staleness, staleness]
-    assert all(r["rollout/weight_push_s"] > 0 for r in rows[1:])
+    assert all(r["timing/weight_push_s"] > 0 for r in rows[1:])
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 

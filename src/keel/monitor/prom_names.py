@@ -59,7 +59,7 @@ WELL_KNOWN: dict[str, PromMetric] = {
     "perf/tokens_per_second": _m("keel_tokens_per_second", "non-padding tokens per second"),
     "timing/step_s": _m("keel_step_duration_seconds", "wall time of the training step"),
     "rollout/weight_version_lag": _m("keel_weight_version_lag", "policy versions behind"),
-    "rollout/weight_push_s": _m(
+    "timing/weight_push_s": _m(
         "keel_weight_push_duration_seconds", "seconds the last push to rollout workers took"
     ),
     "guard/state": _m("keel_guard_state", "0 ok, 1 tripped, 2 rolled back, 3 stopping"),

@@ -160,7 +160,7 @@ class WeightPush:
         state, version = self.actor.call_all("export_weights")[0]
         self.rollout.call_all("load_weights", state=state, version=version)
         return {
-            "rollout/weight_push_s": time.perf_counter() - start,
+            "timing/weight_push_s": time.perf_counter() - start,
             "rollout/weight_version": float(version),
         }
 
