@@ -22,13 +22,14 @@ REQUIRED = [
 @pytest.mark.e2e
 def test_grpo_example_trains_and_exports(keel, tiny_dir, tmp_path):
     run_dir = tmp_path / "grpo"
-    proc = keel(
+    args = (
         "train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
         "--set", f"models.actor={tiny_dir}", "--set", "train.steps=3",
         "--set", "eval.every=2", "--set", "data.arithmetic.eval_size=16",
         "--set", "checkpoint.save_steps=2", "--set", "rollout.return_logprobs=true",
         "--set", "reward.fn=tests/cli/format_reward.py:digit_fraction",
     )  # fmt: skip
+    proc = keel(*args)
     assert proc.returncode == 0, proc.stderr
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -53,6 +54,13 @@ def test_grpo_example_trains_and_exports(keel, tiny_dir, tmp_path):
     assert (run_dir / "checkpoints" / "step_000002" / "actor" / "model.safetensors").is_file()
     saved = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     assert saved.train.steps == 3 and saved.models.actor == str(tiny_dir)
+
+    # The same command again (a Job retrying a pod killed after the export): done, exit 0.
+    again = keel(*args)
+    assert again.returncode == 0, again.stderr
+    assert f"{run_dir} holds a finished run (step 3 of train.steps=3)" in again.stderr
+    changed = keel(*args, "--set", "train.lr=0.1")
+    assert changed.returncode == 2 and "config differs in train.lr" in changed.stderr
 
 
 @pytest.mark.e2e

@@ -3,6 +3,7 @@ clean-up of what a killed writer left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -10,6 +11,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _STEP = re.compile(r"^step_(\d+)$")
+# In an exported folder (RUN_DIR/model): the step its weights are from, written inside the folder
+# before it is published, so that the folder and its record appear together or not at all.
+EXPORT_RECORD = "keel_export.json"
 
 
 def step_folder_name(step: int) -> str:
@@ -108,3 +112,18 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_export_record(folder: Path, step: int) -> None:
+    """Record in `folder` (an export being written) the training step its weights are from."""
+    (folder / EXPORT_RECORD).write_text(json.dumps({"step": step}) + "\n")
+
+
+def exported_step(folder: Path) -> int | None:
+    """The step recorded in an exported folder, or None: no folder, or no (readable) record
+    (an export written before the record existed)."""
+    try:
+        step = json.loads((folder / EXPORT_RECORD).read_text(encoding="utf-8"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None

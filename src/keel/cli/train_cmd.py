@@ -31,6 +31,13 @@ def train(
         title=cfg.algorithm.name,
         reset_guard=reset_guard,
     )
+    if result.finished:  # e.g. a Job's retry of a pod killed after the export: nothing to do
+        print(
+            f"keel: {result.run_dir} holds a finished run (step {result.steps} of "
+            f"train.steps={cfg.train.steps}); nothing to do (raise train.steps to continue it, "
+            "or pass --overwrite to start over)",
+            file=sys.stderr,
+        )
     shown = ("eval/accuracy", "eval/rm/accuracy", "eval/rewards/accuracies")
     summary = "".join(
         f" {key} {result.last_eval[key]:.3f}" for key in shown if key in result.last_eval

@@ -1,27 +1,32 @@
 """Deciding where a run starts: fresh, or from a checkpoint (`--resume auto|never|PATH`).
 
 auto (the default): resume from the newest usable checkpoint in RUN_DIR/checkpoints when there
-is one; a run whose final model exists and whose newest checkpoint is at or past train.steps is
-finished and is refused (raise train.steps to continue it, or --overwrite to start over). A run
-of the same config that has no checkpoint yet (killed or preempted early) restarts at step 0.
-never: always start fresh (RUN_DIR must not hold a run, unless --overwrite). PATH: a checkpoint
-folder, or an fsspec URL (a checkpoint folder or a prefix holding `latest`) which is downloaded
-into RUN_DIR/checkpoints first. A run the guard stopped is refused unless --reset-guard.
+is one. A finished run (its exported model/ records train.steps as its step) is left as it is:
+the same command again does nothing and says so (a changed config is refused; raise
+train.steps to continue it, or --overwrite to start over). A run of the same config that has no
+checkpoint yet (killed or preempted early) restarts at step 0. never: always start fresh
+(RUN_DIR must not hold a run, unless --overwrite). PATH: a checkpoint folder, or an fsspec URL
+(a checkpoint folder or a prefix holding `latest`) which is downloaded into RUN_DIR/checkpoints
+first. A run the guard stopped is refused unless --reset-guard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from keel.checkpoint import CheckpointError, resume_candidates
+from keel.checkpoint.export import exported_step
 from keel.checkpoint.remote import remote_file
+from keel.checkpoint.state import CheckpointInfo, scan_checkpoints
 from keel.config.loading import ConfigError, dump_config, validate
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
@@ -39,18 +44,23 @@ class RunDirError(ValueError):
 class ResumePlan:
     """Checkpoints to try in order (the first that loads wins), or a URL to download first.
     restart: RUN_DIR holds a run of this config without any checkpoint yet: start it again at
-    step 0 in place, appending to its files."""
+    step 0 in place, appending to its files. skipped: why checkpoint folders were passed over
+    (the run records each as an event). finished: the run is finished at this step (its export
+    records it): there is nothing to do."""
 
     candidates: list[Path]
     url: str | None = None
     explicit: bool = False
     restart: bool = False
     reset_guard: bool = False
+    skipped: list[str] = field(default_factory=list)
+    finished: int | None = None
 
 
 RUN_FILES = (
     "metrics.jsonl", "events.jsonl", "config.yaml", "model", "critic", "checkpoints",
     "samples.jsonl", "tensorboard", "wandb", "mlruns", GUARD_STATE,
+    "metrics.jsonl.bad", "events.jsonl.bad", "samples.jsonl.bad",  # lines a resume set aside
 )  # fmt: skip
 
 
@@ -59,9 +69,10 @@ def plan_resume(
 ) -> ResumePlan | None:
     """None for a fresh start (after checking RUN_DIR may be used), else what to resume from.
 
-    Everything that refuses is decided here, before RUN_DIR is written: a finished run, a
-    config that changed in a key that may not change, a checkpoint past `train.steps`, a run the
-    guard stopped (unless `reset_guard`)."""
+    Everything that refuses is decided here, before RUN_DIR is written: a config that changed
+    in a key that may not change, a checkpoint past `train.steps`, a run the guard stopped
+    (unless `reset_guard`). So is a finished run (plan.finished), which is not refused: there is
+    nothing left to do."""
     if resume == "never" or (resume == "auto" and overwrite):
         check_run_dir(run_dir, overwrite)
         return None
@@ -76,24 +87,63 @@ def plan_resume(
         )
     if resume != "auto":
         return _explicit_plan(resume, cfg, reset_guard)
-    found = resume_candidates(run_dir / "checkpoints")
+    skipped: list[str] = []
+    found = resume_candidates(run_dir / "checkpoints", skipped)
     if decisions is not None:  # the trajectory a rollback abandoned, if a kill kept it
         found = [c for c in found if not decisions.abandons(c.step, c.time)]
+    newest = max((c.step for c in found), default=None)
+    if newest is not None:
+        check_steps(newest, steps, str(run_dir))
+    done = finished_step(run_dir, newest)
+    if done is not None and done >= steps:
+        return _finished_plan(run_dir, done, steps, config_text, found)
     if not found:
-        return _restart_plan(run_dir, config_text, reset_guard)
-    newest = max(c.step for c in found)
-    check_steps(newest, steps, str(run_dir))
-    if (run_dir / "model").exists() and newest >= steps:
-        raise RunDirError(
-            f"{run_dir} holds a finished run (step {newest} of train.steps={steps}); raise "
-            "train.steps to continue it, choose another run_dir, or pass --overwrite"
-        )
+        return _restart_plan(run_dir, config_text, reset_guard, skipped)
     for c in found:  # the first checkpoint with a readable config decides
         saved = _read_text(c.path / "config.yaml")
         if saved is not None:
             check_config(saved, config_text, f"cannot resume from {c.path}")
             break
-    return ResumePlan([c.path for c in found], reset_guard=reset_guard)
+    return ResumePlan([c.path for c in found], reset_guard=reset_guard, skipped=skipped)
+
+
+def finished_step(run_dir: Path, newest_checkpoint: int | None) -> int | None:
+    """The step of the policy the run exported (RUN_DIR/model), or None when it has none.
+
+    The export records its step inside the folder, written before the folder is published
+    (keel.checkpoint.export): a run killed at any moment of its end either has the new export
+    with its record, or still the previous one (of an earlier, shorter run: train.steps raised
+    since) or none, and then it is not finished, and resumes from its last checkpoint to export
+    again. An export without a record (written by an older Keel) counts as of the newest
+    checkpoint's step, as Keel judged then."""
+    model = run_dir / "model"
+    if not model.is_dir():
+        return None
+    step = exported_step(model)
+    return newest_checkpoint if step is None else step
+
+
+def _finished_plan(
+    run_dir: Path, done: int, steps: int, config_text: str, found: list[CheckpointInfo]
+) -> ResumePlan:
+    """The run exported its policy at step `done` ≥ train.steps: nothing to do (the same config:
+    a rerun of the same command, e.g. a Job's retry of a pod killed after the export), or
+    refused (a config that changed in a key that may not change, or fewer steps)."""
+    if done > steps:
+        raise RunDirError(
+            f"{run_dir} holds a run finished at step {done}, past train.steps={steps}; set "
+            f"train.steps to at least {done} to continue it, choose another run_dir, or pass "
+            "--overwrite"
+        )
+    texts = [
+        _read_text(run_dir / "config.yaml"),
+        *(_read_text(c.path / "config.yaml") for c in found),
+    ]
+    saved = next((t for t in texts if t is not None), None)
+    if saved is None:
+        raise _holds_a_run(run_dir, run_files(run_dir))
+    check_config(saved, config_text, f"cannot rerun the finished run in {run_dir}")
+    return ResumePlan([], finished=done)
 
 
 def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePlan:
@@ -124,7 +174,9 @@ def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePla
     return ResumePlan([path], explicit=True, reset_guard=reset_guard)
 
 
-def _restart_plan(run_dir: Path, config_text: str, reset_guard: bool) -> ResumePlan | None:
+def _restart_plan(
+    run_dir: Path, config_text: str, reset_guard: bool, skipped: list[str]
+) -> ResumePlan | None:
     """No checkpoint: a fresh start in an unused RUN_DIR (None), or a restart at step 0 of a run
     of the same config that never wrote one (killed or preempted early). A run whose final model
     exists, or whose config is unknown, is refused."""
@@ -132,10 +184,10 @@ def _restart_plan(run_dir: Path, config_text: str, reset_guard: bool) -> ResumeP
     if not found:
         return None
     saved = _read_text(run_dir / "config.yaml")
-    if (run_dir / "model").exists() or saved is None:  # a finished run, or not known to be ours
-        raise _holds_a_run(run_dir, found)
+    if (run_dir / "model").exists() or saved is None:  # an export, or not known to be ours
+        raise _holds_a_run(run_dir, found, skipped)
     check_config(saved, config_text, f"cannot restart the run in {run_dir}")
-    return ResumePlan([], restart=True, reset_guard=reset_guard)
+    return ResumePlan([], restart=True, reset_guard=reset_guard, skipped=skipped)
 
 
 def check_steps(step: int, steps: int, where: str) -> None:
@@ -151,7 +203,8 @@ def check_steps(step: int, steps: int, where: str) -> None:
 def check_run_dir_usable(run_dir: Path) -> None:
     """RUN_DIR is a directory Keel can write in, or can be created as one: RunDirError naming
     the path when it is a file, lies under a file, or its nearest existing folder refuses new
-    files. Leaves nothing behind (a probe file is created and removed at once)."""
+    files. Leaves nothing behind: a probe file is created and removed at once, and the folder's
+    modification time put back. (A rerun that plan_resume refuses never gets here.)"""
     parents = (run_dir, *run_dir.parents)
     existing = next((p for p in parents if p.exists() or p.is_symlink()), Path("."))
     if not existing.is_dir():
@@ -159,9 +212,11 @@ def check_run_dir_usable(run_dir: Path) -> None:
             raise RunDirError(f"run_dir {run_dir} is not a directory (it is a file)")
         raise RunDirError(f"run_dir {run_dir} cannot be created: {existing} is not a directory")
     try:
+        times = existing.stat()
         fd, probe = tempfile.mkstemp(prefix=".keel-write-test-", dir=existing)
         os.close(fd)
         os.unlink(probe)
+        _put_back_times(existing, times)
     except OSError as exc:
         what = "" if existing == run_dir else f" (its nearest existing folder is {existing})"
         raise RunDirError(
@@ -169,11 +224,27 @@ def check_run_dir_usable(run_dir: Path) -> None:
         ) from None
 
 
+def _put_back_times(folder: Path, times: os.stat_result) -> None:
+    with contextlib.suppress(OSError):  # not the folder's owner: only its time changed
+        os.utime(folder, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
 def check_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse a fresh start in a RUN_DIR that holds a run, unless `overwrite`."""
+    """Refuse a fresh start (--resume never) in a RUN_DIR that holds a run, unless `overwrite`."""
     found = run_files(run_dir)
     if found and not overwrite:
-        raise _holds_a_run(run_dir, found)
+        checkpoints, _ = scan_checkpoints(run_dir / "checkpoints")
+        resumable = (
+            f", or leave out --resume never to resume it from its checkpoint at step "
+            f"{checkpoints[-1].step}"
+            if checkpoints
+            else ""
+        )
+        raise RunDirError(
+            f"{run_dir} already holds a run ({', '.join(found)}) and --resume never starts a "
+            "new one; choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
+            + resumable
+        )
 
 
 def run_files(run_dir: Path) -> list[str]:
@@ -181,10 +252,11 @@ def run_files(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if (run_dir / name).exists()]
 
 
-def _holds_a_run(run_dir: Path, found: list[str]) -> RunDirError:
+def _holds_a_run(run_dir: Path, found: list[str], skipped: Sequence[str] = ()) -> RunDirError:
+    usable = f"no usable checkpoint ({'; '.join(skipped)})" if skipped else "no checkpoint"
     return RunDirError(
-        f"{run_dir} already holds a run ({', '.join(found)}) and no checkpoint to resume "
-        "from; choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
+        f"{run_dir} already holds a run ({', '.join(found)}) and {usable} to resume from; "
+        "choose another run_dir (--run-dir DIR) or pass --overwrite to replace it"
     )
 
 

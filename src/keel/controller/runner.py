@@ -24,9 +24,14 @@ from keel.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from keel.checkpoint.export import step_folder_name, write_text_atomically
+from keel.checkpoint.export import step_folder_name, write_export_record, write_text_atomically
 from keel.checkpoint.remote import BackgroundUploader, download_checkpoint
-from keel.checkpoint.state import CheckpointSaveError, resume_candidates, write_latest
+from keel.checkpoint.state import (
+    CheckpointSaveError,
+    resume_candidates,
+    scan_checkpoints,
+    write_latest,
+)
 from keel.config.loading import dump_config
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
@@ -60,7 +65,7 @@ from keel.guard import (
     read_decisions,
     write_decisions,
 )
-from keel.jsonlines import repair_tail
+from keel.jsonlines import set_aside_bad_lines
 from keel.models import load_tokenizer, resolve_model_path
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
@@ -77,9 +82,10 @@ CONTROLLERS = {
 
 __all__ = ["CONTROLLERS", "RunDirError", "RunPreempted", "RunResult", "RunStopped"]
 
-# The run's JSON-lines files: a torn last line (a crash or a full disk mid-write) is cut off
-# before a run appends to them again.
+# The run's JSON-lines files: before a run appends to them again, a torn last line (a crash or a
+# full disk mid-write) and any other line that is not a row are moved to NAME.bad.
 JSONL_FILES = ("metrics.jsonl", "events.jsonl", "samples.jsonl")
+BAD_LINES = ".bad"
 
 
 class RunStopped(RuntimeError):
@@ -92,12 +98,16 @@ class RunPreempted(RuntimeError):
 
 @dataclass
 class RunResult:
+    """finished: the run was already finished (nothing was done); its evaluations are read back
+    from metrics.jsonl."""
+
     run_dir: Path
     model_dir: Path
     first_eval: dict[str, float]
     last_eval: dict[str, float]
     steps: int
     resumed_from: int = 0
+    finished: bool = False
 
 
 def run_training(
@@ -120,8 +130,10 @@ def run_training(
     cfg = resolve_input_paths(cfg, config_dir)  # a no-op for a config from load_config
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
+    plan = plan_resume(run_dir, resume, overwrite, cfg, reset_guard)  # refusals write nothing
+    if plan is not None and plan.finished is not None:
+        return finished_result(run_dir, plan.finished)
     check_run_dir_usable(run_dir)
-    plan = plan_resume(run_dir, resume, overwrite, cfg, reset_guard)
     check_monitor_config(cfg)
     check_context_length(cfg, spec)
     seed_everything(cfg.seed)
@@ -147,8 +159,22 @@ def run_training(
 
 def restart_plan(run_dir: Path) -> tuple[ResumePlan | None, bool]:
     """After a lost worker: resume from the newest checkpoint, or start over without one."""
-    found = resume_candidates(run_dir / "checkpoints")
-    return (ResumePlan([c.path for c in found]), False) if found else (None, True)
+    skipped: list[str] = []
+    found = resume_candidates(run_dir / "checkpoints", skipped)
+    return (ResumePlan([c.path for c in found], skipped=skipped), False) if found else (None, True)
+
+
+def finished_result(run_dir: Path, step: int) -> RunResult:
+    """A finished run, left untouched: its evaluations of step 0 and of its last evaluated step
+    from metrics.jsonl (none when it cannot be read)."""
+    try:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, ValueError):
+        rows = []
+    evals = [(row["step"], {k: v for k, v in row.items() if k.startswith("eval/")}) for row in rows]
+    first = next((e for s, e in evals if s == 0 and e), {})
+    last = next((e for _, e in reversed(evals) if e), {})
+    return RunResult(run_dir, run_dir / "model", first, last, step, step, finished=True)
 
 
 def _run(
@@ -170,17 +196,19 @@ def _run(
     # stops the run after the step-0 evaluation or the current step (keel.controller.preemption).
     with Preemption() as preemption:
         prepare_run_dir(run_dir, overwrite and plan is None)
-        repaired = [line for name in JSONL_FILES if (line := repair_tail(run_dir / name))]
+        set_aside = [
+            line
+            for name in JSONL_FILES
+            for line in set_aside_bad_lines(run_dir / name, run_dir / (name + BAD_LINES))
+        ]
         fresh = plan is None or plan.restart
         if fresh:  # first, so that a run killed at any later moment can be restarted
             write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
         loop = TrainingLoop(cfg, run_dir, roles, controller, title)
         try:
-            for line in repaired:
-                loop.events.emit(0, "restart", line)
             if note:
                 loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
-            start = loop.resume(plan) if plan is not None else 0
+            start = loop.resume(plan, set_aside) if plan else loop.notes(0, set_aside)
             if not fresh:
                 write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
             if data.bad_rows:
@@ -250,12 +278,16 @@ class TrainingLoop:
             if preemption.signal is not None:
                 self._preempt(step, preemption.name, saved, metrics, verdict)
             step += 1
-        model_dir = save_policy(self.roles, self.run_dir / "model")
+        # The critic first, the policy last: model/ records its step, and a run whose model/
+        # records train.steps is finished (keel.controller.resume.finished_step). A kill before
+        # that rename leaves the run unfinished: the rerun resumes from the last checkpoint and
+        # exports both again.
         if getattr(self.roles, "critic", None) is not None:
             critic = self.roles.critic
             publish_folder(
                 self.run_dir / "critic", lambda tmp: critic.call_all("save_pretrained", path=tmp)
             )
+        model_dir = save_policy(self.roles, self.run_dir / "model", cfg.train.steps)
         return RunResult(self.run_dir, model_dir, first_eval, last_eval, cfg.train.steps, start)
 
     def _train_step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -324,6 +356,8 @@ class TrainingLoop:
         """Write a checkpoint; on failure (a full disk…) warn, record it and keep training: the
         previous checkpoint is untouched. Adds checkpoint/* to `metrics` on success."""
         start = time.perf_counter()
+        count = self.saved + 1  # in meta.json too, so that a resume goes on counting
+        metrics["checkpoint/count"] = float(count)
         try:
             info = save_checkpoint(
                 self.ckpt_dir,
@@ -335,17 +369,12 @@ class TrainingLoop:
                 metrics=metrics,
             )
         except CheckpointSaveError as exc:
+            del metrics["checkpoint/count"]
             self.events.emit(step, "checkpoint", str(exc), ok=False)
             return False
-        self.saved += 1
+        self.saved = count
         seconds = time.perf_counter() - start
-        metrics.update(
-            {
-                "checkpoint/saved_at": info.time,
-                "checkpoint/count": float(self.saved),
-                "checkpoint/save_s": seconds,
-            }
-        )
+        metrics.update({"checkpoint/saved_at": info.time, "checkpoint/save_s": seconds})
         self.events.emit(
             step, "checkpoint", f"saved {info.path} in {seconds:.2f}s", ok=True,
             path=str(info.path), healthy=healthy,
@@ -355,7 +384,7 @@ class TrainingLoop:
         return True
 
     def _retain(self) -> None:
-        healthy = [c for c in list_checkpoints(self.ckpt_dir) if c.healthy]
+        healthy = [c for c in list_checkpoints(self.ckpt_dir, warn=False) if c.healthy]
         protect = [healthy[-1].path] if healthy else []
         protect += self.uploader.busy() if self.uploader else []
         prune_step_folders(self.ckpt_dir, self.cfg.checkpoint.keep, protect=protect)
@@ -401,13 +430,19 @@ class TrainingLoop:
             )  # fmt: skip
 
     # ------------------------------------------------------------------------ resume
-    def resume(self, plan: ResumePlan) -> int:
+    def resume(self, plan: ResumePlan, notes: list[str]) -> int:
         """Load the first usable checkpoint of `plan` and the guard's recorded decisions;
-        returns its step (0 for a restart of a run without a checkpoint)."""
-        for line in clean_leftovers(self.ckpt_dir):
-            self.events.emit(0, "restart", line)
+        returns its step (0 for a restart of a run without a checkpoint). `notes`: what was
+        done to RUN_DIR's files before (lines set aside); each is a `restart` event stamped with
+        the step the run resumes at, as are the leftovers cleaned and the checkpoints skipped."""
+        notes = [
+            *notes,
+            *clean_leftovers(self.ckpt_dir),
+            *(f"skipped a checkpoint: {line}" for line in plan.skipped),
+        ]
         decisions = self._recorded_decisions(plan.reset_guard)
         if plan.restart:
+            self.notes(0, notes)
             applied = self._adopt(decisions, 0)
             self.events.emit(
                 0, "restart", f"{self.run_dir} holds no checkpoint yet: restarting the run at "
@@ -415,6 +450,25 @@ class TrainingLoop:
             )  # fmt: skip
             self._note_reset(plan.reset_guard, 0)
             return 0
+        try:
+            info = self._load_first(plan, notes)
+        except BaseException:
+            self.notes(0, notes)
+            raise
+        self.notes(info.step, notes)
+        check_steps(info.step, self.cfg.train.steps, str(info.path))
+        self._restore_metrics_row(info)
+        self.saved = int(info.metrics.get("checkpoint/count", 1))  # 1: written before it was kept
+        applied = self._adopt(decisions, info.step, info)
+        self.pending.update(self.roles.push_weights())  # separate rollout workers
+        message = f"resumed from {info.path}{applied}"
+        self.events.emit(info.step, "resume", message, path=str(info.path))
+        self._note_reset(plan.reset_guard, info.step)
+        return info.step
+
+    def _load_first(self, plan: ResumePlan, notes: list[str]) -> CheckpointInfo:
+        """Load the first checkpoint of `plan` that loads; each damaged one before it is warned
+        about and added to `notes` (an explicit one is an error instead)."""
         candidates = plan.candidates
         if plan.url:
             sopts = dict(self.cfg.checkpoint.storage_options)
@@ -422,22 +476,19 @@ class TrainingLoop:
         for path in candidates:
             try:
                 self._check_config(path)
-                info = load_checkpoint(path, roles=self.trainable, components=self._components())
+                return load_checkpoint(path, roles=self.trainable, components=self._components())
             except CheckpointError as exc:
                 if plan.explicit:
                     raise RunDirError(str(exc)) from exc
                 warnings.warn(f"{exc}; trying the checkpoint before it", stacklevel=1)
-                self.events.emit(0, "restart", f"skipped a damaged checkpoint: {exc}")
-                continue
-            check_steps(info.step, self.cfg.train.steps, str(path))
-            self._restore_metrics_row(info)
-            applied = self._adopt(decisions, info.step, info)
-            self.pending.update(self.roles.push_weights())  # separate rollout workers
-            message = f"resumed from {info.path}{applied}"
-            self.events.emit(info.step, "resume", message, path=str(path))
-            self._note_reset(plan.reset_guard, info.step)
-            return info.step
+                notes.append(f"skipped a damaged checkpoint: {exc}")
         raise RunDirError(f"no usable checkpoint in {self.ckpt_dir}; pass --overwrite to restart")
+
+    def notes(self, step: int, lines: list[str]) -> int:
+        """Record each line as a `restart` event of `step`; returns `step`."""
+        for line in lines:
+            self.events.emit(step, "restart", line)
+        return step
 
     def _recorded_decisions(self, reset: bool) -> GuardDecisions | None:
         """The guard's decisions in RUN_DIR/guard_state.json (None: none recorded); with
@@ -516,9 +567,10 @@ class TrainingLoop:
                 f"{path} is unreadable ({exc}); repair or remove it to resume"
             ) from None
         if not any(r["step"] == info.step for r in rows):
+            row = {**info.metrics, "checkpoint/saved_at": info.time}
             for sink in self.monitor.sinks:
                 if isinstance(sink, JsonlSink):
-                    sink.log(info.step, info.metrics)
+                    sink.log(info.step, row)
 
     # ------------------------------------------------------------------ guard actions
     def _rollback(self, step: int, verdict: Verdict) -> int:
@@ -546,7 +598,9 @@ class TrainingLoop:
             self.controller.set_kl_scale(self.guard.kl_scale)
         if skip:
             self.controller.skip_batches(skip)
-        for newer in [c for c in list_checkpoints(self.ckpt_dir) if c.step > target.step]:
+        for newer in [
+            c for c in list_checkpoints(self.ckpt_dir, warn=False) if c.step > target.step
+        ]:
             shutil.rmtree(newer.path)  # the abandoned trajectory's (unhealthy) checkpoints
         write_latest(self.ckpt_dir, target.path.name)
         self.events.emit(
@@ -558,7 +612,9 @@ class TrainingLoop:
         return target.step + 1
 
     def _newest_healthy(self, step: int) -> CheckpointInfo | None:
-        for info in reversed(list_checkpoints(self.ckpt_dir)):
+        found, skipped = scan_checkpoints(self.ckpt_dir)
+        self.notes(step, [f"skipped a checkpoint: {line}" for line in skipped])
+        for info in reversed(found):
             if not info.healthy:
                 continue
             try:
@@ -620,8 +676,15 @@ def set_lr_scale(worker: Any, scale: float) -> None:
         worker.set_lr_scale(scale)
 
 
-def save_policy(roles, target: Path) -> Path:
-    return publish_folder(target, lambda tmp: roles.actor.call_all("save_pretrained", path=tmp))
+def save_policy(roles, target: Path, step: int) -> Path:
+    """Export the actor as an HF folder at `target`, recording `step` inside it (published with
+    it, atomically)."""
+
+    def write(tmp: Path) -> None:
+        roles.actor.call_all("save_pretrained", path=tmp)
+        write_export_record(tmp, step)
+
+    return publish_folder(target, write)
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
