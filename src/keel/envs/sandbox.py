@@ -604,6 +604,8 @@ def _kill_bwrap_sandbox(pid: int) -> None:
     child, the PID namespace's init, first, so that the whole namespace dies and bubblewrap
     reaps the init and exits (killed together, the init would be left a zombie for the
     machine's init to reap, which a container's may never do). Waits up to a second for it."""
+    if _exited(pid):
+        return  # bubblewrap waited for its child: nothing is left inside
     for child in _children(pid):
         try:
             pidfd = os.pidfd_open(child)
