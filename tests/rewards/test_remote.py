@@ -151,8 +151,9 @@ def test_a_stalled_service_fails_the_step_after_about_one_timeout(service):
     with pytest.raises(RewardError) as info:
         slow.score(*rows)
     assert time.monotonic() - start < 40 * 0.25 / 2.5  # ≈ 0.25 s; serial would be 10 s
-    message = str(info.value)
-    assert f"reward.url={service.url}" in message and "0.25s (reward.timeout_s)" in message
+    message = str(info.value)  # the caller's deadline, or the request's own check of it first
+    assert f"reward.url={service.url}" in message
+    assert "0.25s (reward.timeout_s)" in message or "reward.timeout_s=0.25s" in message
 
 
 def test_an_attempt_that_times_out_is_warned_about_and_retried(service, caplog):
@@ -162,10 +163,10 @@ def test_an_attempt_that_times_out_is_warned_about_and_retried(service, caplog):
 
     service.plan = ["stall"]
     with caplog.at_level(logging.WARNING, logger="keel.rewards"):
-        out = scorer(service.url, batch_size=7, request_timeout_s=0.3).score(*ROWS)
-    assert out[1] == 0 and len(service.requests) == 2
+        out = scorer(service.url, batch_size=7, request_timeout_s=0.6).score(*ROWS)
+    assert out[1] == 0 and len(service.requests) == 2  # the stall (1 s), then the retry
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert f"reward.url={service.url}" in warning and "reward.http.timeout_s=0.3s" in warning
+    assert f"reward.url={service.url}" in warning and "reward.http.timeout_s=0.6s" in warning
 
 
 def test_retries_stop_at_the_deadline_of_the_call(service):
@@ -177,6 +178,10 @@ def test_retries_stop_at_the_deadline_of_the_call(service):
     start = time.monotonic()
     assert slow.score(*ROWS)[1] == 7
     assert time.monotonic() - start < 5  # 8 retries with these waits would take 51 s
+    for _ in range(1000):  # its thread stops (at once, or soon after the caller's deadline)
+        if slow.hung_calls() == 0:
+            break
+        time.sleep(0.01)
     assert slow.hung_calls() == 0
     assert len(service.requests) <= 4  # 0.2 + 0.4 fit in 1 s, 0.8 more does not
 

@@ -15,7 +15,7 @@ retried. A request that still fails fails its rows, which then go through the us
 policy (`reward.on_error`, `fallback_score`, `max_error_rate`); `reward.timeout_s` bounds one
 request with all its retries: an attempt gets at most what is left of it, and no retry starts
 whose wait would pass it. Each failed attempt that is retried is logged as it fails (logger
-`keel.rewards.remote`, and kept for `pop_warnings`), and requests fail fast as function calls
+`keel.rewards.scoring`, and kept for `pop_warnings`), and requests fail fast as function calls
 do (keel.rewards.scoring): a stalled service fails a step under `on_error: raise` after about
 one `reward.timeout_s`, with a message naming reward.url and the limit.
 """
@@ -23,7 +23,6 @@ one `reward.timeout_s`, with a message naming reward.url and the limit.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 import urllib.error
@@ -35,7 +34,6 @@ from typing import Any
 from keel.rewards.scoring import RewardScorer, checked_scores
 
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
-log = logging.getLogger(__name__)
 
 
 class RewardServiceError(RuntimeError):
