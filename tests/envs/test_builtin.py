@@ -43,3 +43,18 @@ def test_guess_number_hints_and_wins():
     assert won.done and won.reward == 1.0
     with pytest.raises(ValueError, match="x:2: guess_number needs an integer answer"):
         env.reset(Example(prompt="guess", answer="five", source="x:2"))
+
+
+def test_a_python_tool_without_bubblewrap_is_a_run_warning(monkeypatch):
+    from keel.envs import sandbox
+    from keel.envs.builtin import sandbox_warnings
+
+    kwargs = {"tools": ["calculator", {"name": "python", "wall_s": 2.0}]}
+    assert sandbox_warnings("builtin:tools", kwargs) == []  # bubblewrap: make test installs it
+    assert sandbox_warnings("builtin:tools", {"tools": ["calculator"]}) == []
+    assert sandbox_warnings("builtin:guess_number", {}) == []
+    monkeypatch.setattr(sandbox, "_isolation_cache", {})
+    monkeypatch.setattr(sandbox, "_find_bwrap", lambda: None)
+    [(rule, message)] = sandbox_warnings("builtin:tools", kwargs)
+    assert rule == "sandbox" and "without bubblewrap (bwrap is not on PATH" in message
+    assert "audit_hook, rlimits" in message and "apt-get install bubblewrap" in message

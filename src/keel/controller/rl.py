@@ -29,6 +29,7 @@ from keel.controller.evaluation import evaluate_policy
 from keel.controller.pipeline import RolloutPipeline
 from keel.controller.sampling import DynamicSampler
 from keel.data import BatchStream
+from keel.envs.builtin import sandbox_warnings
 from keel.envs.episodes import episode_metrics
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
@@ -59,7 +60,9 @@ class RLController:
         self.rollouts = RolloutPipeline(self.produce, r.max_staleness)
         self.max_staleness = r.max_staleness
         self.last_batch: Batch | None = None
-        self.warnings: list[tuple[str, str]] = []  # (rule, message), emitted by the run loop
+        # (rule, message), emitted by the run loop; first: the environment's (a python tool
+        # whose sandbox has only its inner layers here)
+        self.warnings: list[tuple[str, str]] = sandbox_warnings(r.env, r.env_kwargs)
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
         self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
         self.kl_scale = 1.0  # the guard raises it after a rollback; scales both

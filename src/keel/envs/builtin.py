@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,6 +115,38 @@ class ToolEnvironment:
             observation=messages,
             info={"tool_calls": len(parsed.calls) + len(parsed.errors), "tool_errors": failed},
         )
+
+
+def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(rule, message) warnings of a run's environment before it plays: `builtin:tools` with
+    the `python` tool on a machine where its sandbox cannot start bubblewrap (only the inner
+    layers, the audit hook and rlimits, then isolate untrusted code; docs/tools.md). Probed
+    in this process, with the interpreter the tool is given (its `python` option)."""
+    from keel.envs.sandbox import isolation
+
+    if env not in ("builtin:tools", "tools"):
+        return []
+    out = []
+    for spec in env_kwargs.get("tools", ()):
+        name = (
+            spec
+            if isinstance(spec, str)
+            else spec.get("name")
+            if isinstance(spec, Mapping)
+            else None
+        )
+        if name not in ("python", "builtin:python"):
+            continue
+        python = spec.get("python", sys.executable) if isinstance(spec, Mapping) else sys.executable
+        found = isolation(python)
+        if "bwrap" not in found.layers:
+            out.append((
+                "sandbox",
+                f"the python tool's sandbox runs without bubblewrap ({found.note}): only "
+                f"{', '.join(found.layers)} isolate the code it runs; install bubblewrap "
+                "(Debian: apt-get install bubblewrap) for its own namespaces (docs/tools.md)",
+            ))  # fmt: skip
+    return out
 
 
 def _tool_message(result: ToolResult) -> str:
