@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from keel.serve.metrics import NAMES
-from tests.serve.live_server import LiveServer
+from tests.serve.live_server import InProcessServer, LiveServer, ServerClient
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,7 +36,7 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
 
 
-def completion(server: LiveServer, **body) -> tuple[int, dict]:
+def completion(server: ServerClient, **body) -> tuple[int, dict]:
     return server.request("POST", "/v1/completions", {"model": "tiny", **body}, AUTH)
 
 
@@ -176,20 +176,48 @@ def test_client_disconnects_do_not_break_the_server(server):
     assert server.request("GET", "/readyz")[0] == 200
 
 
-def test_concurrent_requests_share_generate_calls(server):
-    batches = server.metric("keel_serve_batch_rows_count")
-    rows = server.metric("keel_serve_batch_rows_sum")
-    statuses = run_concurrently(server, 12, {"prompt": "3+4=", "max_tokens": 8})
+@pytest.fixture(scope="module")
+def in_process(tiny_dir):
+    """The same server in this process, over real sockets, with its batching queue at hand:
+    a test holds the worker, sends its requests, waits until they are queued, lets them go."""
+    live = InProcessServer(tiny_dir, *LIMITS, "--set", f"serve.api_key={KEY}")
+    yield live
+    live.stop()
+
+
+def test_concurrent_requests_share_generate_calls(in_process):
+    """12 requests queued while the batching worker is held: one generate call of 12 rows
+    (serve.max_batch_size is 16) answers them all, and /metrics has counted it by the time
+    the answers are in (before: sent together and hoped to meet within serve.max_wait_ms, and
+    the batch was counted after the answers went out: 11 rows of 12 under load)."""
+    batches = in_process.metric("keel_serve_batch_rows_count")
+    rows = in_process.metric("keel_serve_batch_rows_sum")
+    statuses = [0] * 12
+    with in_process.held():
+        threads = send_concurrently(in_process, {"prompt": "3+4=", "max_tokens": 8}, statuses)
+        in_process.wait_pending(12)
+    join(threads)
     assert statuses == [200] * 12
-    assert server.metric("keel_serve_batch_rows_sum") - rows == 12
-    assert server.metric("keel_serve_batch_rows_count") - batches < 12
+    assert in_process.metric("keel_serve_batch_rows_sum") - rows == 12
+    assert in_process.metric("keel_serve_batch_rows_count") - batches == 1
 
 
-def test_a_full_queue_answers_429_and_recovers(server):
-    statuses = run_concurrently(server, 60, {"prompt": "3+4=", "max_tokens": 48, "n": 2})
-    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses
-    assert server.metric('keel_serve_errors_total{kind="queue_full"}') >= statuses.count(429)
-    assert completion(server, prompt="1", max_tokens=1)[0] == 200
+def test_a_full_queue_answers_429_and_recovers(in_process):
+    """serve.max_pending_requests (24) requests waiting behind the held worker: the next one is
+    a 429 queue_full, counted; once the worker goes on, all 24 are answered, and so is a new
+    request (before: 60 requests at once, hoping enough would overlap)."""
+    refused = in_process.metric('keel_serve_errors_total{kind="queue_full"}')
+    statuses = [0] * 24
+    with in_process.held():
+        body = {"prompt": "3+4=", "max_tokens": 4, "n": 2}
+        threads = send_concurrently(in_process, body, statuses)
+        in_process.wait_pending(24)
+        status, answer = completion(in_process, prompt="1", max_tokens=1)
+        assert (status, answer["error"]["code"]) == (429, "queue_full"), answer
+    join(threads)
+    assert statuses == [200] * 24
+    assert in_process.metric('keel_serve_errors_total{kind="queue_full"}') - refused == 1
+    assert completion(in_process, prompt="1", max_tokens=1)[0] == 200
 
 
 def test_metrics_and_probes(server):
@@ -203,18 +231,22 @@ def test_metrics_and_probes(server):
     assert server.request("GET", "/readyz")[1]["status"] == "ready"
 
 
-def run_concurrently(server: LiveServer, count: int, body: dict) -> list[int]:
-    """Statuses of `count` completions sent at once from threads."""
-    statuses = [0] * count
-    barrier = threading.Barrier(count)
+def send_concurrently(
+    server: ServerClient, body: dict, statuses: list[int]
+) -> list[threading.Thread]:
+    """Threads sending one completion each (as many as `statuses`, where each puts its
+    status), started."""
 
     def send(i: int) -> None:
-        barrier.wait()
         statuses[i] = completion(server, **body)[0]
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(count)]
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(statuses))]
     for t in threads:
         t.start()
+    return threads
+
+
+def join(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.join(120)
-    return statuses
+        assert not t.is_alive(), "a request was never answered"

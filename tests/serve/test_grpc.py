@@ -12,7 +12,7 @@ import pytest
 from keel.serve import keel_serve_pb2 as pb
 from keel.serve import keel_serve_pb2_grpc as pb_grpc
 from tests.monitor.live import free_port
-from tests.serve.live_server import LiveServer
+from tests.serve.live_server import InProcessServer, LiveServer
 
 KEY = "grpc-key"
 AUTH = [("authorization", f"Bearer {KEY}")]
@@ -162,41 +162,39 @@ def test_a_message_that_cannot_be_decoded_is_invalid_argument(server, stub, meth
     assert stub.Generate(request, metadata=AUTH, timeout=60).choices  # still serving
 
 
-def send_together(server: LiveServer, stub: pb_grpc.KeelStub) -> list[int]:
-    """Two HTTP completions and two gRPC Generate calls of one row each, let go at once with
-    the same sampling settings; the HTTP statuses and the gRPC choice counts."""
-    start, results = threading.Barrier(4), []
+def test_http_and_grpc_requests_share_generate_calls(tiny_dir):
+    """Two HTTP and two gRPC requests of one row each, queued with the same sampling settings
+    while the batching worker is held: one generate call of 4 rows (serve.max_batch_size)
+    answers all four (before: sent together, hoping they met within serve.max_wait_ms)."""
+    live = InProcessServer(tiny_dir, *LIMITS, "--set", f"serve.api_key={KEY}",
+                           grpc_port=free_port())  # fmt: skip
+    channel = grpc.insecure_channel(f"127.0.0.1:{live.grpc_port}")
+    stub = pb_grpc.KeelStub(channel)
+    results: list[int] = []
 
     def http() -> None:
-        start.wait()
         body = {"model": "tiny", "prompt": "2+2=", "max_tokens": 3, "temperature": 1.0}
-        results.append(server.request("POST", "/v1/completions", body,
-                                      {"Authorization": f"Bearer {KEY}"})[0])  # fmt: skip
+        results.append(live.request("POST", "/v1/completions", body,
+                                    {"Authorization": f"Bearer {KEY}"})[0])  # fmt: skip
 
     def grpc_call() -> None:
-        start.wait()
         req = pb.GenerateRequest(model="tiny", prompt="3+3=", max_tokens=3, temperature=1.0)
-        results.append(len(stub.Generate(req, metadata=AUTH, timeout=60).choices))
+        results.append(len(stub.Generate(req, metadata=AUTH, timeout=120).choices))
 
-    threads = [threading.Thread(target=f) for f in (http, http, grpc_call, grpc_call)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
-
-
-def test_http_and_grpc_requests_share_generate_calls(server, stub):
-    """Two HTTP and two gRPC requests of one row each, sent together with the same sampling
-    settings: one generate call of 4 rows (serve.max_batch_size) answers all four."""
-    for _attempt in range(3):  # a loaded machine may split them (each waits ≤ max_wait_ms)
-        batches = server.metric("keel_serve_batch_rows_count")
-        rows = server.metric("keel_serve_batch_rows_sum")
-        results = send_together(server, stub)
+    try:
+        batches = live.metric("keel_serve_batch_rows_count")
+        with live.held():
+            threads = [threading.Thread(target=f) for f in (http, http, grpc_call, grpc_call)]
+            for t in threads:
+                t.start()
+            live.wait_pending(4)
+        for t in threads:
+            t.join(120)
         assert sorted(results) == [1, 1, 200, 200]
-        assert server.metric("keel_serve_batch_rows_sum") - rows == 4
-        if server.metric("keel_serve_batch_rows_count") - batches == 1:
-            break
-    else:
-        pytest.fail("HTTP and gRPC requests never shared a generate call")
-    assert server.metric('keel_serve_requests_total{endpoint="grpc/Generate",status="OK"}') >= 2
+        assert live.metric("keel_serve_batch_rows_sum") == 4
+        assert live.metric("keel_serve_batch_rows_count") - batches == 1
+        ok = 'keel_serve_requests_total{endpoint="grpc/Generate",status="OK"}'
+        assert live.metric(ok) == 2
+    finally:
+        channel.close()
+        live.stop()

@@ -10,13 +10,12 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from keel.cli.main import main
-from tests.serve.live_server import LiveServer
+from tests.serve.live_server import LiveServer, wait_until
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:
@@ -95,13 +94,10 @@ def test_https_and_a_graceful_drain_on_sigterm(tiny_dir, tmp_path):
     ]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while server.metric("keel_serve_requests_in_flight") < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    in_flight = "keel_serve_requests_in_flight"
+    wait_until(lambda: server.metric(in_flight) >= 3, "3 requests in flight")
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    with pytest.raises(OSError):  # no longer accepting
-        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    wait_until(lambda: refuses(server.port), "the draining server to stop accepting")
     for t in threads:
         t.join(60)
     assert server.proc.wait(60) == 0, server.text()
@@ -133,10 +129,9 @@ def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, 
         loader = threading.Thread(target=load)
         loader.start()
         run_training(cfg)  # resumes from step 1 and trains step 2
-        deadline = time.monotonic() + 30
-        while models(server)["step"] != 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.3)
+        wait_until(lambda: models(server)["step"] == 2, "the server to follow step 2")
+        answered = len(statuses)
+        wait_until(lambda: len(statuses) > answered, "a request answered after the swap")
         stop.set()
         loader.join(30)
         assert models(server)["step"] == 2, server.text()
@@ -147,6 +142,15 @@ def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, 
         assert server.metric("keel_serve_model_step") == 2
     finally:
         assert server.stop() == 0, server.text()
+
+
+def refuses(port: int) -> bool:
+    """Whether a connection to 127.0.0.1:`port` is refused (the listening socket is closed)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:
+        return True
+    return False
 
 
 def models(server: LiveServer) -> dict:

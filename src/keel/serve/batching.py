@@ -11,7 +11,11 @@ each job its rows' results through a `concurrent.futures.Future` (await it from 
 and the oldest job always goes next, so no key starves.
 
 Work that must not overlap a batch (loading new weights) is queued with `between_batches` and
-runs on the worker thread between two runner calls.
+runs on the worker thread between two runner calls. `pause()` holds the worker between two
+batches (jobs and work queue up meanwhile) until `resume()` or `close()`: a caller can gather
+requests and let them go together (the tests use it to batch requests deterministically).
+`on_batch` (the metrics) hears of a batch before its jobs' futures resolve, so an answered
+request's batch is already counted.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class BatchingQueue(Generic[Row, Result]):
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._pending = 0
         self._closed = False
+        self._paused = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -133,10 +138,26 @@ class BatchingQueue(Generic[Row, Result]):
     def accepting(self) -> bool:
         return not self._closed and self._thread.is_alive()
 
+    def pause(self) -> None:
+        """Start no batch and no work between batches until `resume()` (the running batch
+        finishes; one still waiting for company goes back to the queue); jobs submitted
+        meanwhile wait, counted as pending, and `close()` resumes."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Let the worker go on: what waited is batched as usual (the oldest job first, with
+        the later ones of its key that fit)."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
     def close(self, timeout: float | None = None) -> None:
         """Take no new jobs, finish the queued ones, stop the worker (waits up to `timeout`)."""
         with self._cond:
             self._closed = True
+            self._paused = False
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -148,7 +169,7 @@ class BatchingQueue(Generic[Row, Result]):
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not (self._jobs or self._tasks or self._closed):
+                while self._paused or not (self._jobs or self._tasks or self._closed):
                     self._cond.wait()
                 if self._tasks:
                     task, done = self._tasks.popleft()
@@ -168,6 +189,8 @@ class BatchingQueue(Generic[Row, Result]):
         first = self._jobs[0]
         deadline = first.enqueued + self.max_wait_s
         while True:
+            if self._paused:
+                return []  # paused while waiting for company: the jobs stay queued
             chosen = self._fitting(first)
             rows = sum(len(job.rows) for job in chosen)
             left = deadline - time.monotonic()
@@ -200,15 +223,15 @@ class BatchingQueue(Generic[Row, Result]):
         except Exception as exc:  # the request fails, the worker lives on
             error = exc
         seconds = time.monotonic() - start
-        offset = 0
+        with contextlib.suppress(Exception):  # a metrics hook must never stop the worker
+            self.on_batch(BatchReport(len(rows), len(batch), seconds, waited, error))
+        offset = 0  # answered after the report: a request's answer implies its batch counted
         for job in batch:
             if error is not None:
                 job.future.set_exception(error)
             else:
                 job.future.set_result(results[offset : offset + len(job.rows)])
             offset += len(job.rows)
-        with contextlib.suppress(Exception):  # a metrics hook must never stop the worker
-            self.on_batch(BatchReport(len(rows), len(batch), seconds, waited, error))
 
 
 def _run_task(task: Callable[[], Any], done: Future[Any]) -> None:
