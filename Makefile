@@ -35,7 +35,7 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/keel demo
 
-# The programs the tests run besides Python (Prometheus): installed here when missing, never
+# The programs the tests run besides Python (Prometheus, bubblewrap): installed here when missing, never
 # skipped (scripts/install-test-tools; apt-get, as root or with sudo).
 test-tools:
 	@scripts/install-test-tools
