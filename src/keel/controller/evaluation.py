@@ -6,7 +6,7 @@ and `keel eval` (the same metrics plus every example's prediction)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +59,7 @@ class Evaluation:
 
     metrics: dict[str, float]
     predictions: list[Prediction]
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # the reward scorer's
 
 
 def eval_sampling(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> SamplingParams:
@@ -89,12 +90,14 @@ def evaluate_examples(
     scores, lengths, errors = [], [], 0
     episodes: list[dict[str, Any]] = []
     predictions: list[Prediction] = []
+    warnings: list[tuple[str, str]] = []
     for start in range(0, len(examples), eval_cfg.batch_size):
         chunk = list(examples[start : start + eval_cfg.batch_size])
         batch = rollout.call("generate", chunk, sampling=sampling)
         batch = reward.call("score", batch, update_stats=False)  # eval never moves the stats
         scores.append(batch.scores)
         errors += int(batch.meta.get("reward_errors", 0))
+        warnings.extend(tuple(w) for w in batch.meta.pop("reward_warnings", ()))
         lengths.append(batch.response_mask.sum(dim=1))
         episodes.extend(batch.episodes or [])
         predictions.extend(_predictions(batch, chunk))
@@ -108,7 +111,7 @@ def evaluate_examples(
         "eval/reward_errors": float(errors),
         **episode_metrics(episodes, prefix="eval"),
     }
-    return Evaluation(metrics, predictions)
+    return Evaluation(metrics, predictions, warnings)
 
 
 def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
@@ -146,13 +149,23 @@ def evaluate(
     examples: Sequence[Example],
     eval_cfg: EvalConfig,
     rollout_cfg: RolloutConfig,
+    warn: Callable[[str, str], None] | None = None,
 ) -> dict[str, float]:
-    """The eval/* metrics of `evaluate_examples` (training logs these)."""
-    return evaluate_examples(rollout, reward, examples, eval_cfg, rollout_cfg).metrics
+    """The eval/* metrics of `evaluate_examples` (training logs these); `warn(rule, message)`
+    is told the reward scorer's warnings."""
+    done = evaluate_examples(rollout, reward, examples, eval_cfg, rollout_cfg)
+    for rule, message in done.warnings if warn is not None else ():
+        warn(rule, message)
+    return done.metrics
 
 
-def evaluate_policy(roles, examples: Sequence[Example], cfg: KeelConfig) -> dict[str, float]:
+def evaluate_policy(
+    roles,
+    examples: Sequence[Example],
+    cfg: KeelConfig,
+    warn: Callable[[str, str], None] | None = None,
+) -> dict[str, float]:
     """`evaluate` with the run's rollout and reward roles; {} when there are no examples."""
     if not examples:
         return {}
-    return evaluate(roles.rollout, roles.reward, examples, cfg.eval, cfg.rollout)
+    return evaluate(roles.rollout, roles.reward, examples, cfg.eval, cfg.rollout, warn)

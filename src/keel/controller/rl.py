@@ -4,6 +4,7 @@ algorithm-specific comes from the AlgorithmSpec."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -63,6 +64,7 @@ class RLController:
         # (rule, message), emitted by the run loop; first: the environment's (a python tool
         # whose sandbox has only its inner layers here)
         self.warnings: list[tuple[str, str]] = sandbox_warnings(r.env, r.env_kwargs)
+        self._warnings_lock = threading.Lock()
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
         self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)
         self.kl_scale = 1.0  # the guard raises it after a rollback; scales both
@@ -88,14 +90,22 @@ class RLController:
         relative to their unguarded values."""
         self.kl_scale = scale
 
+    def warn(self, rule: str, message: str) -> None:
+        """Keep a warning for the run loop (events.jsonl); from any thread (the rollout
+        pipeline's scores batches ahead)."""
+        with self._warnings_lock:
+            self.warnings.append((rule, message))
+
     def pop_warnings(self) -> list[tuple[str, str]]:
-        """(rule, message) of the warnings raised since the last call (events.jsonl)."""
-        out, self.warnings = self.warnings, []
+        """(rule, message) of the warnings raised since the last call (events.jsonl): the
+        environment's, dynamic sampling's and the reward scorer's."""
+        with self._warnings_lock:
+            out, self.warnings = self.warnings, []
         return out
 
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
-        return evaluate_policy(self.roles, self.eval_examples, self.cfg)
+        return evaluate_policy(self.roles, self.eval_examples, self.cfg, self.warn)
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step; returns its metrics."""
@@ -104,7 +114,7 @@ class RLController:
         batch, extra = self.rollouts.next(remaining=self.cfg.train.steps - step)
         self.check_weight_version(batch)
         if self.sampler is not None and (message := self.sampler.short_warning(step, extra)):
-            self.warnings.append(("dynamic_sampling", message))
+            self.warn("dynamic_sampling", message)
         batch, shaping = self.shape_rewards(batch)
         with t("old_logprobs"):  # ≈ 0 s under the on-policy shortcut
             if not (self.on_policy_shortcut and len(batch) <= self.mini_batch_rows):
@@ -163,7 +173,10 @@ class RLController:
             )
         self.groups_seen += len(examples)
         with timer("reward"):
-            return self.roles.reward.call("score", batch)
+            batch = self.roles.reward.call("score", batch)
+        for rule, message in batch.meta.pop("reward_warnings", ()):
+            self.warn(rule, message)
+        return batch
 
     def check_weight_version(self, batch: Batch) -> None:
         """The rollout must have used weights at most rollout.max_staleness updates old (0:

@@ -137,6 +137,10 @@ def _gather(results: list[Any]) -> Any:
             out = Batch.concat(results)
         if all("reward_errors" in r.meta for r in results):
             out.meta["reward_errors"] = sum(r.meta["reward_errors"] for r in results)
+        if any("reward_warnings" in r.meta for r in results):
+            out.meta["reward_warnings"] = [
+                w for r in results for w in r.meta.get("reward_warnings", ())
+            ]
         return out
     if isinstance(first, torch.Tensor):  # one value per row, e.g. scores [B]
         return torch.cat(results)

@@ -15,7 +15,9 @@ class RewardWorker:
 
     def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
         """Fills `scores` [B] (plus each episode's environment return, keel.envs);
-        `meta["reward_errors"]` counts rows that fell back.
+        `meta["reward_errors"]` counts rows that fell back; `meta["reward_warnings"]`: the
+        scorer's (rule, message) warnings of this batch (calls past reward.timeout_s, retried
+        requests), for the run's events.jsonl.
         `update_stats` is accepted for symmetry with ModelRewardWorker (a rule has no state)."""
         assert batch.responses is not None and batch.prompts is not None
         answers = batch.answers or [None] * len(batch)
@@ -23,5 +25,9 @@ class RewardWorker:
         out = batch.replace(
             scores=with_episode_returns(torch.tensor(scores, dtype=torch.float32), batch)
         )
-        out.meta = {**batch.meta, "reward_errors": errors}
+        out.meta = {
+            **batch.meta,
+            "reward_errors": errors,
+            "reward_warnings": self.scorer.pop_warnings(),
+        }
         return out
