@@ -278,17 +278,20 @@ def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_di
         with torch.no_grad():
             return response_forward(model.eval(), batch)[0]
 
+    # The reference (peft with the adapter off, in the worker's micro-batches) and a plain
+    # load on the whole batch are two code paths: equal up to float rounding, which differs
+    # from one CPU to another (here 1 ulp: 9.5e-7 at log-probs below -8), so rtol 1e-5.
     for step in (1, 2):
         metrics = ctl.step(step)
         assert metrics["rollout/weight_version_lag"] == 0
         batch = ctl.last_batch  # its ref_logprobs were computed before this step's update
-        torch.testing.assert_close(batch.ref_logprobs, logps(base, batch), atol=1e-6, rtol=0)
+        torch.testing.assert_close(batch.ref_logprobs, logps(base, batch), atol=1e-6, rtol=1e-5)
     for name, p in actor.model.named_parameters():
         assert torch.equal(p, frozen[name]) != p.requires_grad, name  # adapter moved, base not
     ref = ctl.roles.reference.call("compute_ref_logprobs", batch).ref_logprobs
-    torch.testing.assert_close(ref, logps(base, batch), atol=1e-6, rtol=0)  # still the base
+    torch.testing.assert_close(ref, logps(base, batch), atol=1e-6, rtol=1e-5)  # still the base
     live = logps(actor.model, batch)
-    assert not torch.allclose(live, ref)
+    assert (live - ref).abs().max() > 1e-3  # the trained adapter: far beyond rounding (0.026)
     torch.testing.assert_close(logps(separate.engine.model, batch), live, atol=1e-5, rtol=0)
 
 
