@@ -390,3 +390,30 @@ def test_an_episode_is_truncated_when_its_last_turn_is_cut():
     batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
                   meta={"eos_token_ids": [eos]})  # fmt: skip
     assert truncated_rows(batch).tolist() == [False, True]
+
+
+def test_a_reward_timeout_is_a_warning_event_of_the_run(tiny_grpo, tmp_path):
+    """The scorer's warnings (here a call past reward.timeout_s under on_error: fallback) travel
+    in the scored batch to the controller and become `warning` events of events.jsonl."""
+    from keel.controller import run_training
+    from keel.guard.events import read_events
+
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text(
+        "import threading\n"
+        "_first = threading.Event()\n"
+        "def fn(prompt, response, answer, **kwargs):\n"
+        "    if not _first.is_set():\n"
+        "        _first.set()\n"
+        "        threading.Event().wait(3)  # past reward.timeout_s\n"
+        "    return 0.0\n"
+    )
+    cfg = tiny_grpo(
+        "train.steps=1", f"reward.fn={slow}:fn", "reward.kwargs={}", "reward.on_error=fallback",
+        "reward.timeout_s=0.2", "checkpoint.save_steps=0",
+    )  # fmt: skip
+    run_training(cfg)
+    events = read_events(Path(cfg.run_dir) / "events.jsonl")
+    [warning] = [e for e in events if e["event"] == "warning"]
+    assert warning["rule"] == "reward_timeout" and warning["step"] == 1
+    assert "reward.timeout_s" in warning["message"] and "slow_reward.py" in warning["message"]
