@@ -47,14 +47,17 @@ def test_value_model_is_a_one_label_token_classifier_on_the_actor_backbone(tiny_
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_one_micro_batch_equals_eight(tiny_dir, mode):
     """1 × 8 and 8 × 1 give the same critic update (global denominators)."""
-    torch.manual_seed(0)  # the new value head's draw: some (~1%) miss atol 1e-6 with token-sum
+    # The new value head is drawn from the global RNG, whose normal_ rounds differently by CPU
+    # kernel level: the tolerance holds for any head (with token-sum at lr 0.5 the two
+    # accumulation orders' rounding reaches ~1e-6 on ~1% of heads; a wrong denominator is ×8).
+    torch.manual_seed(0)
     tok, base = load_tokenizer(tiny_dir), load_value_model(tiny_dir)
     batch = value_batch(tok, critic(copy.deepcopy(base), tok, 8))
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     metrics = [critic(m, tok, micro).update(batch, spec(mode)) for m, micro in
                zip(models, (8, 1), strict=True)]  # fmt: skip
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-4, abs=1e-6), key
     assert any(not torch.equal(a, b) for a, b in
