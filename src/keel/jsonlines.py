@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from keel.durable import append_file, replace_file
+
 
 def parse_rows(text: str, source: str = "<text>") -> list[dict[str, Any]]:
     """The JSON objects of the non-empty lines of `text`. A last line that is not a JSON object
@@ -70,9 +72,9 @@ def set_aside_bad_lines(path: str | Path, aside: str | Path) -> list[str]:
     bad = [i for i, line in enumerate(lines) if line.strip() and not _row(line)]
     if not bad:
         if last >= 0 and not ends[last]:
-            _append(path, b"\n")  # nothing was lost: the last line only lacked its newline
+            append_file(path, b"\n")  # nothing was lost: the last line only lacked its newline
         return []
-    _append(aside, b"".join(lines[i] + b"\n" for i in bad))
+    append_file(aside, b"".join(lines[i] + b"\n" for i in bad))
     moving = set(bad)
     kept = b"".join(lines[i] + ends[i] for i in range(len(lines)) if i not in moving)
     if kept.strip() and not kept.endswith(b"\n"):
@@ -83,7 +85,7 @@ def set_aside_bad_lines(path: str | Path, aside: str | Path) -> list[str]:
             fh.flush()
             os.fsync(fh.fileno())
     else:
-        _replace(path, kept)
+        replace_file(path, kept)
     moved = []
     for i in bad:
         shown = lines[i][:60].decode("utf-8", errors="replace")
@@ -99,33 +101,6 @@ def _row(line: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return row is not None and "step" in row
-
-
-def _append(path: Path, data: bytes) -> None:
-    with path.open("ab") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(path.parent)
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Replace the file with `data` atomically: a temporary sibling, fsync'd, renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _object(line: str) -> dict[str, Any] | None:

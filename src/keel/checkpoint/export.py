@@ -10,6 +10,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from keel.durable import fsync_dir, replace_file
+
 _STEP = re.compile(r"^step_(\d+)$")
 # In an exported folder (RUN_DIR/model): the step its weights are from, written inside the folder
 # before it is published, so that the folder and its record appear together or not at all.
@@ -95,23 +97,8 @@ def clean_leftovers(parent: str | Path) -> list[str]:
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    """Replace the file `path` with `text`: a temporary sibling, fsync'd, renamed over it, then
-    the folder fsync'd. A crash leaves the old content or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Replace the file `path` with `text` atomically (keel.durable.replace_file)."""
+    replace_file(path, text.encode("utf-8"))
 
 
 def write_export_record(folder: Path, step: int) -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keel.checkpoint.export import fsync_dir
 from keel.checkpoint.state import LATEST, MARKER, CheckpointError, validate_checkpoint
+from keel.durable import fsync_dir
 
 CONNECT_TIMEOUT_S = 10  # S3 uploads' connect timeout unless storage_options set one
 
