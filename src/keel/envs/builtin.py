@@ -117,6 +117,9 @@ class ToolEnvironment:
         )
 
 
+PYTHON_TOOL = ("python", "builtin:python")
+
+
 def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(rule, message) warnings of a run's environment before it plays: `builtin:tools` with
     the `python` tool on a machine where its sandbox cannot start bubblewrap (only the inner
@@ -128,16 +131,10 @@ def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tup
         return []
     out = []
     for spec in env_kwargs.get("tools", ()):
-        name = (
-            spec
-            if isinstance(spec, str)
-            else spec.get("name")
-            if isinstance(spec, Mapping)
-            else None
-        )
-        if name not in ("python", "builtin:python"):
+        options = {"name": spec} if isinstance(spec, str) else spec
+        if not isinstance(options, Mapping) or options.get("name") not in PYTHON_TOOL:
             continue
-        python = spec.get("python", sys.executable) if isinstance(spec, Mapping) else sys.executable
+        python = options.get("python", sys.executable)
         found = isolation(python)
         if "bwrap" not in found.layers:
             out.append((
