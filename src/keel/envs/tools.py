@@ -1,23 +1,17 @@
 """Tool calls in a model's response, the tools that answer them, and running the calls.
 
-The tool-call format is Hermes / Qwen2.5's: one or more blocks
-
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "37*58"}}
-    </tool_call>
-
-anywhere in a response. `arguments` is a JSON object, or a string holding one (OpenAI's style);
-"parameters" is accepted for it too, and a call without either has no arguments.
-`parse_tool_calls` reads them, `run_tool_calls` runs them on `Tool`s (concurrently, each with a
-timeout; every failure becomes an error result the policy sees, nothing raises), `build_tools`
-builds the tools a config names and `tool_schemas` describes them for a chat template.
+The tool-call formats (Hermes / Qwen `<tool_call>` blocks, Llama-3 JSON, Mistral
+`[TOOL_CALLS]`) are in keel.data.tool_calls and re-exported here: `parse_tool_calls` reads
+Hermes blocks, `tool_call_format_for` picks a format per tokenizer or config.
+`run_tool_calls` runs the calls on `Tool`s (concurrently, each with a timeout; every failure
+becomes an error result the policy sees, nothing raises), `build_tools` builds the tools a
+config names and `tool_schemas` describes them for a chat template.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-import json
 import math
 import operator
 import queue
@@ -29,26 +23,30 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from keel.data.tool_calls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ParsedCalls,
+    ToolCall,
+    ToolCallFormat,
+    format_tool_call,
+    has_tool_call_syntax,
+    parse_tool_calls,
+    tool_call_format_for,
+)
 from keel.envs.sandbox import SandboxResult, run_python
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call: the tool's name and its arguments (a JSON object)."""
-
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ParsedCalls:
-    """The well-formed calls of a response, in order, and one message per malformed one."""
-
-    calls: list[ToolCall]
-    errors: list[str]
+__all__ = [  # the tool-call formats live in keel.data.tool_calls (the SFT data path reads them)
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "ParsedCalls",
+    "ToolCall",
+    "ToolCallFormat",
+    "format_tool_call",
+    "has_tool_call_syntax",
+    "parse_tool_calls",
+    "tool_call_format_for",
+]
 
 
 @dataclass(frozen=True)
@@ -78,75 +76,6 @@ class Tool(Protocol):
     parameters: dict[str, Any]
 
     def __call__(self, arguments: dict[str, Any]) -> str: ...
-
-
-def has_tool_call_syntax(text: str) -> bool:
-    """Whether `text` opens a tool call at all (well-formed or not)."""
-    return TOOL_CALL_OPEN in text
-
-
-def parse_tool_calls(text: str) -> ParsedCalls:
-    """The tool calls in `text`. Never raises: a block with malformed JSON, no name, arguments
-    that are not an object, or no closing tag becomes a message in `errors` (numbered from 1 in
-    the order of the opening tags). Text without `<tool_call>` has no calls and no errors."""
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    position = number = 0
-    while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
-        number += 1
-        body_start = start + len(TOOL_CALL_OPEN)
-        end = text.find(TOOL_CALL_CLOSE, body_start)
-        next_open = text.find(TOOL_CALL_OPEN, body_start)
-        if end < 0 or 0 <= next_open < end:
-            errors.append(f"tool call {number}: {TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}")
-            if next_open < 0:
-                break
-            position = next_open
-            continue
-        position = end + len(TOOL_CALL_CLOSE)
-        call = _parse_call(text[body_start:end])
-        if isinstance(call, ToolCall):
-            calls.append(call)
-        else:
-            errors.append(f"tool call {number}: {call}")
-    return ParsedCalls(calls, errors)
-
-
-def _parse_call(body: str) -> ToolCall | str:
-    """The call in one block's body, or what is wrong with it."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return f"invalid JSON ({exc.msg} at character {exc.pos})"
-    except (ValueError, RecursionError) as exc:
-        return f"invalid JSON ({exc})"
-    if not isinstance(obj, dict):
-        return f"expected a JSON object with a name and arguments, got {_json_type(obj)}"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
-        return "no tool name (a non-empty string 'name')"
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except (ValueError, RecursionError) as exc:
-            return f"{name}: arguments are a string that is not JSON ({exc})"
-    if not isinstance(arguments, dict):
-        return f"{name}: arguments must be a JSON object, got {_json_type(arguments)}"
-    return ToolCall(name.strip(), arguments)
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
-    if value is None:
-        return "null"
-    return names.get(type(value), "a number")
-
-
-def format_tool_call(call: ToolCall) -> str:
-    """The call as the model writes it: the inverse of parse_tool_calls for one call."""
-    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-    return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
 
 
 # --- the built-in tools ------------------------------------------------------------------------
