@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from keel.models import ModelLoadError, load_causal_lm, load_tokenizer
 from keel.models.lora import (
@@ -15,10 +15,12 @@ from keel.models.lora import (
     base_model_eval,
     is_lora,
     load_adapter_state_dict,
+    merged_from_state,
     merged_state_dict,
     save_merged,
     wrap_lora,
 )
+from keel.models.tokenizer import build_char_tokenizer
 
 IDS = torch.tensor([[5, 9, 14, 22, 7, 30, 41, 3], [12, 12, 8, 50, 61, 2, 19, 33]])
 # Merged weights (W + s·B·A, rounded once) against the unmerged adapter (W·x + s·B·(A·x)): two
@@ -116,3 +118,67 @@ def test_the_adapter_state_round_trips_exactly_and_names_must_match(tiny_dir):
     other = wrap_lora(load_causal_lm(tiny_dir), r=4, alpha=8.0, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="adapter weights do not match"):
         load_adapter_state_dict(other, state)
+
+
+def tiny_moe_dir(path):
+    """A tiny random Qwen3-MoE folder (hidden 32, 2 layers, 4 experts, top-2) with the char
+    tokenizer: fused experts hold 3-D parameters, not nn.Linear layers."""
+    tokenizer = build_char_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_lora_on_fused_moe_experts_trains_and_merges_into_a_plain_model(tmp_path):
+    folder = tiny_moe_dir(tmp_path / "moe")
+    model = wrap_lora(load_causal_lm(folder), r=2, alpha=4.0)  # all-linear
+    adapted = {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.endswith("mlp.experts") for n in adapted)  # the fused experts are adapted
+    assert any(n.endswith("self_attn.q_proj") for n in adapted)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    model.train()
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    model.eval()
+    experts_b = [p for n, p in model.named_parameters() if "experts" in n and "lora_B" in n]
+    assert experts_b and all(p.abs().max() > 0 for p in experts_b)  # B ≠ 0 after one step
+    live = logits(model)
+    with adapter_disabled(model):
+        assert not torch.allclose(live, logits(model), **MERGED)  # the adapter matters
+    plain = Qwen3MoeForCausalLM.from_pretrained(folder).eval()
+    state = merged_state_dict(model)
+    assert state.keys() == plain.state_dict().keys()
+    plain.load_state_dict(state)  # strict
+    torch.testing.assert_close(logits(plain), live, **MERGED)
+    # the FSDP2 path computes the same merge from a full state dict of the LoRA model
+    from_state = merged_from_state(model, model.state_dict())
+    assert from_state.keys() == state.keys()
+    for key, value in state.items():
+        torch.testing.assert_close(from_state[key], value, **MERGED)
+    save_merged(model, load_tokenizer(folder), tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(reloaded) is Qwen3MoeForCausalLM and not is_lora(reloaded)
+    torch.testing.assert_close(logits(reloaded), live, **MERGED)
+
+
+def test_lora_dropout_on_fused_moe_experts_is_an_error_naming_the_field(tmp_path):
+    folder = tiny_moe_dir(tmp_path / "moe")
+    with pytest.raises(ModelLoadError, match=r"models\.lora\.dropout \(0\.1\) must be 0"):
+        wrap_lora(load_causal_lm(folder), r=2, alpha=4.0, dropout=0.1)

@@ -36,7 +36,9 @@ def wrap_lora(
     frozen, only the adapter's A and B matrices require grad. B starts at zero, so the wrapped
     model computes what `model` did. A is drawn from the global torch RNG (seeded runs repeat).
     target_modules: module names (suffixes, e.g. ["q_proj", "v_proj"]) or "all-linear" (every
-    linear layer except the output head)."""
+    linear layer except the output head; on a model with fused MoE experts peft also adapts
+    the experts' 3-D parameters and the router's weight as ParamWrappers, which need
+    dropout 0)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -49,6 +51,10 @@ def wrap_lora(
     try:
         wrapped = get_peft_model(model, config, adapter_name=ADAPTER)
     except ValueError as exc:  # e.g. a target module name the model does not have
+        if "lora_dropout" in str(exc):  # peft's wrapper of fused MoE experts has no dropout
+            raise ModelLoadError(
+                f"models.lora.dropout ({dropout}) must be 0 for this model: {exc}"
+            ) from exc
         raise ModelLoadError(f"models.lora.target_modules ({target_modules!r}): {exc}") from exc
     tied = _tied_adapted(wrapped)
     if tied:  # e.g. the input embeddings of a model whose output head shares them
@@ -63,19 +69,86 @@ def wrap_lora(
 
 
 def _tied_adapted(model: Any) -> list[str]:
-    """The adapted layers whose weight shares its storage with another parameter."""
-    from peft.tuners.lora import LoraLayer
-
+    """The adapted layers whose adapted parameter shares its storage with another parameter."""
     base = model.get_base_model()
     owners: dict[int, int] = {}
     for _, p in base.named_parameters(remove_duplicate=False):
         owners[p.data_ptr()] = owners.get(p.data_ptr(), 0) + 1
     return [
         name
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer)
-        and owners.get(module.get_base_layer().weight.data_ptr(), 0) > 1
+        for name, layer in adapted_layers(model).items()
+        if owners.get(_adapted_param(layer).data_ptr(), 0) > 1
     ]
+
+
+def adapted_layers(model: Any) -> dict[str, Any]:
+    """peft's LoRA layers of `model` by module name in its base model (nested wrappers of one
+    module's parameters each appear: `mlp.experts`, `mlp.experts.base_layer`). Raises
+    ModelLoadError naming the module for a kind whose merged weight Keel does not compute (only
+    peft's Linear, Embedding and ParamWrapper, the fused MoE experts, are)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {
+        name: module
+        for name, module in model.get_base_model().named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    for name, layer in layers.items():
+        if _kind(layer) is None:
+            raise ModelLoadError(
+                f"models.lora.target_modules adapts {name} as a peft {type(layer).__name__}, "
+                "whose merged weight Keel does not compute; leave it out of target_modules"
+            )
+    return layers
+
+
+def _kind(layer: Any) -> str | None:
+    """'linear', 'embedding' or 'param' (peft's ParamWrapper) for the LoRA layer kinds Keel
+    merges, else None."""
+    from peft.tuners.lora import Embedding, Linear, ParamWrapper
+
+    for cls, kind in ((ParamWrapper, "param"), (Embedding, "embedding"), (Linear, "linear")):
+        if isinstance(layer, cls):
+            return kind
+    return None
+
+
+def _adapted_param(layer: Any) -> torch.Tensor:
+    """The base parameter a LoRA layer adds its delta to."""
+    return layer.get_param() if _kind(layer) == "param" else layer.get_base_layer().weight
+
+
+def _factor_keys(name: str, layer: Any) -> tuple[str, str]:
+    """The state-dict keys (in the base model) of a LoRA layer's A and B factors."""
+    if _kind(layer) == "embedding":
+        return f"{name}.lora_embedding_A.{ADAPTER}", f"{name}.lora_embedding_B.{ADAPTER}"
+    return f"{name}.lora_A.{ADAPTER}.weight", f"{name}.lora_B.{ADAPTER}.weight"
+
+
+def lora_delta(layer: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """What a LoRA layer adds to its base parameter, from its factors A and B (peft's
+    `get_delta_weight` formulas, scaling s = alpha / r):
+
+    - Linear: A [r, in], B [out, r] → s·B·A [out, in] (its transpose [in, out] for a
+      fan-in-fan-out layer, GPT-2's Conv1D);
+    - Embedding: A [r, vocab], B [dim, r] → s·(B·A)ᵀ [vocab, dim];
+    - ParamWrapper on a 3-D parameter of E experts (fused MoE experts): A [E·r, i], B [o, r·E]
+      (A's rows expert-major, B's columns rank-major) → per expert e, s·Bₑ·Aₑ laid out as the
+      parameter: [E, i, o], or [E, o, i] when peft swapped its in/out features; on a 2-D
+      parameter as Linear.
+    """
+    scale = layer.scaling[ADAPTER]
+    kind = _kind(layer)
+    if kind == "param" and layer.num_experts > 1:
+        e = layer.num_experts
+        a3 = a.reshape(e, -1, a.shape[-1])  # [E, r, i]
+        b3 = b.reshape(b.shape[0], -1, e)  # [o, r, E]
+        layout = "e o i" if layer._did_swap_in_out_features else "e i o"
+        return torch.einsum(f"o r e, e r i -> {layout}", b3, a3) * scale
+    delta = (b @ a) * scale
+    if kind == "embedding" or getattr(layer, "fan_in_fan_out", False):
+        delta = delta.T
+    return delta
 
 
 def is_lora(model: Any) -> bool:
@@ -114,33 +187,50 @@ def load_adapter_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
 
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The weights of the plain model that computes what the LoRA model computes: every adapted
-    layer's weight is W + (alpha / r)·B·A, the adapter's own parameters are left out, and the
-    names are those of the model without peft (AutoModelForCausalLM, `load_state_dict` of a plain
-    copy). On the CPU; the live weights are not changed (the frozen base weights of a CPU model
-    are returned as they are, not copied). Parameters that share storage (a tied lm_head) stay
-    one tensor, so `save_pretrained` stores them once."""
-    from peft.tuners.lora import LoraLayer
+    parameter is W + ΔW (`lora_delta`: (alpha / r)·B·A for a linear layer, per expert for fused
+    MoE experts), the adapter's own parameters are left out, and the names are those of the
+    model without peft (AutoModelForCausalLM, `load_state_dict` of a plain copy). On the CPU;
+    the live weights are not changed (the frozen base weights of a CPU model are returned as
+    they are, not copied). Parameters that share storage (a tied lm_head) stay one tensor, so
+    `save_pretrained` stores them once."""
+    return _merged(adapted_layers(model), model.get_base_model().state_dict())
 
-    base = model.get_base_model()
-    deltas = {
-        name: module.get_delta_weight(ADAPTER)
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer)
-    }
-    out: dict[str, torch.Tensor] = {}
-    shared: dict[int, torch.Tensor] = {}  # source storage → output tensor (tied parameters)
-    names: dict[int, list[str]] = {}  # source storage → the plain names reading it
-    merged: set[int] = set()
+
+def merged_from_state(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`merged_state_dict` computed from a full state dict of the LoRA model `state` (keys as
+    in `model.state_dict()`, e.g. an FSDP2 model's gathered one, whose live parameters are
+    shards): the same W + ΔW for every adapted parameter, the adapter's own entries left out,
+    plain names."""
+    prefix = BASE_PREFIX
+    if not any(key.startswith(prefix) for key in state):
+        raise ValueError(f"not a state dict of a LoRA model: no key starts with {prefix!r}")
+    base_state = {k.removeprefix(prefix): v for k, v in state.items()}
+    return _merged(adapted_layers(model), base_state)
+
+
+def _merged(layers: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain merged weights from the base model's state dict `state` (peft's names) and its
+    LoRA layers by module name (see merged_state_dict)."""
     with torch.no_grad():
-        for key, value in base.state_dict().items():
-            plain = _plain_key(key, deltas)
+        deltas: dict[str, torch.Tensor] = {}  # plain parameter name → ΔW
+        for name, layer in layers.items():
+            leaf = layer.parameter_name if _kind(layer) == "param" else "weight"
+            key_a, key_b = _factor_keys(name, layer)
+            deltas[f"{_plain_key(name, layers)}.{leaf}"] = lora_delta(
+                layer, state[key_a], state[key_b]
+            )
+        out: dict[str, torch.Tensor] = {}
+        shared: dict[int, torch.Tensor] = {}  # source storage → output tensor (tied parameters)
+        names: dict[int, list[str]] = {}  # source storage → the plain names reading it
+        merged: set[int] = set()
+        for key, value in state.items():
+            plain = _plain_key(key, layers)
             if plain is None:  # the adapter's own parameters
                 continue
             ptr = value.data_ptr() if value.numel() else id(value)
             names.setdefault(ptr, []).append(plain)
-            module, _, leaf = plain.rpartition(".")
-            if module in deltas and leaf == "weight":
-                out[plain] = (value + deltas[module].to(value.device, value.dtype)).cpu()
+            if plain in deltas:
+                out[plain] = (value + deltas[plain].to(value.device, value.dtype)).cpu()
                 merged.add(ptr)
             elif ptr in shared:
                 out[plain] = shared[ptr]
@@ -155,51 +245,23 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def merged_from_state(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`merged_state_dict` computed from a full state dict of the LoRA model `state` (keys as
-    in `model.state_dict()`, e.g. an FSDP2 model's gathered one, whose live parameters are
-    shards): W + scaling·B·A for every adapted layer (transposed for fan-in-fan-out layers, as
-    peft's `get_delta_weight`), the adapter's own entries left out, plain names."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    prefix = BASE_PREFIX
-    if not any(key.startswith(prefix) for key in state):
-        raise ValueError(f"not a state dict of a LoRA model: no key starts with {prefix!r}")
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, value in state.items():
-            plain = _plain_key(key.removeprefix(prefix), layers)
-            if plain is None:  # the adapter's own parameters
-                continue
-            module, _, leaf = plain.rpartition(".")
-            if module in layers and leaf == "weight":
-                lora = layers[module]
-                a = state[f"{prefix}{module}.lora_A.{ADAPTER}.weight"]
-                b = state[f"{prefix}{module}.lora_B.{ADAPTER}.weight"]
-                delta = (b @ a) * lora.scaling[ADAPTER]
-                if getattr(lora, "fan_in_fan_out", False):
-                    delta = delta.T
-                value = value + delta.to(value.device, value.dtype)
-            out[plain] = value.cpu()
-    return out
-
-
 BASE_PREFIX = "base_model.model."  # a peft model's state-dict keys = this + its base model's
 
 
-def _plain_key(key: str, adapted: dict[str, torch.Tensor]) -> str | None:
-    """`layer.base_layer.weight` → `layer.weight` for an adapted layer; None for its adapter
-    parameters (`layer.lora_A.default.weight`, …); other keys unchanged."""
+def _plain_key(key: str, adapted: dict[str, Any]) -> str | None:
+    """A peft name in the base model → the plain model's name: the `base_layer` after each
+    adapted module is dropped (`layer.base_layer.weight` → `layer.weight`; nested wrappers of
+    fused experts: `experts.base_layer.base_layer.down_proj` → `experts.down_proj`); None for
+    an adapter's own parameters (`layer.lora_A.default.weight`, …)."""
     parts = key.split(".")
-    for i in range(1, len(parts)):
-        name = ".".join(parts[:i])
-        if name in adapted:
-            if parts[i] != "base_layer":
+    kept: list[str] = []
+    for i, part in enumerate(parts):
+        if i and ".".join(parts[:i]) in adapted:
+            if part != "base_layer":
                 return None
-            return ".".join(parts[:i] + parts[i + 1 :])
-    return key
+            continue
+        kept.append(part)
+    return ".".join(kept)
 
 
 def save_merged(
