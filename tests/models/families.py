@@ -7,7 +7,8 @@ Tokenizers (`build_tokenizer(kind)`):
 - "byte-bpe-bos": the same vocabulary plus a post-processor that adds BOS, like Llama 3.
 - "sentencepiece": a SentencePiece-style BPE (Metaspace `▁` pre-tokenizer, byte fallback to
   `<0xNN>` tokens, a post-processor that adds `<s>`), like Llama 2 and Mistral.
-- "gemma": the same kind with Gemma's special tokens (`<bos>`, `<eos>`, `<start_of_turn>` …).
+- "gemma": the same kind with Gemma's special tokens (`<bos>`, `<eos>`, `<start_of_turn>` …)
+  and no `▁` put before the first word (Gemma's tokenizer adds no dummy prefix).
 
 Templates (Jinja strings): CHATML (Qwen), LLAMA2 (`[INST] … [/INST]`, turns closed by
 `' ' + eos_token`), LLAMA3 (header ids, `<|eot_id|>`, BOS in the template) and GEMMA
@@ -107,6 +108,7 @@ class TokenizerKind:
     pad: str
     add_bos: bool
     sentencepiece: bool
+    prepend_space: bool = True  # SentencePiece kinds: `▁` before the first word (Llama 2)
     vocab_size: int = 600
 
 
@@ -128,7 +130,7 @@ KINDS = {
     ),
     "gemma": TokenizerKind(
         "gemma", ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
-        "<bos>", "<eos>", "<pad>", add_bos=True, sentencepiece=True,
+        "<bos>", "<eos>", "<pad>", add_bos=True, sentencepiece=True, prepend_space=False,
     ),
 }  # fmt: skip
 
@@ -154,7 +156,8 @@ def _train_sentencepiece(kind: TokenizerKind) -> Tokenizer:
     its vocabulary (right after the special tokens, as Llama 2 has them) and byte fallback on,
     so any character outside the vocabulary is spelled in bytes and decodes back."""
     backend = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in kind.specials else None))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    scheme = "first" if kind.prepend_space else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
     trainer = BpeTrainer(
         vocab_size=kind.vocab_size, special_tokens=list(kind.specials), show_progress=False
     )
@@ -178,10 +181,10 @@ def _train_sentencepiece(kind: TokenizerKind) -> Tokenizer:
         added["id"] = vocab[added["content"]]
     rebuilt = Tokenizer.from_str(json.dumps(spec))
     rebuilt.normalizer = normalizers.Sequence([])
-    rebuilt.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-         decoders.Strip(" ", 1, 0)]
-    )  # fmt: skip
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if kind.prepend_space:  # the space the pre-tokenizer put before the first word
+        steps.append(decoders.Strip(" ", 1, 0))
+    rebuilt.decoder = decoders.Sequence(steps)
     return rebuilt
 
 
