@@ -17,11 +17,26 @@ def validate_file(path: Path, overrides: Sequence[str]) -> int:
     cfg = load_config(path, overrides)
     build_spec(cfg)  # cross-section checks of the algorithm's roles
     plan = batch_plan(cfg)
+    env = check_run_environment(cfg)
     print(
         f"{path}: ok ({cfg.algorithm.name}, {plan.sequences_per_step} sequences per step, "
-        f"{plan.total_optimizer_steps} optimizer updates)"
+        f"{plan.total_optimizer_steps} optimizer updates{env})"
     )
     return 0
+
+
+def check_run_environment(cfg: Any) -> str:
+    """With rollout.env: resolve the environment, bind rollout.env_kwargs and build its tools,
+    loading no model and playing no episode (keel.envs.loading.check_environment; an
+    EnvLoadError naming the field otherwise). Returns ', environment NAME (tools: …)' for the
+    `ok` line, '' without rollout.env. Imports keel.envs (and torch) only when there is one."""
+    if cfg.rollout.env is None:
+        return ""
+    from keel.envs.loading import check_environment
+
+    tools = check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
+    listed = f" (tools: {', '.join(tools)})" if tools else ""
+    return f", environment {cfg.rollout.env}{listed}"
 
 
 def show(path: Path, overrides: Sequence[str]) -> int:

@@ -1,8 +1,12 @@
-"""`keel eval MODEL [--data FILE] [--reward SPEC]`: training's held-out evaluation of a saved
-policy, with every prediction written to disk.
+"""`keel eval MODEL [--config FILE] [--data FILE] [--reward SPEC]`: training's held-out
+evaluation of a saved policy, with every prediction written to disk.
 
 MODEL is a run directory, one of its checkpoints, or an HF folder. For a run, the data and the
-reward default to the run's own (data.eval, reward.fn); a plain HF folder needs --data. Writes
+reward default to the run's own (data.eval, reward.fn); a plain HF folder needs --data or
+--config. `--config FILE` takes the settings from a run config instead (the YAML of the RL run
+that a warm start is for: data, reward, rollout with rollout.env, env_kwargs and max_turns,
+eval), so a policy is evaluated inside that run's environment with no --set flags; MODEL is
+still the policy, and --set and the command's flags still win. Writes
 OUT/metrics.json and OUT/predictions.jsonl; OUT defaults to RUN_DIR/eval/step_NNNNNN (a
 checkpoint), RUN_DIR/eval/model (the run's exported model) or ./keel-eval/NAME-TIME.
 """
@@ -35,24 +39,25 @@ class EvalOptions:
     limit: int | None = None
     out: Path | None = None
     progress: bool = True
+    config: Path | None = None  # a run config to take the settings from (--config)
 
 
 def eval_model(model: str, options: EvalOptions, overrides: Sequence[str] = ()) -> int:
     from keel.checkpoint.policy import resolve_policy
-    from keel.controller.saved_policy import policy_config, prepare_eval
+    from keel.cli.config_cmd import check_run_environment
+    from keel.controller.saved_policy import prepare_eval
     from keel.monitor.console import ItemProgress
 
     source = resolve_policy(model)
-    if options.data is None and source.run_dir is None:
+    if options.data is None and options.config is None and source.run_dir is None:
         from keel.data import DataError
 
         raise DataError(
-            f"{model}: a model outside a run has no eval data of its own; "
-            "pass --data FILE (.jsonl/.parquet) or --data builtin:arithmetic"
+            f"{model}: a model outside a run has no eval data of its own; pass --data FILE "
+            "(.jsonl/.parquet), --data builtin:arithmetic or --config RUN.yaml"
         )
-    # --reward names a rule reward: it replaces a reward model the run may have used
-    unset = ("models.reward",) if options.reward is not None else ()
-    cfg = policy_config(source, overrides, _settings(options), unset=unset)
+    cfg = eval_config(source, options, overrides)
+    check_run_environment(cfg)  # a wrong tool or env_kwargs fails before the model loads
     job = prepare_eval(cfg, options.limit)
     out = options.out or default_out_dir(source)
     try:
@@ -60,10 +65,36 @@ def eval_model(model: str, options: EvalOptions, overrides: Sequence[str] = ()) 
             result = job.run(bar.advance)
     finally:
         job.close()
-    summary = _summary(source, cfg, job, result.metrics)
+    summary = _summary(source, cfg, job, result.metrics, options.config)
     write_results(out, summary, [p.to_json() for p in result.predictions])
     _print(summary, out, job)
     return 0
+
+
+def eval_config(source: Any, options: EvalOptions, overrides: Sequence[str] = ()) -> Any:
+    """The KeelConfig of the evaluation. Without --config: the policy's run's config.yaml (a
+    plain HF folder: the defaults), KEEL__* and `--set` overrides, then the command's flags
+    (keel.controller.saved_policy.policy_config). With --config FILE: the same layering on
+    FILE instead (its relative input paths resolved against its folder, as `keel train`
+    does). models.actor is MODEL either way; training-only roles (reference, critic, LoRA)
+    are dropped; `--reward` replaces a reward model (models.reward)."""
+    from keel.config.loading import load_config, set_path, validate
+    from keel.config.paths import resolve_input_paths
+    from keel.controller.saved_policy import NOT_USED, policy_config
+
+    # --reward names a rule reward: it replaces a reward model the run may have used
+    unset = ("models.reward",) if options.reward is not None else ()
+    if options.config is None:
+        return policy_config(source, overrides, _settings(options), unset=unset)
+    name = str(options.config)
+    raw = load_config(options.config, overrides).model_dump(mode="json")
+    for key, value in _settings(options).items():
+        if value is not None:
+            set_path(raw, key, value, source=key)
+    set_path(raw, "models.actor", str(source.folder), source="MODEL")
+    for key in (*NOT_USED, *unset):
+        set_path(raw, key, None, source="MODEL")
+    return resolve_input_paths(validate(raw, source=name), Path.cwd())
 
 
 def _settings(options: EvalOptions) -> dict[str, Any]:
@@ -113,8 +144,10 @@ def default_out_dir(source: Any, now: datetime | None = None) -> Path:
     return out
 
 
-def _summary(source: Any, cfg: Any, job: Any, metrics: dict[str, float]) -> dict[str, Any]:
-    """metrics.json: the eval/* metrics and what produced them."""
+def _summary(
+    source: Any, cfg: Any, job: Any, metrics: dict[str, float], config: Path | None = None
+) -> dict[str, Any]:
+    """metrics.json: the eval/* metrics and what produced them (`config`: --config)."""
     from keel.controller.evaluation import eval_sampling
 
     sampling = eval_sampling(cfg.eval, cfg.rollout)
@@ -126,6 +159,10 @@ def _summary(source: Any, cfg: Any, job: Any, metrics: dict[str, float]) -> dict
         "run_dir": os.path.abspath(source.run_dir) if source.run_dir is not None else None,
         "data": cfg.data.eval or cfg.data.train,
         "reward": cfg.models.reward or cfg.reward.fn,
+        "config": os.path.abspath(config) if config is not None else None,
+        "env": cfg.rollout.env,
+        "env_kwargs": cfg.rollout.env_kwargs,
+        "max_turns": cfg.rollout.max_turns,
         "sampling": {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -154,6 +191,8 @@ def _print(summary: dict[str, Any], out: Path, job: Any) -> None:
     step = f" (step {summary['step']})" if summary["step"] is not None else ""
     print(f"model: {summary['model']}{step}")
     print(f"data: {summary['data']} ({summary['examples']} examples)  reward: {summary['reward']}")
+    if summary["env"] is not None:
+        print(f"env: {summary['env']} (max_turns {summary['max_turns']})")
     width = max(len(k) for k in summary["metrics"])
     for key, value in summary["metrics"].items():
         print(f"{key:<{width}}  {value:.4f}")

@@ -4,6 +4,11 @@ rollout engine training uses.
 MODEL is a run directory, one of its checkpoints, or an HF folder. A prompt `-` reads one
 prompt per non-empty line of stdin. For a run, the prompt settings (chat template,
 max_prompt_length, truncation), the engine and the response length default to the run's own.
+
+A run with `rollout.env` (or `--set rollout.env=…`) plays each prompt as an episode in that
+environment, as training's rollout does (up to rollout.max_turns turns, tools called): the
+printed response is the episode's last turn (what reward.fn scores), and `--json` adds the
+episode (turns, tool calls, messages). `--no-env` answers one turn with no environment.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class GenerateOptions:
     max_prompt_length: int | None = None
     json: bool = False
     seed: int = 0
+    no_env: bool = False  # one turn even when the config has rollout.env
 
 
 def generate(
@@ -41,6 +47,7 @@ def generate(
     stdin: TextIO | None = None,
 ) -> int:
     from keel.checkpoint.policy import resolve_policy
+    from keel.cli.config_cmd import check_run_environment
     from keel.controller.evaluation import eval_sampling
     from keel.controller.saved_policy import build_rollout, check_fits, policy_config
     from keel.engine.seeding import seed_everything
@@ -53,8 +60,16 @@ def generate(
         prompt_tokens = loose_prompt_length(
             source.folder, options.max_new_tokens or DEFAULT_NEW_TOKENS
         )
-    settings = {"data.apply_chat_template": options.chat, "data.max_prompt_length": prompt_tokens}
-    cfg = policy_config(source, overrides, settings)
+    settings: dict[str, Any] = {
+        "data.apply_chat_template": options.chat,
+        "data.max_prompt_length": prompt_tokens,
+    }
+    unset: tuple[str, ...] = ()
+    if options.no_env:
+        settings |= {"rollout.env_kwargs": {}, "rollout.max_turns": 1}
+        unset = ("rollout.env",)
+    cfg = policy_config(source, overrides, settings, unset=unset)
+    check_run_environment(cfg)
     new_tokens = options.max_new_tokens or (
         eval_sampling(cfg.eval, cfg.rollout).max_new_tokens
         if source.run_dir is not None
@@ -110,25 +125,25 @@ def loose_prompt_length(folder: Path, new_tokens: int) -> int:
 
 def _print(batch: Any, examples: Sequence[Any], options: GenerateOptions) -> None:
     """Plain: each response (under a `==> prompt i, response j <==` header when there are
-    several); --json: one object per response."""
+    several; with an environment, the episode's last turn); --json: one object per response
+    (with an environment, its `episode` too; `tokens` counts the policy's tokens of every
+    turn)."""
     tokens = batch.response_mask.sum(dim=1).long().tolist()
     several = len(batch) > 1
     for row in range(len(batch)):
         i, j = divmod(row, options.n)
         if options.json:
-            print(
-                json.dumps(
-                    {
-                        "prompt": examples[i].prompt,
-                        "index": i,
-                        "sample": j,
-                        "response": batch.responses[row],
-                        "finish_reason": batch.finish_reasons[row],
-                        "tokens": tokens[row],
-                    },
-                    ensure_ascii=False,
-                )
-            )
+            line = {
+                "prompt": examples[i].prompt,
+                "index": i,
+                "sample": j,
+                "response": batch.responses[row],
+                "finish_reason": batch.finish_reasons[row],
+                "tokens": tokens[row],
+            }
+            if batch.episodes:  # rollout.env: the whole episode, as predictions.jsonl has it
+                line["episode"] = batch.episodes[row]
+            print(json.dumps(line, ensure_ascii=False))
             continue
         if several:
             print(f"==> prompt {i + 1}, response {j + 1} <==")

@@ -117,6 +117,14 @@ def _add_eval(sub: Any) -> None:
     ev.add_argument("--batch-size", type=_positive, help="prompts per generate call")
     ev.add_argument("--limit", type=_positive, metavar="N", help="only the first N examples")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a run config (e.g. the RL run's YAML): its data, reward, rollout (rollout.env, "
+        "env_kwargs, max_turns) and eval settings instead of the run's or the defaults; "
+        "MODEL stays the policy, --set and the flags above still win",
+    )
     _add_overrides(ev)
 
 
@@ -152,6 +160,11 @@ def _add_generate(sub: Any) -> None:
         help="one JSON line per response (finish reason, token count)",
     )
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument(
+        "--no-env",
+        action="store_true",
+        help="answer one turn even when the run has rollout.env (default: play its episodes)",
+    )
     _add_overrides(gen)
 
 
@@ -182,6 +195,7 @@ USER_ERRORS = (
     ("keel.checkpoint.policy", "PolicyNotFound"), ("keel.checkpoint.state", "CheckpointError"),
     ("keel.config.loading", "ConfigError"),
     ("keel.controller.resume", "RunDirError"), ("keel.data.files", "DataError"),
+    ("keel.envs.loading", "EnvLoadError"),
     ("keel.guard.decisions", "GuardStateError"), ("keel.models.loading", "ModelLoadError"),
     ("keel.monitor.optional", "MissingPackageError"),
     ("keel.monitor.prometheus", "ExporterError"), ("keel.report.runs", "ReportError"),
@@ -246,7 +260,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         options = EvalOptions(
             data=args.data, reward=args.reward, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
-            out=args.out, progress=not args.no_progress,
+            out=args.out, progress=not args.no_progress, config=args.config,
         )  # fmt: skip
         return eval_model(args.model, options, args.set)
     if args.command == "generate":
@@ -255,7 +269,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         options = GenerateOptions(
             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
             n=args.n, chat=args.chat, max_prompt_length=args.max_prompt_length, json=args.json,
-            seed=args.seed,
+            seed=args.seed, no_env=args.no_env,
         )  # fmt: skip
         return generate(args.model, args.prompts, options, args.set)
     if args.command == "demo":

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from keel.cli.config_cmd import check_run_environment
 from keel.config import load_config
 
 
@@ -21,6 +22,7 @@ def train(
     cfg = load_config(path, overrides)
     if run_dir:
         cfg.run_dir = run_dir
+    check_run_environment(cfg)  # before the run directory exists: as `keel config validate`
     from keel.controller import run_training
 
     result = run_training(
