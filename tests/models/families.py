@@ -242,9 +242,11 @@ class Family:
         return KINDS[self.tokenizer].add_bos
 
 
+# Head size 32: the smallest vLLM's CPU attention takes (tests/models/test_families_vllm.py);
+# one key/value head for two query heads (grouped-query attention, as the families use it).
 _LLAMA_LIKE = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512,
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {
@@ -253,25 +255,25 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2Config", "byte-bpe", "chatml",
                {**_LLAMA_LIKE, "tie_word_embeddings": True}, ("<|endoftext|>",)),
         Family("qwen3", "Qwen3Config", "byte-bpe", "chatml",
-               {**_LLAMA_LIKE, "head_dim": 8, "tie_word_embeddings": True}, ("<|endoftext|>",)),
+               {**_LLAMA_LIKE, "tie_word_embeddings": True}, ("<|endoftext|>",)),
         Family("llama", "LlamaConfig", "byte-bpe-bos", "llama3",
                {**_LLAMA_LIKE, "tie_word_embeddings": False}, ("<|end_of_text|>",)),
         Family("mistral", "MistralConfig", "sentencepiece", "llama2",
                {**_LLAMA_LIKE, "sliding_window": 8, "tie_word_embeddings": False}),
         Family("gemma2", "Gemma2Config", "gemma", "gemma",
-               {**_LLAMA_LIKE, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8,
+               {**_LLAMA_LIKE, "query_pre_attn_scalar": 32, "sliding_window": 8,
                 "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
                ("<end_of_turn>",)),
         Family("phi3", "Phi3Config", "byte-bpe", "chatml",
                {**_LLAMA_LIKE, "original_max_position_embeddings": 512,
                 "tie_word_embeddings": False}, ("<|endoftext|>",)),
         Family("gpt2", "GPT2Config", "byte-bpe", "chatml",
-               dict(n_embd=32, n_layer=2, n_head=4, n_positions=512, n_inner=64),
+               dict(n_embd=64, n_layer=2, n_head=2, n_positions=512, n_inner=96),
                ("<|endoftext|>",)),
         Family("olmo2", "Olmo2Config", "byte-bpe", "chatml",
                {**_LLAMA_LIKE, "tie_word_embeddings": False}, ("<|endoftext|>",)),
         Family("qwen3_moe", "Qwen3MoeConfig", "byte-bpe", "chatml",
-               {**_LLAMA_LIKE, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+               {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32, "decoder_sparse_step": 1, "norm_topk_prob": True,
                 "tie_word_embeddings": False}, ("<|endoftext|>",), moe=True),
     ]
