@@ -1,5 +1,5 @@
 """Which HF folder a user means by MODEL (`keel generate`, `keel eval`, `keel serve`): a run
-directory, one checkpoint of it, or a plain HF folder."""
+directory, one checkpoint of it, a plain HF folder, or a hub id in the Hugging Face cache."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.checkpoint.state import info_of, list_checkpoints
+from keel.models.loading import hub_snapshot, is_hub_id
 
 CHECKPOINTS = "checkpoints"
 EXPORTED = "model"  # RUN_DIR/model: the policy a finished run exports
@@ -32,6 +33,7 @@ def resolve_policy(model: str | Path) -> PolicySource:
     """MODEL → the policy folder.
 
     - an HF folder (config.json): itself;
+    - a hub id (`org/name`) that is no path: its snapshot (main) in the Hugging Face cache;
     - a checkpoint (RUN_DIR/checkpoints/step_N, complete): its actor/ folder;
     - a run directory: RUN_DIR/model when the run has finished and exported it, else the
       newest healthy checkpoint's actor/.
@@ -39,6 +41,8 @@ def resolve_policy(model: str | Path) -> PolicySource:
     use the run's exported (merged) model/."""
     path = Path(model).expanduser()
     if not path.exists():
+        if is_hub_id(str(model)):  # its snapshot in the HF cache (ModelLoadError when absent)
+            return PolicySource(hub_snapshot(str(model)))
         raise PolicyNotFound(f"{model}: no such file or directory")
     if (path / "config.json").is_file():
         run_dir = (

@@ -75,9 +75,13 @@ class LoraConfig(Section):
 
 
 class ModelsConfig(Section):
-    """Where each role's model comes from: a local HF folder, or `builtin:NAME`."""
+    """Where each role's model comes from: a local HF folder, a Hugging Face hub id (`org/name`,
+    read from the local HF cache), or `builtin:NAME`."""
 
-    actor: str = Field(description="HF causal-LM folder of the policy, or builtin:tiny")
+    actor: str = Field(
+        description="HF causal-LM folder of the policy, a hub id (org/name) in the HF cache, "
+        "or builtin:tiny"
+    )
     reference: str | None = Field(None, description="reference policy; default: same as actor")
     critic: str | None = None
     reward: str | None = Field(None, description="reward-model folder (RL: scores rollouts)")
@@ -97,6 +101,16 @@ class ModelsConfig(Section):
     )
     lora: LoraConfig | None = Field(
         None, description="train a LoRA adapter (peft) instead of every weight of the actor"
+    )
+    revision: str | None = Field(
+        None,
+        min_length=1,
+        description="the branch, tag or commit of every model given by hub id; null: main",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="let transformers run model and tokenizer code a model folder ships "
+        "(auto_map in its config); only for models you trust",
     )
 
 
@@ -132,6 +146,12 @@ class DataConfig(Section):
         "messages",
         description="a row without a prompt field: chat messages; before the last assistant "
         "message = the prompt, that message = the response",
+    )
+    train_on: Literal["last", "all_assistant"] = Field(
+        "last",
+        description="SFT on a messages row: last (its last assistant message, the messages "
+        "before it the prompt) or all_assistant (every assistant turn, in the token layout "
+        "of a played episode; observations masked out)",
     )
     chosen_key: str = Field("chosen", description="preference pairs: the preferred response")
     rejected_key: str = Field("rejected", description="preference pairs: the other response")
@@ -453,6 +473,32 @@ class SamplesConfig(Section):
     console: bool = Field(True, description="also print them on the console")
 
 
+class WandbConfig(Section):
+    """A W&B run per Keel run (its id kept in RUN_DIR/trackers.json, reopened on resume)."""
+
+    project: str | None = Field(None, min_length=1, description="null: W&B's default project")
+    entity: str | None = Field(None, min_length=1, description="null: the account's default")
+    mode: Literal["online", "offline"] | None = Field(
+        None,
+        description="null: online when W&B credentials are found (WANDB_API_KEY, "
+        "WANDB_IDENTITY_TOKEN_FILE or a netrc entry), else offline under RUN_DIR/wandb",
+    )
+    tags: list[str] = Field(default_factory=list)
+    group: str | None = Field(None, min_length=1)
+
+
+class MlflowConfig(Section):
+    """An MLflow run per Keel run (its id kept in RUN_DIR/trackers.json, reopened on resume)."""
+
+    tracking_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="null: $MLFLOW_TRACKING_URI, else a file store at RUN_DIR/mlruns",
+    )
+    experiment: str = Field("keel", min_length=1, description="created when missing")
+    log_model: bool = Field(False, description="log RUN_DIR/model as the artifact `model`")
+
+
 class MonitorConfig(Section):
     """Where metrics go: console, metrics.jsonl, Prometheus, TensorBoard, W&B, MLflow."""
 
@@ -460,9 +506,26 @@ class MonitorConfig(Section):
     jsonl: bool = True
     prometheus: PrometheusConfig | None = Field(None, description="null: no exporter")
     tensorboard: bool = Field(False, description="write RUN_DIR/tensorboard event files")
-    wandb: bool = Field(False, description="log to W&B in offline mode (needs `wandb`)")
-    mlflow: bool = Field(False, description="log to MLflow under RUN_DIR/mlruns (needs `mlflow`)")
+    wandb: WandbConfig | None = Field(
+        None, description="true or a section: log to W&B (needs `wandb`); false/null: off"
+    )
+    mlflow: MlflowConfig | None = Field(
+        None, description="true or a section: log to MLflow (needs `mlflow`); false/null: off"
+    )
     samples: SamplesConfig = SamplesConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tracker_switches(cls, data: Any) -> Any:
+        """`wandb: true` / `mlflow: true` is the section with its defaults; false is off."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in ("wandb", "mlflow"):
+                if data.get(key) is True:
+                    data[key] = {}
+                elif data.get(key) is False:
+                    data[key] = None
+        return data
 
 
 class SFTAlgorithm(Section):

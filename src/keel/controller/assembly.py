@@ -120,6 +120,7 @@ def _example_file(
         require=need,
         on_bad_row=d.on_bad_row,
         bad_rows=bad_rows,
+        train_on=d.train_on,
     )
 
 
@@ -233,7 +234,11 @@ def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
         models["models.critic"] = m.critic
     total, keys = generation_budget(cfg)
     for key, value in models.items():
-        found = context_length(resolve_model_path(value))
+        try:
+            folder = resolve_model_path(value, m.revision)
+        except ModelLoadError as e:  # a hub id not in the cache: name the key
+            raise ModelLoadError(f"{key}: {e}") from e
+        found = context_length(folder, trust_remote_code=m.trust_remote_code)
         if found is not None and total > found[0]:
             limit, source = found
             raise ModelLoadError(

@@ -138,7 +138,11 @@ def run_training(
     check_context_length(cfg, spec)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec)
-    data = fit_prompt_lengths(load_tokenizer(resolve_model_path(cfg.models.actor)), data, cfg.data)
+    tokenizer = load_tokenizer(
+        resolve_model_path(cfg.models.actor, cfg.models.revision),
+        trust_remote_code=cfg.models.trust_remote_code,
+    )
+    data = fit_prompt_lengths(tokenizer, data, cfg.data)
     scorer = build_reward(cfg)
     restarts, note = 0, None
     while True:

@@ -71,11 +71,17 @@ def keel_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path("~/.cache/keel").expanduser()
 
 
-def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
-    """Map a model spec to a local folder; `builtin:NAME` is created in the cache on first use."""
+def resolve_model_path(spec: str | os.PathLike[str], revision: str | None = None) -> Path:
+    """Map a model spec to a local folder: `builtin:NAME` is created in the Keel cache on first
+    use; an existing path is itself; a hub id (`org/name` or `name`) that is no path is its
+    snapshot in the Hugging Face cache at `revision` (`hub_snapshot`); anything else is returned
+    as a path, for the loader's error to name."""
     text = os.fspath(spec)
     if not text.startswith(BUILTIN_PREFIX):
-        return Path(text).expanduser()
+        path = Path(text).expanduser()
+        if not path.exists() and is_hub_id(text):
+            return hub_snapshot(text, revision)
+        return path
     name = text[len(BUILTIN_PREFIX) :]
     builder = BUILTIN_MODELS.get(name)
     if builder is None:
@@ -86,6 +92,82 @@ def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
         return target
     _build_atomically(target, builder)
     return target
+
+
+# What a causal LM's snapshot needs (config, tokenizer, chat template, remote code, weights);
+# pytorch *.bin weights are fetched only for a repository without safetensors.
+_HUB_FILES = (
+    "*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py", "*.bin",
+)  # fmt: skip
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether `text` has the form of a Hugging Face model id (`org/name` or `name`: letters,
+    digits, `-`, `_`, `.`; no `--` or `..`), as huggingface_hub validates it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache transformers reads, from the environment now: $HF_HUB_CACHE,
+    else $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+    ~/.cache/huggingface/hub."""
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    hub = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expandvars(hub)).expanduser()
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set true now: the cache only."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in _TRUE
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local folder of model `repo_id` at `revision` (a branch, tag or commit; None: main)
+    in the Hugging Face cache (`hub_cache_dir`), found as transformers finds it. Offline
+    (`hub_offline`) only the cache is read; online, missing files of the snapshot are
+    downloaded (configs, tokenizer, safetensors; *.bin weights only when there are no
+    safetensors). ModelLoadError naming the id, the revision and the cache otherwise."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache, offline = hub_cache_dir(), hub_offline()
+    try:
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache,
+                local_files_only=offline,
+                allow_patterns=[p for p in _HUB_FILES if p != "*.bin"],
+            )
+        )
+        if not offline and not any(folder.glob("*.safetensors*")):
+            folder = Path(
+                snapshot_download(
+                    repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_FILES
+                )
+            )
+    except Exception as e:
+        at = f" at revision {revision!r}" if revision else ""
+        where = "offline (HF_HUB_OFFLINE), so only " if offline else ""
+        raise ModelLoadError(
+            f"model {repo_id!r}{at} is neither a folder{missing_hint(repo_id)} nor a model in "
+            "the Hugging Face cache "
+            f"({where}{cache} was searched; set HF_HUB_CACHE or HF_HOME for another cache)"
+            + ("" if isinstance(e, LocalEntryNotFoundError) else f": {type(e).__name__}: {e}")
+        ) from e
+    return folder
 
 
 def _build_atomically(target: Path, builder: Callable[[Path], None]) -> None:
@@ -137,8 +219,12 @@ def _require_folder(path: Path, what: str) -> None:
         raise ModelLoadError(f"{what} path is not a folder: {path}")
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """AutoTokenizer from a local folder; when there is no pad token, eos doubles as pad."""
+def load_tokenizer(
+    path: str | os.PathLike[str], *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """AutoTokenizer from a local folder; when there is no pad token, eos doubles as pad.
+    trust_remote_code: run a tokenizer class the folder ships as Python
+    (models.trust_remote_code)."""
     folder = Path(path).expanduser()
     _require_folder(folder, "tokenizer")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
@@ -146,7 +232,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
             f"no tokenizer files in {folder} (expected one of: {', '.join(_TOKENIZER_FILES)})"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as e:
         raise ModelLoadError(f"could not load tokenizer from {folder}: {e}") from e
     if tokenizer.pad_token is None:
@@ -170,15 +258,21 @@ def load_causal_lm(
     dtype: str | torch.dtype = "float32",
     *,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """AutoModelForCausalLM from a local folder in the given dtype (returned in eval mode).
-    attn_implementation: "sdpa", "eager", "flash_attention_2"; None: transformers' default."""
+    attn_implementation: "sdpa", "eager", "flash_attention_2"; None: transformers' default.
+    trust_remote_code: run a model class the folder ships as Python (models.trust_remote_code)."""
     folder = Path(path).expanduser()
     torch_dtype = _torch_dtype(dtype)
     _check_model_folder(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, local_files_only=True, **_attn(attn_implementation)
+            folder,
+            dtype=torch_dtype,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            **_attn(attn_implementation),
         )
     except Exception as e:
         raise ModelLoadError(f"could not load model from {folder}: {e}") from e
@@ -193,7 +287,9 @@ _POSITION_KEYS = (
 _SANE_MAX_LENGTH = 10_000_000  # tokenizers without a limit report 1e30
 
 
-def context_length(path: str | os.PathLike[str]) -> tuple[int, str] | None:
+def context_length(
+    path: str | os.PathLike[str], *, trust_remote_code: bool = False
+) -> tuple[int, str] | None:
     """(the most tokens a sequence may have for the model at `path`, where that number comes
     from): the first of max_position_embeddings, n_positions, … in its HF config (or its
     text_config), else its tokenizer's model_max_length when that is a real limit; None when
@@ -203,7 +299,9 @@ def context_length(path: str | os.PathLike[str]) -> tuple[int, str] | None:
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"no config.json in model folder: {folder}")
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as e:
         raise ModelLoadError(f"could not read the model config in {folder}: {e}") from e
     for section in (config, getattr(config, "text_config", None)):
@@ -211,7 +309,7 @@ def context_length(path: str | os.PathLike[str]) -> tuple[int, str] | None:
             value = getattr(section, key, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, f"{key} in its config.json"
-    limit = load_tokenizer(folder).model_max_length
+    limit = load_tokenizer(folder, trust_remote_code=trust_remote_code).model_max_length
     if isinstance(limit, int) and 0 < limit <= _SANE_MAX_LENGTH:
         return limit, "model_max_length of its tokenizer"
     return None
@@ -239,6 +337,7 @@ def load_reward_model(
     pad_token_id: int,
     dtype: str | torch.dtype = "float32",
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """AutoModelForSequenceClassification with one label (a scalar head) from a local folder.
 
@@ -254,6 +353,7 @@ def load_reward_model(
             num_labels=1,
             dtype=torch_dtype,
             local_files_only=True,
+            trust_remote_code=trust_remote_code,
             **_attn(attn_implementation),
         )
     except Exception as e:
@@ -272,6 +372,7 @@ def load_value_model(
     dtype: str | torch.dtype = "float32",
     *,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A critic: AutoModelForTokenClassification with one label (a scalar per position) on an HF
     backbone, classifier dropout 0. From a causal-LM (or sequence-classification) folder the
@@ -279,13 +380,16 @@ def load_value_model(
     folder = Path(path).expanduser()
     _check_model_folder(folder)
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True, num_labels=1)
+        config = AutoConfig.from_pretrained(
+            folder, local_files_only=True, num_labels=1, trust_remote_code=trust_remote_code
+        )
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
             folder,
             config=config,
             dtype=_torch_dtype(dtype),
             local_files_only=True,
+            trust_remote_code=trust_remote_code,
             **_attn(attn_implementation),
         )
     except Exception as e:

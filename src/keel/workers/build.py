@@ -116,7 +116,10 @@ def roles_from_groups(cfg: KeelConfig, groups: dict[str, Any], **hooks: Any) -> 
         rollout=groups.get("rollout"),
         reward=groups.get("reward"),
         reference=groups.get("reference"),
-        tokenizer=load_tokenizer(resolve_model_path(cfg.models.actor)),
+        tokenizer=load_tokenizer(
+            resolve_model_path(cfg.models.actor, cfg.models.revision),
+            trust_remote_code=cfg.models.trust_remote_code,
+        ),
         critic=groups.get("critic"),
         **hooks,
     )
@@ -154,8 +157,8 @@ def build_workers(
         return {"actor": reward_model_trainer(cfg, world, shard)} if names else {}
     mini, micro = rank_batch_sizes(batch_plan(cfg), world)
     shard = shard or _no_shard
-    actor_path = resolve_model_path(cfg.models.actor)
-    tokenizer = load_tokenizer(actor_path)
+    actor_path = resolve_model_path(cfg.models.actor, cfg.models.revision)
+    tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.models.trust_remote_code)
     temperature = cfg.rollout.temperature if spec.stage == "rl" else 1.0
     mixed = compute_dtype(cfg.models.dtype)
     out: dict[str, Any] = {}
@@ -176,7 +179,7 @@ def build_workers(
     if "rollout" in names:
         out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
     if "reference" in names:
-        ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor)
+        ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor, cfg.models.revision)
         if "actor" in out and cfg.models.lora and _same_folder(ref_path, actor_path):
             ref_model, adapter_off = out["actor"].model, True  # the base under the adapter
         else:
@@ -213,7 +216,12 @@ def _causal_lm(path: Path, tokenizer: Any, cfg: KeelConfig, *, trained: bool) ->
     frozen (in models.dtype, eval mode, no gradients)."""
     m = cfg.models
     dtype = trained_weights_dtype(m.dtype, m.pure_low_precision) if trained else m.dtype
-    model = load_causal_lm(path, dtype=dtype, attn_implementation=m.attn_implementation)
+    model = load_causal_lm(
+        path,
+        dtype=dtype,
+        attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+    )
     check_vocab(model, tokenizer, path)
     if trained:
         _memory_options(model, cfg)
@@ -249,7 +257,7 @@ def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker
     latest; other engines, and asynchronous rollout, hold their own copy of the policy and
     receive the actor's weights after each update (`Roles.push_weights`). Separate: its own
     copy of models.actor, updated by pushes."""
-    path = resolve_model_path(cfg.models.actor)
+    path = resolve_model_path(cfg.models.actor, cfg.models.revision)
     module = actor.model if actor is not None else None
     inputs = EngineInputs(
         model_path=path,
@@ -300,10 +308,11 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
     if cfg.models.reward is None:
         return RewardWorker(scorer)
     model, tokenizer = frozen_reward_model(
-        resolve_model_path(cfg.models.reward),
+        resolve_model_path(cfg.models.reward, cfg.models.revision),
         dtype=cfg.models.dtype,
         attn_implementation=cfg.models.attn_implementation,
         device=cfg.resources.device,
+        trust_remote_code=cfg.models.trust_remote_code,
     )
     m = cfg.reward.model
     return ModelRewardWorker(
@@ -320,17 +329,23 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
 
 
 def frozen_reward_model(
-    path: Path, *, dtype: str, attn_implementation: str | None, device: str
+    path: Path,
+    *,
+    dtype: str,
+    attn_implementation: str | None,
+    device: str,
+    trust_remote_code: bool = False,
 ) -> tuple[Any, Any]:
     """A reward model to score with (its scalar head on the last non-pad token; eval mode) on
     `device`, and its tokenizer: what ModelRewardWorker scores with, in a run (models.reward)
     and behind `keel serve --reward`."""
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = load_reward_model(
         path,
         pad_token_id=tokenizer.pad_token_id,
         dtype=dtype,
         attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
     )
     check_vocab(model, tokenizer, path)
     return place(model, resolve_device(device)), tokenizer
@@ -358,8 +373,8 @@ def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> Grad
 def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> Any:
     """rm stage: the trained model (role actor) is a scalar-head classifier on models.actor."""
     mini, micro = rank_batch_sizes(batch_plan(cfg), world)
-    path = resolve_model_path(cfg.models.actor)
-    tokenizer = load_tokenizer(path)
+    path = resolve_model_path(cfg.models.actor, cfg.models.revision)
+    tokenizer = load_tokenizer(path, trust_remote_code=cfg.models.trust_remote_code)
     model = _trained_head_model(
         load_reward_model,
         path,
@@ -384,7 +399,7 @@ def build_critic(
     """The critic from `models.critic` (default: the actor's folder, with a new value head),
     trained by its own AdamW at `spec.critic_lr` with the train section's LR schedule."""
     mini, micro = rank_batch_sizes(batch_plan(cfg), world)
-    path = resolve_model_path(cfg.models.critic or cfg.models.actor)
+    path = resolve_model_path(cfg.models.critic or cfg.models.actor, cfg.models.revision)
     model = _trained_head_model(load_value_model, path, cfg)
     check_vocab(model, tokenizer, path)
     model = shard(model, compute_dtype(cfg.models.dtype)) if shard else model
@@ -407,6 +422,7 @@ def _trained_head_model(load: Callable[..., Any], path: Path, cfg: KeelConfig, *
         path,
         dtype=trained_weights_dtype(m.dtype, m.pure_low_precision),
         attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
         **kw,
     )
     _memory_options(model, cfg)

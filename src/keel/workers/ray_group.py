@@ -256,10 +256,11 @@ def place_group(
 
 
 def with_resolved_models(cfg: KeelConfig) -> KeelConfig:
-    """`builtin:` model names resolved to folders here, so that workers load the same files."""
+    """`builtin:` names and hub ids resolved to folders here, so that workers load the same
+    files."""
     m = cfg.models
     update = {
-        k: str(resolve_model_path(getattr(m, k)))
+        k: str(resolve_model_path(getattr(m, k), m.revision))
         for k in ("actor", "reference", "critic", "reward")
         if getattr(m, k) is not None
     }
