@@ -155,6 +155,21 @@ class DataConfig(Section):
     )
     chosen_key: str = Field("chosen", description="preference pairs: the preferred response")
     rejected_key: str = Field("rejected", description="preference pairs: the other response")
+    tools_key: str = Field(
+        "tools",
+        description="a row's tool definitions (OpenAI function schemas), passed to the chat "
+        "template as tools=",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="tool definitions for every row without its own (OpenAI function schemas)",
+    )
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="how the model writes tool calls (episodes, SFT data): auto = from the "
+        "tokenizer's chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> "
+        "llama3_json, else hermes)",
+    )
     apply_chat_template: bool = False
     max_prompt_length: int = Field(64, ge=1)
     truncation: Literal["error", "left", "drop"] = Field(

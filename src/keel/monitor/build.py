@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,21 +10,21 @@ from keel.config.schema import KeelConfig
 from keel.monitor.console import ConsoleSink
 from keel.monitor.jsonl import JsonlSink
 from keel.monitor.monitor import Monitor
-from keel.monitor.optional import MlflowSink, WandbSink, require
+from keel.monitor.optional import MlflowSink, WandbSink, check_wandb, require
 from keel.monitor.samples import SamplesLog
 
 
 def check_monitor_config(cfg: KeelConfig) -> None:
-    """Fails before the run starts when an optional sink's package is missing or the exporter's
-    port is taken."""
+    """Fails before the run starts when an optional sink's package is missing, W&B is asked to
+    run online without credentials, or the exporter's port is taken."""
     if cfg.monitor.prometheus is not None:
         from keel.monitor.prometheus import check_listen
 
         check_listen(cfg.monitor.prometheus.host, cfg.monitor.prometheus.port)
-    if cfg.monitor.wandb:
-        require("wandb", "monitor.wandb")
-    if cfg.monitor.mlflow:
-        require("mlflow", "monitor.mlflow")
+    if cfg.monitor.wandb is not None:
+        check_wandb(cfg.monitor.wandb, os.environ)
+    if cfg.monitor.mlflow is not None:
+        require("mlflow", "monitor.mlflow", install="mlflow-skinny")
 
 
 def build_monitor(cfg: KeelConfig, run_dir: Path, title: str) -> tuple[Monitor, SamplesLog]:
@@ -46,11 +47,15 @@ def build_monitor(cfg: KeelConfig, run_dir: Path, title: str) -> tuple[Monitor, 
         from keel.monitor.tensorboard import TensorBoardSink
 
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-    flat = _flat_config(cfg)
-    if m.wandb:
-        sinks.append(WandbSink(run_dir, run_dir.name, flat))
-    if m.mlflow:
-        sinks.append(MlflowSink(run_dir, run_dir.name, flat))
+    flat, steps = _flat_config(cfg), cfg.train.steps
+    try:
+        if m.wandb is not None:
+            sinks.append(WandbSink(run_dir, run_dir.name, flat, m.wandb, steps))
+        if m.mlflow is not None:
+            sinks.append(MlflowSink(run_dir, run_dir.name, flat, m.mlflow, steps))
+    except BaseException:
+        Monitor(sinks).close()  # the tracker that did start, the exporter's port
+        raise
     s = m.samples
     samples = SamplesLog(
         run_dir / "samples.jsonl", every=s.every, count=s.count,
