@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from keel.models.loading import keel_cache_dir
 from tests.cli.test_errors import assert_clean_error
 from tests.cli.test_eval_generate import read_eval
 
@@ -94,12 +95,14 @@ def test_eval_with_a_run_config_plays_its_environment_as_the_flags_do(
     assert flagged["sampling"] == summary["sampling"]
 
 
-def test_flags_and_set_still_win_over_the_config(keel_main, tiny_dir, rl_config, tmp_path):
-    proc = keel_main("eval", tiny_dir, "--config", rl_config, "--max-new-tokens", "2",
+def test_flags_and_set_still_win_over_the_config(keel_main, rl_config, tmp_path):
+    """MODEL builtin:tiny: a built-in model, built in the (test's private) Keel cache."""
+    proc = keel_main("eval", "builtin:tiny", "--config", rl_config, "--max-new-tokens", "2",
                      "--set", "rollout.max_turns=1", "--limit", "2", "--out", tmp_path / "c",
                      "--no-progress")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary, predictions = read_eval(tmp_path / "c")
+    assert summary["model"] == str(keel_cache_dir() / "models" / "tiny")
     assert summary["max_turns"] == 1 and summary["sampling"]["max_new_tokens"] == 2
     assert len(predictions) == 2
     assert all(p["episode"]["turns"] == 1 and p["length"] <= 2 for p in predictions)

@@ -43,12 +43,11 @@ class EvalOptions:
 
 
 def eval_model(model: str, options: EvalOptions, overrides: Sequence[str] = ()) -> int:
-    from keel.checkpoint.policy import resolve_policy
     from keel.cli.config_cmd import check_run_environment
     from keel.controller.saved_policy import prepare_eval
     from keel.monitor.console import ItemProgress
 
-    source = resolve_policy(model)
+    source = policy_source(model)
     if options.data is None and options.config is None and source.run_dir is None:
         from keel.data import DataError
 
@@ -69,6 +68,20 @@ def eval_model(model: str, options: EvalOptions, overrides: Sequence[str] = ()) 
     write_results(out, summary, [p.to_json() for p in result.predictions])
     _print(summary, out, job)
     return 0
+
+
+def policy_source(model: str) -> Any:
+    """MODEL → its PolicySource (keel.checkpoint.policy.resolve_policy); a `builtin:NAME`
+    model (`builtin:tiny`, the warm starts `builtin:tiny-calc`, …) is its folder in the Keel
+    cache, built there on first use, outside any run."""
+    from keel.checkpoint.policy import PolicySource, resolve_policy
+
+    if not str(model).startswith("builtin:"):
+        return resolve_policy(model)
+    import keel.controller  # noqa: F401  (registers the warm starts as builtin: models)
+    from keel.models.loading import resolve_model_path
+
+    return PolicySource(resolve_model_path(str(model)))
 
 
 def eval_config(source: Any, options: EvalOptions, overrides: Sequence[str] = ()) -> Any:

@@ -46,14 +46,14 @@ def generate(
     overrides: Sequence[str] = (),
     stdin: TextIO | None = None,
 ) -> int:
-    from keel.checkpoint.policy import resolve_policy
     from keel.cli.config_cmd import check_run_environment
+    from keel.cli.eval_cmd import policy_source
     from keel.controller.evaluation import eval_sampling
     from keel.controller.saved_policy import build_rollout, check_fits, policy_config
     from keel.engine.seeding import seed_everything
     from keel.rollout import SamplingParams
 
-    source = resolve_policy(model)
+    source = policy_source(model)
     examples = read_prompts(prompts, stdin or sys.stdin)
     prompt_tokens = options.max_prompt_length
     if source.run_dir is None and prompt_tokens is None:
