@@ -1,8 +1,9 @@
 """Rewards: built-in verifiers, user reward functions named in YAML, and scoring with a policy."""
 
+from keel.rewards.answers import final_answer
 from keel.rewards.loading import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
 from keel.rewards.scoring import BatchRewardScorer, RewardError, RewardScorer
-from keel.rewards.verifiers import exact_match, extract_final_number, numeric_match
+from keel.rewards.verifiers import exact_match, math_equivalent, numeric_match
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -11,7 +12,8 @@ __all__ = [
     "RewardLoadError",
     "RewardScorer",
     "exact_match",
-    "extract_final_number",
+    "final_answer",
     "load_reward_fn",
+    "math_equivalent",
     "numeric_match",
 ]

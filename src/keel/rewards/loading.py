@@ -10,11 +10,12 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from keel.config.paths import missing_hint
-from keel.rewards.verifiers import even_answer, exact_match, numeric_match, zero
+from keel.rewards.verifiers import even_answer, exact_match, math_equivalent, numeric_match, zero
 
 RewardFn = Callable[..., float]
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric_match": numeric_match,
+    "math": math_equivalent,
     "exact_match": exact_match,
     "even_answer": even_answer,
     "zero": zero,
