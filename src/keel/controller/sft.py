@@ -9,6 +9,7 @@ from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.data import BatchStream
+from keel.data.conversation import encode_conversations, has_conversations
 from keel.data.encoding import encode_sft
 from keel.monitor import StageTimer
 
@@ -43,12 +44,18 @@ class SFTController:
     def step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         with self.timer("data"):
-            batch = encode_sft(
+            examples = self.examples.next_batch()
+            d = self.cfg.data
+            # whole conversations: the episode runner's layout (keel.data.conversation)
+            encode = encode_conversations if has_conversations(examples) else encode_sft
+            options = {"train_on": d.train_on} if encode is encode_conversations else {}
+            batch = encode(
                 self.roles.tokenizer,
-                self.examples.next_batch(),
-                chat=self.cfg.data.apply_chat_template,
-                max_prompt_length=self.cfg.data.max_prompt_length,
-                truncation=self.cfg.data.truncation,
+                examples,
+                chat=d.apply_chat_template,
+                max_prompt_length=d.max_prompt_length,
+                truncation=d.truncation,
+                **options,
             )
         with self.timer("update"):
             metrics = self.roles.actor.call("sft_update", batch, spec=self.spec)

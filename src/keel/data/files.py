@@ -24,21 +24,24 @@ def load_examples(
     require: tuple[str, ...] = ("prompt",),
     on_bad_row: str = "raise",
     bad_rows: list[str] | None = None,
+    train_on: str = "last",
 ) -> list[Example]:
     """Examples from a .jsonl/.json-lines or .parquet file.
 
     `require` names which of "prompt", "answer", "response" every row must have; the key in the
     file for each is given by the *_key arguments. A row without a prompt field may hold a chat
     conversation under `messages_key` instead: the messages before a final assistant message
-    are the prompt, that message's content the response. A malformed row raises DataError
-    naming file:line, or with `on_bad_row="skip"` is left out and its error appended to
-    `bad_rows`.
+    are the prompt, that message's content the response; with `train_on="all_assistant"` the
+    row is a keel.data.conversation.Conversation (its opening, then every turn), as is a row
+    with a prompt field and `messages` that start with an assistant turn (an episode after its
+    prompt). A malformed row (a malformed tool call included) raises DataError naming
+    file:line, or with `on_bad_row="skip"` is left out and its error appended to `bad_rows`.
     """
     keys = {"prompt": prompt_key, "answer": answer_key, "response": response_key}
     examples = []
     for where, row in read_rows(path, on_bad_row, bad_rows):
         try:
-            examples.append(_example(row, where, keys, require, messages_key))
+            examples.append(_example(row, where, keys, require, messages_key, train_on))
         except DataError as exc:
             _bad_row(exc, on_bad_row, bad_rows)
     if not examples:
@@ -182,10 +185,17 @@ def _example(
     keys: dict[str, str],
     require: tuple[str, ...],
     messages_key: str = "messages",
+    train_on: str = "last",
 ) -> Example:
     values: dict[str, Any] = {}
-    if row.get(keys["prompt"]) is None and row.get(messages_key) is not None:
-        prompt, response = _conversation(row[messages_key], where, messages_key)
+    turns = None
+    if row.get(messages_key) is not None and (
+        row.get(keys["prompt"]) is None or _opens_with_assistant(row[messages_key])
+    ):
+        opening = row.get(keys["prompt"])
+        prompt, response, turns = _conversation(
+            row[messages_key], where, messages_key, opening, train_on
+        )
         if response is None and "response" in require:
             raise DataError(
                 f"{where}: the last message of {messages_key!r} must have role 'assistant' "
@@ -205,6 +215,10 @@ def _example(
             values[field] = _prompt(value, where, key)
         else:
             values[field] = value if isinstance(value, str) else json.dumps(value)
+    if turns is not None:
+        from keel.data.conversation import Conversation
+
+        return Conversation(**values, source=where, turns=turns)
     return Example(**values, source=where)
 
 
@@ -220,18 +234,26 @@ def _missing(row: dict[str, Any], field: str, key: str, keys: dict[str, str]) ->
     return text + f"; name the field that holds the {field} with data.{field}_key"
 
 
-def _conversation(value: Any, where: str, key: str) -> tuple[list[dict[str, Any]], str | None]:
-    """(prompt messages, response) of a chat conversation: a final assistant message is the
-    response and the messages before it the prompt; without one, all messages are the prompt."""
-    if not is_messages(value) or not value:
-        raise DataError(f"{where}: field {key!r} must be a list of {{role, content}} messages")
-    response = None
-    if value[-1]["role"] == "assistant":
-        value, content = value[:-1], value[-1]["content"]
-        response = content if isinstance(content, str) else json.dumps(content)
-    if not value:
-        raise DataError(f"{where}: field {key!r} has no message before the assistant's reply")
-    return value, response
+def _conversation(
+    value: Any, where: str, key: str, opening: Any = None, train_on: str = "last"
+) -> tuple[Any, str | None, tuple[dict[str, Any], ...] | None]:
+    """(prompt, response, turns) of a chat conversation (keel.data.conversation.conversation_row):
+    a final assistant message is the response; the prompt is the messages before it, or with
+    turns (a whole-conversation SFT row) the opening before the first assistant turn; without
+    a final assistant message all messages are the prompt."""
+    from keel.data.conversation import conversation_row
+
+    return conversation_row(value, where, key, opening=opening, train_on=train_on)
+
+
+def _opens_with_assistant(value: Any) -> bool:
+    """`messages` that start with an assistant turn: the episode after a row's prompt."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and isinstance(value[0], dict)
+        and (value[0].get("role") == "assistant")
+    )
 
 
 def is_messages(value: Any) -> bool:
