@@ -1,10 +1,21 @@
 """Encoding: left-padded prompts, right-padded responses, masks (keel.data.encoding)."""
 
+import json
+
 import pytest
 import torch
 
-from keel.data import DataError, Example
-from keel.data.encoding import assemble, encode_prompts, encode_sft
+from keel.data import DataError, Example, load_examples
+from keel.data.encoding import (
+    ToolsIgnoredWarning,
+    assemble,
+    encode_prompt_text,
+    encode_prompts,
+    encode_sft,
+    start_ids,
+    template_renders_tools,
+    warn_ignored_tools,
+)
 from keel.models import build_char_tokenizer
 
 
@@ -88,3 +99,183 @@ def test_left_truncation_keeps_the_last_tokens(tok):
 def test_no_limit_measures_every_prompt(tok):
     got = encode_prompts(tok, [Example("1" * 300)], chat=False, max_prompt_length=None)
     assert len(got[0]) == 300
+
+
+# --- BOS as the tokenizer says, and tools into the chat template -------------------------------
+
+CHATML_WITH_TOOLS = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_LIKE = (
+    "{{ bos_token }}{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+    },
+}
+
+
+def bpe_tokenizer(add_bos: bool, template: str | None = None):
+    """A character-level `tokenizers` BPE with <s>/</s>, wrapped as PreTrainedTokenizerFast; with
+    add_bos a TemplateProcessing post-processor puts <s> before every text, as Llama's does."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=False))
+    backend.decoder = decoders.Fuse()
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_the_char_tokenizer_adds_no_bos_so_its_layout_is_unchanged(tok):
+    assert start_ids(tok) == []
+    got = encode_prompts(tok, [Example("1+2=")], chat=False, max_prompt_length=16)
+    assert got == [ids(tok, "1+2=")]
+
+
+def test_a_text_prompt_gets_exactly_one_bos_when_the_tokenizer_adds_one():
+    llama = bpe_tokenizer(add_bos=True)
+    assert start_ids(llama) == [llama.bos_token_id]
+    got = encode_prompts(llama, [Example("1+2=")], chat=False, max_prompt_length=16)
+    assert got == [[llama.bos_token_id, *ids(llama, "1+2=")]]
+    assert got[0].count(llama.eos_token_id) == 0  # never an EOS after the prompt
+
+
+def test_a_template_that_writes_the_bos_itself_gets_no_second_one():
+    llama = bpe_tokenizer(add_bos=True, template=LLAMA3_LIKE)
+    got = encode_prompts(llama, [Example("hi")], chat=True, max_prompt_length=64)[0]
+    assert got[0] == llama.bos_token_id
+    assert got.count(llama.bos_token_id) == 1
+    assert llama.decode(got) == "<s><|im_start|>user\nhi<|im_end|><|im_start|>assistant\n"
+
+
+def test_a_tokenizer_without_bos_gets_none():
+    plain = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    assert start_ids(plain) == []
+    for chat in (False, True):
+        got = encode_prompts(plain, [Example("hi")], chat=chat, max_prompt_length=64)[0]
+        assert plain.bos_token_id not in got
+
+
+def test_sft_puts_the_bos_before_the_prompt_only():
+    llama = bpe_tokenizer(add_bos=True)
+    batch = encode_sft(llama, [Example("1+2=", "3", "3", "a:1")], chat=False, max_prompt_length=8)
+    bos, eos = llama.bos_token_id, llama.eos_token_id
+    assert batch.input_ids.tolist() == [[bos, *ids(llama, "1+2="), *ids(llama, "3"), eos]]
+    assert batch.response_mask.tolist() == [[1, 1]]
+
+
+def test_left_truncation_keeps_the_bos():
+    llama = bpe_tokenizer(add_bos=True)
+    got = encode_prompts(
+        llama, [Example("123456=")], chat=False, max_prompt_length=4, truncation="left"
+    )
+    assert got == [[llama.bos_token_id, *ids(llama, "56=")]]
+
+
+def test_encode_prompt_text_is_the_rule_for_one_text():
+    llama = bpe_tokenizer(add_bos=True)
+    bos = llama.bos_token_id
+    assert encode_prompt_text(llama, "ab") == [bos, *ids(llama, "ab")]
+    assert encode_prompt_text(llama, "<s>ab") == [bos, *ids(llama, "ab")]
+    assert encode_prompt_text(llama, "") == []
+
+
+def test_tools_reach_a_chat_template_that_renders_them():
+    chatml = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    assert template_renders_tools(chatml)
+    with_tools = Example("define cat", tools=[LOOKUP])
+    got = encode_prompts(
+        chatml, [with_tools, Example("define cat")], chat=True, max_prompt_length=512
+    )
+    shown, plain = (chatml.decode(x) for x in got)
+    assert shown.startswith('<|im_start|>system\nYou may call these tools:\n<tools>{"type"')
+    assert '"name": "lookup"' in shown and "lookup" not in plain
+    assert shown.endswith(plain)  # the tools only add the system turn
+    assert warn_ignored_tools(chatml, [with_tools], chat=True) is None
+
+
+def test_tools_a_template_cannot_show_are_a_warning(tok):
+    rows = [Example("1+2="), Example("2+2=", source="data.jsonl:2", tools=[LOOKUP])]
+    assert not template_renders_tools(tok)
+    with pytest.warns(ToolsIgnoredWarning, match=r"data\.jsonl:2: .*data\.tools_key"):
+        message = warn_ignored_tools(tok, rows, chat=True)
+    assert "renders the same text with and without tools" in message
+    chatml = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    with pytest.warns(ToolsIgnoredWarning):
+        message = warn_ignored_tools(chatml, rows, chat=False)
+    assert message is not None and "data.apply_chat_template is false" in message
+    assert warn_ignored_tools(tok, rows[:1], chat=True) is None
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def test_a_tools_column_and_data_tools_reach_the_examples(tmp_path):
+    bare = {"name": "clock", "description": "The time.", "parameters": {"type": "object"}}
+    path = write_rows(
+        tmp_path / "calls.jsonl",
+        [
+            {"prompt": "define cat", "tools": [LOOKUP]},
+            {"prompt": "what time is it", "functions": json.dumps([bare])},  # JSON text
+            {"prompt": "hello"},
+        ],
+    )
+    shared = [LOOKUP]
+    rows = load_examples(path, tools_key="functions", tools=shared)
+    assert rows[0].tools == shared  # its `tools` field is not data.tools_key here
+    assert rows[1].tools == [{"type": "function", "function": bare}]
+    assert rows[2].tools == shared
+    assert load_examples(path)[0].tools == [LOOKUP]
+    assert load_examples(path)[2].tools is None
+
+
+@pytest.mark.parametrize(
+    ("tools", "message"),
+    [
+        ({"type": "function"}, r"field 'tools' must be a list of tool definitions"),
+        ("[not json", r"field 'tools' is text that is not JSON"),
+        ([{"type": "code", "function": {"name": "x"}}], r"tools'\[0\]: type must be 'function'"),
+        ([LOOKUP, {"function": {"name": ""}}], r"tools'\[1\]: function\.name must be"),
+        ([{"function": {"name": "x", "parameters": [1]}}], r"parameters of 'x' must be a JSON"),
+        ([7], r"tools'\[0\]: a tool definition is"),
+    ],
+)
+def test_bad_tool_definitions_name_the_file_and_line(tmp_path, tools, message):
+    path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "x", "tools": tools}])
+    with pytest.raises(DataError, match=rf"bad\.jsonl:2: .*{message}"):
+        load_examples(path)
+
+
+def test_bad_data_tools_name_the_config_key(tmp_path):
+    path = write_rows(tmp_path / "ok.jsonl", [{"prompt": "ok"}])
+    with pytest.raises(DataError, match=r"data\.tools: data\.tools\[0\]: function\.name"):
+        load_examples(path, tools=[{"function": {}}])

@@ -15,7 +15,7 @@ from typing import Any
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, arithmetic_splits, load_examples
-from keel.data.encoding import encode_prompts
+from keel.data.encoding import encode_prompts, warn_ignored_tools
 from keel.data.examples import Example
 from keel.data.preference import load_preference_pairs, preference_splits
 from keel.data.saved import choose_split
@@ -121,6 +121,8 @@ def _example_file(
         on_bad_row=d.on_bad_row,
         bad_rows=bad_rows,
         train_on=d.train_on,
+        tools_key=d.tools_key,
+        tools=d.tools,
     )
 
 
@@ -153,7 +155,9 @@ def fit_prompt_lengths(tokenizer: Any, data: Datasets, cfg: DataConfig) -> Datas
     starts, as data.truncation says: `error` raises a DataError naming the first example that
     is too long (file:line or row); `left` keeps them (encoding keeps their last
     max_prompt_length tokens) and counts them in `truncated_prompts`; `drop` leaves them out
-    and counts them in `dropped_prompts` (a DataError when no training example is left)."""
+    and counts them in `dropped_prompts` (a DataError when no training example is left).
+    Rows whose tool definitions the prompt would not show are warned about (warn_ignored_tools)."""
+    warn_ignored_tools(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
     limit = cfg.max_prompt_length
     long: dict[str, list[tuple[Any, int]]] = {}
     for split in ("train", "eval"):

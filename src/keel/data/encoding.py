@@ -2,10 +2,18 @@
 
 Used by the rollout engine (prompts only) and by SFT (prompt + target response + EOS), so that
 both produce exactly the same token layout.
+
+The start of a sequence (a prompt) gets what the tokenizer itself puts before a text, a BOS
+for Llama-, Mistral- and Gemma-style tokenizers (`start_ids`), unless the rendered text begins
+with it already (templates that write `<|begin_of_text|>` or `<bos>`): never two, and never an
+EOS after the prompt. Responses and every continuation are encoded without special tokens.
+A prompt's tool definitions (`Example.tools`, OpenAI function schemas) go to the chat
+template's `tools=` argument.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,13 +23,104 @@ from keel.data.examples import Example
 from keel.data.files import DataError
 from keel.types import Batch
 
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "keel_probe_tool",
+        "description": "a tool that only probes whether the chat template renders tools",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+_TEMPLATES_WITH_TOOLS: dict[str, bool] = {}  # chat template text -> it renders `tools`
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat: bool) -> str:
-    """The prompt text the model sees: as written, or through the tokenizer's chat template."""
+
+class ToolsIgnoredWarning(UserWarning):
+    """Rows have tool definitions that the prompt the model sees does not show."""
+
+
+def render_prompt(
+    tokenizer: Any,
+    prompt: str | list[dict[str, Any]],
+    chat: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text the model sees: as written, or through the tokenizer's chat template
+    (with `tools`, OpenAI function schemas, as its `tools=` argument when given)."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
     return prompt
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template shows the `tools=` it is given (a probe tool's name
+    appears in a rendered one-message conversation); False without a template. Probed once per
+    template text."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return False
+    key = str(template)
+    if key not in _TEMPLATES_WITH_TOOLS:
+        probe = [{"role": "user", "content": "hello"}]
+        try:
+            text = tokenizer.apply_chat_template(
+                probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # a template that fails on tools does not render them
+            text = ""
+        _TEMPLATES_WITH_TOOLS[key] = "keel_probe_tool" in text
+    return _TEMPLATES_WITH_TOOLS[key]
+
+
+def warn_ignored_tools(tokenizer: Any, examples: Sequence[Any], chat: bool) -> str | None:
+    """The warning (also issued as a ToolsIgnoredWarning; call it once per dataset) when an
+    example has tool definitions (data.tools_key / data.tools) that its prompt will not show:
+    text prompts without data.apply_chat_template, or a chat template that renders the same
+    text with and without `tools`. None when every example's tools are shown, or none has any."""
+    first = next((ex for ex in examples if getattr(ex, "tools", None)), None)
+    if first is None:
+        return None
+    if not chat and not isinstance(first.prompt, list):
+        reason = "data.apply_chat_template is false, so text prompts are used as written"
+    elif not template_renders_tools(tokenizer):
+        reason = "the tokenizer's chat template renders the same text with and without tools"
+    else:
+        return None
+    message = (
+        f"{first.source}: rows have tool definitions (data.tools_key / data.tools) that the "
+        f"model never sees: {reason}; use a chat template with tool support, or describe the "
+        "tools in the prompt"
+    )
+    warnings.warn(message, ToolsIgnoredWarning, stacklevel=2)
+    return message
+
+
+def start_ids(tokenizer: Any) -> list[int]:
+    """The token ids the tokenizer puts before a text it encodes on its own with its default
+    `add_special_tokens=True` (its post-processor): [bos] for Llama-, Mistral- and Gemma-style
+    tokenizers, [] for those that add none (the built-in char tokenizer, GPT-2, Qwen). An EOS
+    it would append is not part of it."""
+    probe = "a"
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe)["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i]
+    return []
+
+
+def encode_prompt_text(tokenizer: Any, text: str, start: list[int] | None = None) -> list[int]:
+    """Token ids of a rendered prompt, the start of a sequence: `start` (default:
+    start_ids(tokenizer)) before the text's own tokens unless the text already begins with them
+    (a template that writes the BOS itself). [] for an empty text."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    start = start_ids(tokenizer) if start is None else start
+    if not ids or not start or ids[: len(start)] == start:
+        return ids
+    return [*start, *ids]
 
 
 def encode_prompts(
@@ -32,15 +131,17 @@ def encode_prompts(
     max_prompt_length: int | None,
     truncation: str = "error",
 ) -> list[list[int]]:
-    """Token ids of each example's rendered prompt (no special tokens added). A prompt longer
-    than `max_prompt_length` (None: no limit) is a DataError naming its source, or with
-    truncation="left" keeps its last max_prompt_length tokens. ("drop" acts as "error" here:
-    dropping happens when the data is loaded, keel.controller.assembly.fit_prompt_lengths.)"""
+    """Token ids of each example's rendered prompt (its tools passed to the chat template),
+    with the tokenizer's BOS as encode_prompt_text says. A prompt longer than
+    `max_prompt_length` (None: no limit) is a DataError naming its source, or with
+    truncation="left" keeps its BOS and its last tokens, max_prompt_length in all. ("drop"
+    acts as "error" here: dropping happens when the data is loaded,
+    keel.controller.assembly.fit_prompt_lengths.)"""
     out = []
+    start = start_ids(tokenizer)
     for ex in examples:
-        ids = tokenizer(render_prompt(tokenizer, ex.prompt, chat), add_special_tokens=False)[
-            "input_ids"
-        ]
+        text = render_prompt(tokenizer, ex.prompt, chat, getattr(ex, "tools", None))
+        ids = encode_prompt_text(tokenizer, text, start)
         if not ids:
             raise DataError(f"{ex.source}: prompt is empty")
         if max_prompt_length is not None and len(ids) > max_prompt_length:
@@ -49,7 +150,8 @@ def encode_prompts(
                     f"{ex.source}: prompt is {len(ids)} tokens, more than "
                     f"data.max_prompt_length ({max_prompt_length})"
                 )
-            ids = ids[-max_prompt_length:]
+            kept = start if ids[: len(start)] == start and len(start) < max_prompt_length else []
+            ids = [*kept, *ids[len(ids) - max_prompt_length + len(kept) :]]
         out.append(ids)
     return out
 

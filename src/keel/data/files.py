@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ def load_examples(
     on_bad_row: str = "raise",
     bad_rows: list[str] | None = None,
     train_on: str = "last",
+    tools_key: str = "tools",
+    tools: list[Any] | None = None,
 ) -> list[Example]:
     """Examples from a .jsonl/.json-lines or .parquet file.
 
@@ -36,12 +39,20 @@ def load_examples(
     with a prompt field and `messages` that start with an assistant turn (an episode after its
     prompt). A malformed row (a malformed tool call included) raises DataError naming
     file:line, or with `on_bad_row="skip"` is left out and its error appended to `bad_rows`.
+    A row's tool definitions (`tools_key`, else the run-wide `tools`) become Example.tools
+    (tool_definitions).
     """
     keys = {"prompt": prompt_key, "answer": answer_key, "response": response_key}
+    shared = tool_definitions(tools, "data.tools", "data.tools") if tools is not None else None
     examples = []
     for where, row in read_rows(path, on_bad_row, bad_rows):
         try:
-            examples.append(_example(row, where, keys, require, messages_key, train_on))
+            example = _example(row, where, keys, require, messages_key, train_on)
+            if row.get(tools_key) is not None:
+                own = tool_definitions(row[tools_key], where, f"field {tools_key!r}")
+                examples.append(replace(example, tools=own or None))
+            else:
+                examples.append(replace(example, tools=shared) if shared else example)
         except DataError as exc:
             _bad_row(exc, on_bad_row, bad_rows)
     if not examples:
@@ -269,3 +280,40 @@ def _prompt(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
     if is_messages(value):
         return value
     raise DataError(f"{where}: field {key!r} must be text or a list of {{role, content}} messages")
+
+
+def tool_definitions(value: Any, where: str, field: str) -> list[dict[str, Any]]:
+    """A row's tool definitions as OpenAI function schemas, `[{"type": "function",
+    "function": {"name", "description", "parameters"}}]`, for the chat template's `tools=`.
+    `value` is that list, or JSON text holding it; a bare `{name, description, parameters}` is
+    wrapped. Anything else is a DataError naming `where` ("file:line") and `field`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise DataError(f"{where}: {field} is text that is not JSON ({exc})") from None
+    if not isinstance(value, list):
+        raise DataError(
+            f"{where}: {field} must be a list of tool definitions "
+            f'({{"type": "function", "function": {{name, description, parameters}}}}), '
+            f"got {type(value).__name__}"
+        )
+    return [_tool_definition(item, f"{where}: {field}[{i}]") for i, item in enumerate(value)]
+
+
+def _tool_definition(item: Any, where: str) -> dict[str, Any]:
+    if isinstance(item, dict) and "function" not in item and "name" in item:
+        item = {"type": "function", "function": item}
+    if not isinstance(item, dict) or not isinstance(item.get("function"), dict):
+        raise DataError(f'{where}: a tool definition is {{"type": "function", "function": {{…}}}}')
+    if item.get("type", "function") != "function":
+        raise DataError(f"{where}: type must be 'function', got {item.get('type')!r}")
+    function = item["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise DataError(f"{where}: function.name must be a non-empty string")
+    if not isinstance(function.get("description") or "", str):
+        raise DataError(f"{where}: function.description of {name!r} must be text")
+    if not isinstance(function.get("parameters") or {}, dict):
+        raise DataError(f"{where}: function.parameters of {name!r} must be a JSON schema object")
+    return {"type": "function", **{k: v for k, v in item.items() if k != "type"}}

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from keel.data.arithmetic import arithmetic_splits
-from keel.data.encoding import assemble, encode_prompts, render_prompt
+from keel.data.encoding import assemble, encode_prompt_text, encode_prompts, render_prompt
 from keel.data.examples import Example
 from keel.data.files import DataError, _prompt, read_rows
 from keel.types import Batch
@@ -182,9 +182,7 @@ def encode_scored(
     prompt_ids, response_ids = [], []
     for prompt, response in zip(prompts, responses, strict=True):
         text = render_prompt(tokenizer, prompt, chat)
-        prompt_ids.append(
-            tokenizer(text, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
-        )
+        prompt_ids.append(encode_prompt_text(tokenizer, text) or [tokenizer.eos_token_id])
         tokens = tokenizer(response, add_special_tokens=False)["input_ids"]
         response_ids.append([*tokens, tokenizer.eos_token_id])
     return assemble(

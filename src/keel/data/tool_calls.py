@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+LLAMA_END_TAGS = ("<|eom_id|>", "<|eot_id|>")
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 
@@ -180,9 +181,149 @@ class HermesFormat:
 HERMES = HermesFormat()
 
 
+# --- llama3_json ----------------------------------------------------------------------------
+
+_DECODER = json.JSONDecoder()
+
+
+class Llama3JsonFormat:
+    """Llama-3.1/3.2 JSON tool calling: the response is one or more `{"name": …, "parameters":
+    {…}}` objects, optionally after `<|python_tag|>`, separated by `;` or newlines. A response
+    is a call attempt when it starts (after whitespace) with `<|python_tag|>` or `{`; text
+    between or after the objects is an error (a final `<|eom_id|>` or `<|eot_id|>` is not)."""
+
+    name = "llama3_json"
+
+    def has_call_syntax(self, text: str) -> bool:
+        stripped = text.lstrip()
+        return stripped.startswith(PYTHON_TAG) or stripped.startswith("{")
+
+    def parse(self, text: str) -> ParsedCalls:
+        if not self.has_call_syntax(text):
+            return ParsedCalls([], [])
+        body = text.strip().removeprefix(PYTHON_TAG)
+        for end in LLAMA_END_TAGS:
+            body = body.removesuffix(end)
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        position = number = 0
+        while (position := _skip_separators(body, position)) < len(body):
+            number += 1
+            try:
+                obj, position = _DECODER.raw_decode(body, position)
+            except json.JSONDecodeError as exc:
+                errors.append(
+                    f"tool call {number}: invalid JSON ({exc.msg} at character {exc.pos})"
+                )
+                position = _next_separator(body, position)
+                continue
+            except (ValueError, RecursionError) as exc:
+                errors.append(f"tool call {number}: invalid JSON ({exc})")
+                position = _next_separator(body, position)
+                continue
+            call = call_from_object(obj)
+            if isinstance(call, ToolCall):
+                calls.append(call)
+            else:
+                errors.append(f"tool call {number}: {call}")
+        return ParsedCalls(calls, errors)
+
+    def format(self, calls: list[ToolCall]) -> str:
+        return "; ".join(_dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+
+
+def _skip_separators(text: str, position: int) -> int:
+    """The index of the first character at or after `position` that is no whitespace or `;`."""
+    while position < len(text) and (text[position].isspace() or text[position] == ";"):
+        position += 1
+    return position
+
+
+def _next_separator(text: str, position: int) -> int:
+    """Past the malformed part that starts at `position`: the next `;` or newline (or the end)."""
+    found = [i for i in (text.find(";", position + 1), text.find("\n", position + 1)) if i >= 0]
+    return min(found) if found else len(text)
+
+
+# --- mistral -----------------------------------------------------------------------------------
+
+
+class MistralFormat:
+    """Mistral: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects (style
+    "array", Mistral-7B-Instruct-v0.3, Mixtral, Mistral-Nemo), or `[TOOL_CALLS]name[ARGS]{…}`
+    once per call (style "args", the newer tokenizers; a `[CALL_ID]…` after the name is
+    skipped). `parse` reads both styles; `format` writes `style`. Text before the first
+    `[TOOL_CALLS]` is ignored."""
+
+    name = "mistral"
+
+    def __init__(self, style: str = "array"):
+        if style not in ("array", "args"):
+            raise ValueError(f"mistral tool-call style must be 'array' or 'args', got {style!r}")
+        self.style = style
+
+    def has_call_syntax(self, text: str) -> bool:
+        return MISTRAL_TOOL_CALLS in text
+
+    def parse(self, text: str) -> ParsedCalls:
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        for segment in text.split(MISTRAL_TOOL_CALLS)[1:]:
+            for item in _mistral_segment(segment.strip()):
+                if isinstance(item, ToolCall):
+                    calls.append(item)
+                else:
+                    errors.append(f"tool call {len(calls) + len(errors) + 1}: {item}")
+        return ParsedCalls(calls, errors)
+
+    def format(self, calls: list[ToolCall]) -> str:
+        if self.style == "args":
+            return "".join(
+                f"{MISTRAL_TOOL_CALLS}{c.name}{MISTRAL_ARGS}{_dumps(c.arguments)}" for c in calls
+            )
+        objects = [{"name": c.name, "arguments": c.arguments} for c in calls]
+        return f"{MISTRAL_TOOL_CALLS}{_dumps(objects)}"
+
+
+def _mistral_segment(segment: str) -> list[ToolCall | str]:
+    """The calls of the text after one `[TOOL_CALLS]`, in order, each a ToolCall or what is
+    wrong with it."""
+    if segment.startswith(MISTRAL_ARGS) or not segment.startswith(("[", "{")):
+        name, sep, rest = segment.partition(MISTRAL_ARGS)
+        name = name.split("[CALL_ID]")[0].strip()
+        if not sep:
+            return [f"{MISTRAL_TOOL_CALLS} without a JSON array or {MISTRAL_ARGS}"]
+        if not name:
+            return [f"no tool name before {MISTRAL_ARGS}"]
+        arguments, problem = _raw_json(rest.strip())
+        if problem is not None:
+            return [f"{name}: arguments are {problem}"]
+        return [_with_arguments(name, arguments)]
+    value, problem = _raw_json(segment)
+    if problem is not None:
+        return [problem]
+    items = value if isinstance(value, list) else [value]
+    return [call_from_object(item) for item in items] or ["an empty list of calls"]
+
+
+def _raw_json(text: str) -> tuple[Any, str | None]:
+    """(the JSON value at the start of `text`, None), or (None, why it is none); what follows
+    the value is ignored."""
+    try:
+        return _DECODER.raw_decode(text)[0], None
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON ({exc.msg} at character {exc.pos})"
+    except (ValueError, RecursionError) as exc:
+        return None, f"invalid JSON ({exc})"
+
+
 # --- choosing a format ---------------------------------------------------------------------------
 
-FORMATS: dict[str, ToolCallFormat] = {"hermes": HERMES}
+FORMATS: dict[str, ToolCallFormat] = {
+    "hermes": HERMES,
+    "llama3_json": Llama3JsonFormat(),
+    "mistral": MistralFormat(),
+}
 """The formats by `data.tool_format` name."""
 
 
@@ -208,7 +349,10 @@ def tool_call_format_for(tokenizer: Any, name: str = "auto") -> ToolCallFormat:
         template = getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # a tokenizer with several named templates
             template = "\n".join(str(t) for t in template.values())
-        name = format_from_template(template if isinstance(template, str) else None)
+        template = template if isinstance(template, str) else None
+        name = format_from_template(template)
+        if name == "mistral" and MISTRAL_ARGS in (template or ""):
+            return MistralFormat("args")
     if name not in FORMATS:
         known = ", ".join(["auto", *FORMATS])
         raise ValueError(f"data.tool_format: unknown tool-call format {name!r} ({known})")

@@ -13,7 +13,7 @@ import torch
 
 from keel.checkpoint.policy import PolicySource
 from keel.config.schema import RolloutConfig
-from keel.data.encoding import render_prompt
+from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.data.examples import Example
 from keel.engine.devices import place, resolve_device
 from keel.models import check_vocab, load_causal_lm, load_tokenizer
@@ -101,7 +101,7 @@ class ServedPolicy(Served):
     def prompt_tokens(self, prompt: Prompt) -> int:
         """Tokens of `prompt` as the model sees it (chat messages through the template)."""
         text = render_prompt(self.tokenizer, prompt, chat=False)
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(encode_prompt_text(self.tokenizer, text))
 
     def submit(
         self, prompts: list[Prompt], n: int, sampling: SamplingParams

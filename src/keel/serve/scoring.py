@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from keel.checkpoint.policy import PolicySource
-from keel.data.encoding import render_prompt
+from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.serve.config import ServeFileConfig
 from keel.serve.errors import APIError, bad_request
 from keel.serve.schema import ScoreRequest
@@ -105,7 +105,7 @@ class ServedReward(Served):
         except Exception as exc:  # e.g. a tokenizer without a chat template
             raise bad_request(f"cannot tokenize items.{i}.prompt: {exc}",
                               param=f"items.{i}.prompt") from None  # fmt: skip
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(encode_prompt_text(self.tokenizer, text))
 
     @staticmethod
     def _check_length(param: str, count: int, limit: int, key: str) -> None:
