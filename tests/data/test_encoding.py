@@ -103,11 +103,11 @@ def test_no_limit_measures_every_prompt(tok):
 
 # --- BOS as the tokenizer says, and tools into the chat template -------------------------------
 
-CHATML_WITH_TOOLS = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+CHATML_WITH_TOOLS = (  # Qwen2.5's layout: the tools listed in a system turn
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 LLAMA3_LIKE = (
     "{{ bos_token }}{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"

@@ -320,3 +320,101 @@ def test_unknown_tools_exceptions_and_bad_returns_become_error_results():
     assert results[3].content == "tool 'sleepy' returned int, not str"
     assert results[4].content == "42"
     assert run_tool_calls([], tools) == []
+
+
+# --- the run's tool-call format in builtin:tools, and its tools in the first prompt -------------
+
+
+def test_the_tools_environment_parses_the_format_it_is_given():
+    from keel.data.tool_calls import Llama3JsonFormat, MistralFormat
+    from keel.envs.builtin import ToolEnvironment
+
+    call = ToolCall("calculator", {"expression": "37*58"})
+    for fmt in ("llama3_json", "mistral", MistralFormat("args"), Llama3JsonFormat()):
+        env = ToolEnvironment(tools=["calculator"], tool_format=fmt)
+        result = env.step(env.format.format([call, call]))
+        assert result.observation == [{"role": "tool", "content": "2146"}] * 2, fmt
+        assert env.step("2146").done
+    hermes = ToolEnvironment(tools=["calculator"])  # today's default
+    assert hermes.format.name == "hermes" and hermes.step(format_tool_call(call)).observation
+    mistral = ToolEnvironment(tools=["calculator"], tool_format="mistral")
+    assert mistral.step(format_tool_call(call)).done  # a Hermes block is no Mistral call
+    broken = mistral.step('[TOOL_CALLS][{"name": "calculator", "arguments": {')
+    assert broken.observation[0]["content"].startswith("error: tool call 1: invalid JSON")
+    with pytest.raises(ValueError, match=r"rollout\.env_kwargs\.tool_format: .* 'xml'"):
+        ToolEnvironment(tool_format="xml")
+
+
+def test_a_run_resolves_the_format_from_its_config_and_tokenizer():
+    from types import SimpleNamespace
+
+    from keel.envs.builtin import run_tool_format
+
+    mistral_template = SimpleNamespace(chat_template="{{ '[TOOL_CALLS]' }}")
+    kwargs = run_tool_format("builtin:tools", {"tools": ["calculator"]}, mistral_template, "auto")
+    assert kwargs["tools"] == ["calculator"] and kwargs["tool_format"].name == "mistral"
+    given = {"tool_format": "llama3_json"}
+    assert run_tool_format("builtin:tools", given, mistral_template, "hermes")[
+        "tool_format"
+    ].name == ("llama3_json")
+    assert run_tool_format("builtin:guess_number", {}, mistral_template, "auto") == {}
+    with pytest.raises(ValueError, match=r"rollout\.env_kwargs\.tool_format: unknown"):
+        run_tool_format("builtin:tools", {"tool_format": "xml"}, None, "auto")
+
+
+def play_first_turn(model, tokenizer, chat: bool):
+    """One greedy one-token turn of builtin:tools episodes; the prompt tokens of each row."""
+    from keel.data import Example
+    from keel.envs.builtin import ToolEnvironment
+    from keel.envs.episodes import EpisodeRunner
+    from keel.rollout import HFRolloutEngine, SamplingParams
+
+    engine = HFRolloutEngine(model, tokenizer, chat=chat, max_prompt_length=512)
+    runner = EpisodeRunner(
+        engine,
+        tokenizer,
+        lambda: ToolEnvironment(tools=["calculator"]),
+        eos_ids=engine.eos_ids,
+        pad_id=engine.pad_id,
+        chat=chat,
+        max_prompt_length=512,
+    )
+    batch = runner.generate(
+        [Example(prompt="37*58=", answer="2146")],
+        SamplingParams(n=1, temperature=0.0, max_new_tokens=1),
+    )
+    p = batch.prompt_length
+    return [
+        [t for t, keep in zip(row[:p], mask[:p], strict=True) if keep]
+        for row, mask in zip(batch.input_ids.tolist(), batch.attention_mask.tolist(), strict=True)
+    ]
+
+
+def test_the_first_prompt_shows_the_environments_tools_to_a_template_that_renders_them():
+    from keel.data.encoding import encode_prompts
+    from keel.models.factory import TinyModelSpec, build_tiny_model
+    from tests.data.test_encoding import CHATML_WITH_TOOLS, bpe_tokenizer
+
+    tokenizer = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    model = build_tiny_model(tokenizer, TinyModelSpec(hidden_size=32, intermediate_size=64))
+    [prompt] = play_first_turn(model, tokenizer, chat=True)
+    text = tokenizer.decode(prompt)
+    assert text.startswith("<|im_start|>system\nYou may call these tools:\n<tools>")
+    assert '"name": "calculator"' in text and text.endswith(
+        "37*58=<|im_end|>\n<|im_start|>assistant\n"
+    )
+    from keel.data import Example
+
+    plain = encode_prompts(tokenizer, [Example("37*58=")], chat=True, max_prompt_length=512)[0]
+    assert "calculator" not in tokenizer.decode(plain)
+
+
+def test_the_char_templates_first_prompt_is_unchanged(tiny_dir):
+    from keel.data import Example
+    from keel.data.encoding import encode_prompts
+    from keel.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_dir)
+    [prompt] = play_first_turn(load_causal_lm(tiny_dir), tokenizer, chat=True)
+    expected = encode_prompts(tokenizer, [Example("37*58=")], chat=True, max_prompt_length=64)
+    assert [prompt] == expected

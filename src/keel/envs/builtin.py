@@ -14,7 +14,14 @@ from typing import Any
 
 from keel.data.examples import Example
 from keel.envs.protocol import Environment, Observation, StepResult
-from keel.envs.tools import ToolResult, build_tools, parse_tool_calls, run_tool_calls
+from keel.envs.tools import (
+    ToolCallFormat,
+    ToolResult,
+    build_tools,
+    run_tool_calls,
+    tool_call_format_for,
+    tool_schemas,
+)
 
 
 class SingleTurnEnvironment:
@@ -71,7 +78,10 @@ class GuessNumberEnvironment:
 class ToolEnvironment:
     """The policy may call tools before it answers (keel.envs.tools, docs/tools.md).
 
-    A turn with `<tool_call>` blocks is run: each call (at most `max_calls_per_turn`; more are
+    A turn with tool calls (in `tool_format`: `hermes` `<tool_call>` blocks, `llama3_json`,
+    `mistral` `[TOOL_CALLS]`, or a ToolCallFormat; a run passes the format data.tool_format
+    names, `auto` read from the tokenizer's chat template, unless rollout.env_kwargs sets
+    one: run_tool_format) is run: each call (at most `max_calls_per_turn`; more are
     errors) concurrently with a time-out of `timeout_s`, and the results come back as one
     `tool` message each, in call order (a malformed call, an unknown tool, a tool's error or a
     time-out as an `error: …` message: the episode goes on). A turn without a tool call is
@@ -79,23 +89,35 @@ class ToolEnvironment:
     (every call the turn attempted, malformed ones included) and `tool_errors`.
 
     tools: built-in names (`calculator`, `python`), `{"name": …, **kwargs}` or
-    `module:Class` / `file.py:Class` (keel.envs.tools.build_tools)."""
+    `module:Class` / `file.py:Class` (keel.envs.tools.build_tools). `tool_schemas()` describes
+    them; the episode's first prompt gives them to a chat template that renders `tools`."""
 
     def __init__(
         self,
         tools: Sequence[str | Mapping[str, Any]] = ("calculator",),
         timeout_s: float = 10.0,
         max_calls_per_turn: int = 4,
+        tool_format: str | ToolCallFormat = "hermes",
     ):
         self.tools = build_tools(tools)
         self.timeout_s = timeout_s
         self.max_calls_per_turn = max_calls_per_turn
+        if isinstance(tool_format, str):
+            try:
+                tool_format = tool_call_format_for(None, tool_format)
+            except ValueError as exc:
+                raise ValueError(f"rollout.env_kwargs.tool_format: {exc}") from None
+        self.format = tool_format
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools as OpenAI function schemas (the chat template's `tools=`)."""
+        return tool_schemas(self.tools)
 
     def reset(self, example: Example) -> Observation | None:
         return None
 
     def step(self, response: str) -> StepResult:
-        parsed = parse_tool_calls(response)
+        parsed = self.format.parse(response)
         if not parsed.calls and not parsed.errors:
             return StepResult(done=True)
         calls = parsed.calls[: self.max_calls_per_turn]
@@ -118,6 +140,25 @@ class ToolEnvironment:
 
 
 PYTHON_TOOL = ("python", "builtin:python")
+TOOLS_ENV = ("builtin:tools", "tools")
+
+
+def run_tool_format(
+    env: str | None, env_kwargs: Mapping[str, Any], tokenizer: Any, tool_format: str
+) -> dict[str, Any]:
+    """The kwargs a run builds its environment with: for builtin:tools, `tool_format` resolved
+    to a ToolCallFormat (rollout.env_kwargs.tool_format when set, else data.tool_format;
+    `auto` reads the tokenizer's chat template, keel.data.tool_calls.tool_call_format_for);
+    other environments' kwargs as given."""
+    kwargs = dict(env_kwargs)
+    name = kwargs.get("tool_format", tool_format)
+    if env in TOOLS_ENV and isinstance(name, str):
+        key = "rollout.env_kwargs.tool_format" if "tool_format" in kwargs else "data.tool_format"
+        try:
+            kwargs["tool_format"] = tool_call_format_for(tokenizer, name)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("data.tool_format", key)) from None
+    return kwargs
 
 
 def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -127,7 +168,7 @@ def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tup
     in this process, with the interpreter the tool is given (its `python` option)."""
     from keel.envs.sandbox import isolation
 
-    if env not in ("builtin:tools", "tools"):
+    if env not in TOOLS_ENV:
         return []
     out = []
     for spec in env_kwargs.get("tools", ()):

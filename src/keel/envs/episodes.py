@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from keel.data.encoding import assemble, encode_prompts
+from keel.data.encoding import assemble, encode_prompts, template_renders_tools
 from keel.data.examples import Example
 from keel.envs.loading import EnvFactory
 from keel.envs.protocol import TERMINATIONS, Environment, Message, Observation, StepResult
@@ -130,8 +130,10 @@ class EpisodeRunner:
         rows = [ex for ex in examples for _ in range(n)]
         openings = list(pool.map(lambda pair: self._reset(*pair), zip(envs, rows, strict=True)))
         opened = [
-            ex if opening is None else dataclasses.replace(ex, prompt=opening)
-            for ex, opening in zip(rows, openings, strict=True)
+            self._with_env_tools(
+                env, ex if opening is None else dataclasses.replace(ex, prompt=opening)
+            )
+            for env, ex, opening in zip(envs, rows, openings, strict=True)
         ]
         prompt_ids = encode_prompts(
             self.tokenizer,
@@ -141,6 +143,15 @@ class EpisodeRunner:
             truncation=self.truncation,
         )
         return [Episode(env, ids) for env, ids in zip(envs, prompt_ids, strict=True)]
+
+    def _with_env_tools(self, env: Environment, example: Example) -> Example:
+        """An example without tool definitions of its own gets the environment's
+        (`env.tool_schemas()`, builtin:tools') when the chat template renders `tools`; with any
+        other template the prompt stays as it is, token for token."""
+        schemas = getattr(env, "tool_schemas", None)
+        if example.tools or not callable(schemas) or not template_renders_tools(self.tokenizer):
+            return example
+        return dataclasses.replace(example, tools=schemas() or None)
 
     def _reset(self, env: Environment, example: Example) -> Observation | None:
         try:

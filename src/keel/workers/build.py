@@ -24,7 +24,7 @@ from keel.engine.devices import (
     trained_weights_dtype,
 )
 from keel.engine.distributed import is_sharded
-from keel.envs.builtin import ENVIRONMENTS
+from keel.envs.builtin import ENVIRONMENTS, run_tool_format
 from keel.envs.episodes import EpisodeRunner
 from keel.envs.loading import load_environment
 from keel.models import (
@@ -287,7 +287,11 @@ def episode_runner(cfg: KeelConfig, engine: RolloutEngine, tokenizer: Any) -> Ep
     return EpisodeRunner(
         engine,
         tokenizer,
-        load_environment(r.env, r.env_kwargs, ENVIRONMENTS),
+        load_environment(
+            r.env,
+            run_tool_format(r.env, r.env_kwargs, tokenizer, cfg.data.tool_format),
+            ENVIRONMENTS,
+        ),
         eos_ids=engine.eos_ids,
         pad_id=engine.pad_id,
         max_turns=r.max_turns,
