@@ -3,6 +3,7 @@ resolve_model_path) from a Hugging Face cache written here, offline, in huggingf
 layout: models--ORG--NAME/{blobs/<sha256>, refs/<branch>, snapshots/<commit>/<file> → blob}."""
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 import torch
 import yaml
 from huggingface_hub import scan_cache_dir
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from keel.cli.main import main
 from keel.models import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
@@ -140,3 +143,22 @@ def test_keel_train_and_generate_exit_2_naming_an_id_that_is_not_in_the_cache(
 def test_keel_generate_answers_with_a_hub_id(offline_cache, capsys):
     assert main(["generate", "acme/tiny", "1+1=", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_a_lora_run_on_a_hub_id_exports_an_adapter_naming_the_id(offline_cache, tmp_path, capsys):
+    code, run_dir = sft_run(
+        tmp_path, "models.actor=acme/tiny", "models.revision=v2", "models.lora.r=4"
+    )
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("acme/tiny", "v2")
+    base = AutoModelForCausalLM.from_pretrained(
+        "acme/tiny", revision="v2", cache_dir=offline_cache, local_files_only=True
+    )
+    tuned = PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    merged = load_causal_lm(run_dir / "model")
+    ids = torch.tensor([[5, 9, 14, 22, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            tuned(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4, rtol=1e-5
+        )

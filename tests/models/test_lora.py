@@ -1,10 +1,12 @@
 """LoRA adapters (keel.models.lora): what trains, the adapter-disabled base, the adapter's state,
 and the merged plain folder."""
 
+import json
 import warnings
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -17,6 +19,7 @@ from keel.models.lora import (
     load_adapter_state_dict,
     merged_from_state,
     merged_state_dict,
+    save_adapter,
     save_merged,
     wrap_lora,
 )
@@ -182,3 +185,21 @@ def test_lora_dropout_on_fused_moe_experts_is_an_error_naming_the_field(tmp_path
     folder = tiny_moe_dir(tmp_path / "moe")
     with pytest.raises(ModelLoadError, match=r"models\.lora\.dropout \(0\.1\) must be 0"):
         wrap_lora(load_causal_lm(folder), r=2, alpha=4.0, dropout=0.1)
+
+
+def test_the_adapter_folder_of_fused_moe_experts_reloads_with_peft(tmp_path):
+    folder = tiny_moe_dir(tmp_path / "moe")
+    model = wrap_lora(load_causal_lm(folder), r=2, alpha=4.0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    model.eval()
+    save_adapter(model, tmp_path / "adapter", base="acme/moe", revision="v2")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("acme/moe", "v2")
+    assert model.peft_config["default"].revision is None  # the live config is left as it was
+    base = AutoModelForCausalLM.from_pretrained(folder).eval()
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits(reloaded), logits(model), **MERGED)

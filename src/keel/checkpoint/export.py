@@ -16,6 +16,8 @@ _STEP = re.compile(r"^step_(\d+)$")
 # In an exported folder (RUN_DIR/model): the step its weights are from, written inside the folder
 # before it is published, so that the folder and its record appear together or not at all.
 EXPORT_RECORD = "keel_export.json"
+# RUN_DIR/adapter: a LoRA run's peft adapter folder, exported beside the merged RUN_DIR/model.
+ADAPTER_FOLDER = "adapter"
 
 
 def step_folder_name(step: int) -> str:

@@ -58,7 +58,7 @@ class ResumePlan:
 
 
 RUN_FILES = (
-    "metrics.jsonl", "events.jsonl", "config.yaml", "model", "critic", "checkpoints",
+    "metrics.jsonl", "events.jsonl", "config.yaml", "model", "adapter", "critic", "checkpoints",
     "samples.jsonl", "tensorboard", "wandb", "mlruns", "trackers.json", GUARD_STATE,
     "metrics.jsonl.bad", "events.jsonl.bad", "samples.jsonl.bad",  # lines a resume set aside
 )  # fmt: skip

@@ -24,7 +24,12 @@ from keel.checkpoint import (
     save_checkpoint,
     validate_checkpoint,
 )
-from keel.checkpoint.export import step_folder_name, write_export_record, write_text_atomically
+from keel.checkpoint.export import (
+    ADAPTER_FOLDER,
+    step_folder_name,
+    write_export_record,
+    write_text_atomically,
+)
 from keel.checkpoint.remote import BackgroundUploader, download_checkpoint
 from keel.checkpoint.state import (
     CheckpointSaveError,
@@ -34,7 +39,7 @@ from keel.checkpoint.state import (
 )
 from keel.config.loading import dump_config
 from keel.config.paths import resolve_input_paths
-from keel.config.schema import KeelConfig
+from keel.config.schema import KeelConfig, ModelsConfig
 from keel.controller.assembly import (
     assemble_roles,
     build_reward,
@@ -67,6 +72,7 @@ from keel.guard import (
 )
 from keel.jsonlines import set_aside_bad_lines
 from keel.models import load_tokenizer, resolve_model_path
+from keel.models.lora import adapter_base
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.recipes import build_spec
@@ -291,7 +297,7 @@ class TrainingLoop:
             publish_folder(
                 self.run_dir / "critic", lambda tmp: critic.call_all("save_pretrained", path=tmp)
             )
-        model_dir = save_policy(self.roles, self.run_dir / "model", cfg.train.steps)
+        model_dir = save_policy(self.roles, self.run_dir / "model", cfg.train.steps, cfg.models)
         return RunResult(self.run_dir, model_dir, first_eval, last_eval, cfg.train.steps, start)
 
     def _train_step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -680,9 +686,17 @@ def set_lr_scale(worker: Any, scale: float) -> None:
         worker.set_lr_scale(scale)
 
 
-def save_policy(roles, target: Path, step: int) -> Path:
+def save_policy(roles, target: Path, step: int, models: ModelsConfig | None = None) -> Path:
     """Export the actor as an HF folder at `target`, recording `step` inside it (published with
-    it, atomically)."""
+    it, atomically). With models.lora, first its peft adapter folder beside it
+    (`ADAPTER_FOLDER`, naming the user's base model), so that a finished run has both."""
+    if models is not None and models.lora is not None:
+        base, revision = adapter_base(models)
+
+        def write_adapter(tmp: Path) -> None:
+            roles.actor.call_all("save_adapter", path=tmp, base=base, revision=revision)
+
+        publish_folder(target.parent / ADAPTER_FOLDER, write_adapter)
 
     def write(tmp: Path) -> None:
         roles.actor.call_all("save_pretrained", path=tmp)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from keel.models.loading import ModelLoadError
+from keel.config.schema import ModelsConfig
+from keel.models.loading import BUILTIN_PREFIX, ModelLoadError, is_hub_id, resolve_model_path
 
 ADAPTER = "default"  # peft's name of the one adapter
 
@@ -273,6 +274,43 @@ def save_merged(
     merged = state if state is not None else merged_state_dict(model)
     model.get_base_model().save_pretrained(path, state_dict=merged)
     tokenizer.save_pretrained(path)
+
+
+def save_adapter(
+    model: Any,
+    path: str | Path,
+    *,
+    base: str,
+    revision: str | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The adapter as a peft folder (adapter_config.json, adapter_model.safetensors) that
+    `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)` loads and
+    that then computes what the merged folder computes. `base` (a hub id or a folder) and
+    `revision` are written as the config's base_model_name_or_path and revision. state: a full
+    state dict of the LoRA model (an FSDP2 model's gathered one); default: the live weights."""
+    config = model.peft_config[ADAPTER]
+    saved = config.base_model_name_or_path, config.revision
+    config.base_model_name_or_path, config.revision = base, revision
+    try:
+        # save_embedding_layers: Keel never resizes the vocabulary, so the base's embeddings
+        # are not copied in (and peft does not look the base up on the hub to decide)
+        extra = {} if state is None else {"state_dict": state}
+        model.save_pretrained(path, save_embedding_layers=False, **extra)
+    finally:
+        config.base_model_name_or_path, config.revision = saved
+
+
+def adapter_base(models: ModelsConfig) -> tuple[str, str | None]:
+    """(base_model_name_or_path, revision) of a run's adapter folder: the actor as the user
+    named it, a hub id with models.revision, or a folder (a `builtin:` name as its cached
+    folder, which transformers can load)."""
+    spec = models.actor
+    if spec.startswith(BUILTIN_PREFIX):
+        return str(resolve_model_path(spec)), None
+    if not Path(spec).expanduser().exists() and is_hub_id(spec):
+        return spec, models.revision
+    return spec, None
 
 
 def adapter_disabled(model: Any) -> Any:

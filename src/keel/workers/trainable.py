@@ -30,6 +30,7 @@ from keel.models.lora import (
     load_adapter_state_dict,
     merged_from_state,
     merged_state_dict,
+    save_adapter,
     save_merged,
 )
 from keel.types import Batch
@@ -98,6 +99,13 @@ class TrainableWorker:
         state = merged_weights(self.model) if is_sharded(self.model) or rank() == 0 else None
         if rank() == 0:
             save_merged(self.model, self.tokenizer, path, state)
+
+    def save_adapter(self, path: str | Path, base: str, revision: str | None = None) -> None:
+        """A LoRA model's adapter as a peft folder naming `base` (keel.models.lora.save_adapter):
+        rank 0 writes it (FSDP2: after gathering the shards; every rank must call this)."""
+        state = full_state_dict(self.model) if is_sharded(self.model) else None
+        if rank() == 0:
+            save_adapter(self.model, path, base=base, revision=revision, state=state)
 
     @property
     def adapter_only(self) -> bool:
