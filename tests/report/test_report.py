@@ -4,12 +4,14 @@ import json
 import re
 import shutil
 
+import matplotlib.pyplot as plt
 import pytest
+from matplotlib.colors import to_hex
 from PIL import Image
 
 from keel.cli.main import main
 from keel.report import ReportError, load_run, write_report
-from keel.report.plots import PLOTS, draw
+from keel.report.plots import PLOTS, draw, figure
 
 GUARD_EVENTS = [  # contract C2, as the guard writes them
     {"time": 1.7e9, "step": 2, "event": "guard_trip", "message": "kl 3.1 > 1.0",
@@ -136,3 +138,58 @@ def test_multi_turn_runs_get_turn_and_tool_use_plots(tmp_path):
     assert (tmp_path / "out" / "tool_use.png").is_file()
     single = write_run(tmp_path / "single", [{"step": 1, "reward/mean": 0.5}])
     assert draw(turns, [single], tmp_path) is None  # optional: absent from single-turn runs
+
+
+def curves_by_panel(fig):
+    """[(y label, [(label, colour hex, line style) of each curve])] of each axes of `fig`
+    (event markers, vertical lines of two points at one x, left out)."""
+    out = []
+    for ax in fig.axes:
+        lines = [
+            (line.get_label(), to_hex(line.get_color()), line.get_linestyle())
+            for line in ax.get_lines()
+            if len(set(line.get_xdata())) > 1
+        ]
+        out.append((ax.get_ylabel(), lines))
+    return out
+
+
+def legend_outside(fig, ax):
+    """Whether `ax`'s legend lies wholly to the right of its plotting area (display coords)."""
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    return legend.x0 >= ax.get_window_extent().x1
+
+
+def test_tool_use_plot_has_one_quantity_per_panel_in_distinct_colours(tmp_path):
+    rows = [
+        {"step": s, "episode/tool_use_frac": 0.1 * s, "eval/tool_use_frac": 0.12 * s,
+         "episode/tool_calls_mean": 0.2 * s, "episode/tool_errors_mean": 0.5 - 0.05 * s}
+        for s in range(1, 6)
+    ]  # fmt: skip
+    a = write_run(tmp_path / "a", rows)
+    (tmp_path / "a" / "events.jsonl").write_text(json.dumps(GUARD_EVENTS[0]) + "\n")
+    a = load_run(tmp_path / "a")
+    b = write_run(tmp_path / "b", [{**r, "episode/tool_calls_mean": 0.3} for r in rows])
+    tools = next(p for p in PLOTS if p.name == "tool_use")
+
+    fig = figure(tools, [a])
+    panels = curves_by_panel(fig)
+    assert [label for label, _ in panels] == [
+        "episodes with a tool call", "tool calls / episode", "tool errors / episode"
+    ]  # fmt: skip
+    fraction, calls, errors = (lines for _, lines in panels)
+    assert [name for name, _, _ in fraction] == ["a episode/tool_use_frac", "a eval/tool_use_frac"]
+    assert len({colour for _, colour, _ in fraction}) == 2  # one run: a colour per key
+    assert len(calls) == len(errors) == 1
+    assert all(legend_outside(fig, ax) for ax in fig.axes)
+    assert any(line.get_label() == "guard_trip" for line in fig.axes[0].get_lines())
+    plt.close(fig)
+
+    fig = figure(tools, [a, b])
+    for _, lines in curves_by_panel(fig):  # several runs: every curve its own colour or style
+        assert len({(colour, style) for _, colour, style in lines}) == len(lines)
+        runs_colours = {name.split()[0]: colour for name, colour, _ in lines}
+        assert runs_colours["a"] != runs_colours["b"]
+    plt.close(fig)
+    assert draw(tools, [a, b], tmp_path) == tmp_path / "tool_use.png"

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from keel.report.runs import RunData
 
@@ -16,7 +17,9 @@ from keel.report.runs import RunData
 @dataclass(frozen=True)
 class Plot:
     """keys: curves drawn for every run that has them; with `alternatives`, each run draws
-    only the first of the keys it has. optional: not listed as missing when no run has it."""
+    only the first of the keys it has. optional: not listed as missing when no run has it.
+    panels: (y label, keys) of each panel, stacked on one step axis, for a plot of several
+    quantities (one quantity per panel); empty: one panel of every key, labelled `ylabel`."""
 
     name: str
     title: str
@@ -24,11 +27,16 @@ class Plot:
     ylabel: str
     alternatives: bool = False
     optional: bool = False
+    panels: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def run_keys(self, run: RunData) -> tuple[str, ...]:
         """The keys drawn for `run`."""
         present = tuple(key for key in self.keys if run.curve(key)[0])
         return present[:1] if self.alternatives else present
+
+    def panel_keys(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(y label, keys) of each panel."""
+        return self.panels or ((self.ylabel, self.keys),)
 
 
 # A dynamic-sampling run's reward/mean covers the kept groups only (biased upwards):
@@ -72,6 +80,11 @@ PLOTS = (
         ),
         "fraction / count",
         optional=True,
+        panels=(
+            ("episodes with a tool call", ("episode/tool_use_frac", "eval/tool_use_frac")),
+            ("tool calls / episode", ("episode/tool_calls_mean",)),
+            ("tool errors / episode", ("episode/tool_errors_mean",)),
+        ),
     ),
     Plot(
         "dynamic_sampling",
@@ -81,6 +94,7 @@ PLOTS = (
         optional=True,
     ),
 )
+LINE_STYLES = ("-", "--", ":", "-.")
 # events.jsonl entries drawn as vertical lines (contract C2); checkpoints are not marked.
 EVENT_STYLE = {
     "guard_trip": ("tab:red", "--"),
@@ -94,34 +108,58 @@ EVENT_STYLE = {
 
 
 def draw(plot: Plot, runs: list[RunData], out_dir: Path) -> Path | None:
-    """Writes OUT_DIR/<plot.name>.png; None when no run has any of the plot's keys."""
-    curves = [(run, key, *run.curve(key)) for run in runs for key in plot.run_keys(run)]
-    if not curves:
+    """Writes OUT_DIR/<plot.name>.png (figure()); None when no run has any of the plot's keys."""
+    fig = figure(plot, runs)
+    if fig is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    several_keys = len({key for _, key, _, _ in curves}) > 1
-    for run, key, steps, values in curves:
-        color = colors[runs.index(run) % len(colors)]
-        style = "-" if key == plot.keys[0] or plot.alternatives or not several_keys else ":"
-        label = run.name + (f" {key}" if several_keys else "")
-        ax.plot(
-            steps, values, style, color=color, label=label, marker="." if len(steps) < 30 else None
-        )
-    _mark_events(ax, runs)
-    ax.set_title(plot.title)
-    ax.set_xlabel("step")
-    ax.set_ylabel(plot.ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
     path = out_dir / f"{plot.name}.png"
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # the legends outside the axes included
     plt.close(fig)
     return path
 
 
-def _mark_events(ax, runs: list[RunData]) -> None:
+def figure(plot: Plot, runs: list[RunData]) -> Figure | None:
+    """The plot's figure (the caller closes it); None when no run has any of its keys.
+
+    One panel per entry of plot.panel_keys() that has data, stacked on a shared step axis. In a
+    panel of several keys, one run's curves each have their own colour; several runs have a
+    colour each and a line style per key. Each panel's legend stands to the right of its
+    curves; events are marked on every panel (named in the first one's legend)."""
+    curves = [(run, key, *run.curve(key)) for run in runs for key in plot.run_keys(run)]
+    if not curves:
+        return None
+    panels = [
+        (label, [c for c in curves if c[1] in keys])
+        for label, keys in plot.panel_keys()
+        if any(c[1] in keys for c in curves)
+    ]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8.5, 1.2 + 2.6 * len(panels)), dpi=100, sharex=True,
+        squeeze=False,
+    )  # fmt: skip
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (ax, (label, drawn)) in enumerate(zip(axes[:, 0], panels, strict=True)):
+        keys = list(dict.fromkeys(key for _, key, _, _ in drawn))
+        several_keys = len(keys) > 1 and not plot.alternatives
+        for run, key, steps, values in drawn:
+            # several runs: a colour per run, a line style per key; one run: a colour per key
+            index = keys.index(key) if several_keys and len(runs) == 1 else runs.index(run)
+            color = colors[index % len(colors)]
+            style = LINE_STYLES[keys.index(key) % len(LINE_STYLES)] if several_keys else "-"
+            name = run.name + (f" {key}" if several_keys or len(panels) > 1 else "")
+            marker = "." if len(steps) < 30 else None
+            ax.plot(steps, values, style, color=color, label=name, marker=marker)
+        _mark_events(ax, runs, named=i == 0)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    axes[0, 0].set_title(plot.title)
+    axes[-1, 0].set_xlabel("step")
+    return fig
+
+
+def _mark_events(ax, runs: list[RunData], named: bool = True) -> None:
+    """A vertical line at each event of EVENT_STYLE; `named`: each kind in the legend once."""
     labelled: set[str] = set()
     for run in runs:
         for event in run.events:
@@ -130,6 +168,6 @@ def _mark_events(ax, runs: list[RunData]) -> None:
                 continue
             color, style = EVENT_STYLE[kind]
             name = kind if len(runs) == 1 else f"{run.name}: {kind}"
-            label = None if name in labelled else name
+            label = None if name in labelled or not named else name
             labelled.add(name)
             ax.axvline(int(event["step"]), color=color, linestyle=style, alpha=0.7, label=label)
