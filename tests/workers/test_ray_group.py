@@ -208,6 +208,12 @@ def test_a_lora_actor_on_fsdp2_ranks_trains_and_resumes_as_on_replicated_ranks(
 
     a, b = weights(replicated_dir), weights(sharded_dir)
     assert not any("lora" in k for k in b)  # a plain folder: merged weights
+    # beside it the peft adapter, gathered from the shards as the replicated ranks write it
+    ad_a, ad_b = (
+        load_file(d / "adapter/adapter_model.safetensors") for d in (replicated_dir, sharded_dir)
+    )
+    assert ad_a.keys() == ad_b.keys() and any("lora_B" in k for k in ad_b)
+    assert max((ad_a[k] - ad_b[k]).abs().max().item() for k in ad_a) <= TOLERANCE
     start = load_file(tiny_dir / "model.safetensors")
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-4  # the adapter trained
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
