@@ -279,3 +279,33 @@ def test_bad_data_tools_name_the_config_key(tmp_path):
     path = write_rows(tmp_path / "ok.jsonl", [{"prompt": "ok"}])
     with pytest.raises(DataError, match=r"data\.tools: data\.tools\[0\]: function\.name"):
         load_examples(path, tools=[{"function": {}}])
+
+
+def test_sft_rows_carry_their_tools_into_the_prompt():
+    chatml = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    rows = [Example("define cat", response="a pet", tools=[LOOKUP]), Example("hi", response="yo")]
+    batch = encode_sft(chatml, rows, chat=True, max_prompt_length=512)
+    texts = [chatml.decode(ids, skip_special_tokens=False) for ids in batch.input_ids.tolist()]
+    assert '"name": "lookup"' in texts[0] and "lookup" not in texts[1]
+    assert texts[0].endswith("<|im_start|>assistant\na pet</s>")
+
+
+def test_the_rollout_engine_generates_from_prompts_with_one_bos():
+    """Both engines' generate encode prompts with encode_prompts (keel.rollout.responses), so the
+    vLLM engine is handed these same ids as prompt_token_ids."""
+    from keel.models.factory import TinyModelSpec, build_tiny_model
+    from keel.rollout import HFRolloutEngine, SamplingParams
+
+    llama = bpe_tokenizer(add_bos=True, template=LLAMA3_LIKE)
+    model = build_tiny_model(llama, TinyModelSpec(hidden_size=32, intermediate_size=64))
+    engine = HFRolloutEngine(model, llama, chat=False, max_prompt_length=16)
+    rows = [Example("1+2="), Example("10+20=")]
+    batch = engine.generate(rows, SamplingParams(n=2, temperature=0.0, max_new_tokens=2))
+    p = batch.prompt_length
+    expected = encode_prompts(llama, rows, chat=False, max_prompt_length=16)
+    for i, row in enumerate(batch.input_ids[:, :p].tolist()):
+        prompt = [
+            t for t, keep in zip(row, batch.attention_mask[i, :p].tolist(), strict=True) if keep
+        ]
+        assert prompt == expected[i // 2] and prompt.count(llama.bos_token_id) == 1
+        assert prompt[0] == llama.bos_token_id
