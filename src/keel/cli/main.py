@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MODEL_HELP = "a run directory, one of its checkpoints (RUN_DIR/checkpoints/step_N) or an HF folder"
+MODEL_HELP = (
+    "a run directory, one of its checkpoints (RUN_DIR/checkpoints/step_N), an HF folder or a "
+    "hub id in the HF cache"
+)
 
 
 def _add_eval(sub: Any) -> None:
