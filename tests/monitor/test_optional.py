@@ -18,17 +18,20 @@ from keel.config.loading import ConfigError
 from keel.config.schema import MlflowConfig, WandbConfig
 from keel.controller import run_training
 from keel.controller.runner import RunPreempted
+from keel.monitor import read_metrics
 from keel.monitor.optional import (
     EXPORT_RECORD,
     MissingPackageError,
     MlflowSink,
     WandbSink,
+    init_timeout,
     read_trackers,
     require,
     wandb_credentials,
     wandb_mode,
 )
-from tests.monitor.live import REPO, tiny_grpo
+from tests.controller.test_runner_guard import GUARDED, adversarial
+from tests.monitor.live import REPO, free_port, tiny_grpo
 
 BLOCK = 32768  # W&B's run file: LevelDB-style log blocks of 32 KiB after a 7-byte header
 
@@ -146,6 +149,8 @@ def test_wandb_credentials_and_the_default_mode(tmp_path):
     assert wandb_credentials(keyed) == "WANDB_API_KEY"
     assert wandb_mode(WandbConfig(), keyed) == "online"
     assert wandb_mode(WandbConfig(mode="offline"), keyed) == "offline"
+    assert init_timeout({}) == init_timeout({"WANDB_INIT_TIMEOUT": "soon"}) == 30
+    assert init_timeout({"WANDB_INIT_TIMEOUT": "5"}) == 5
     rc = tmp_path / "netrc"  # what `wandb login` writes
     rc.write_text("machine api.wandb.ai\n  login user\n  password " + "p" * 40 + "\n")
     assert wandb_credentials({"NETRC": str(rc)}) == str(rc)
@@ -166,6 +171,21 @@ def test_online_without_credentials_fails_at_once_naming_the_field(
     assert err.startswith("keel: error: monitor.wandb.mode: online needs W&B credentials")
     assert "WANDB_API_KEY" in err
     assert not run_dir.exists()
+
+
+def test_online_with_a_server_out_of_reach_fails_within_the_init_timeout(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    config = str(REPO / "examples" / "grpo_arith_tiny.yaml")
+    sets = ["--set", f"models.actor={tiny_dir}", "--set", "monitor.wandb={project: p}"]
+    assert main(["train", config, "--run-dir", str(tmp_path / "r"), *sets]) == 2
+    err = capsys.readouterr().err
+    assert "keel: error: monitor.wandb: W&B did not start the run" in err
+    assert "fails after 3s (WANDB_INIT_TIMEOUT)" in err
+    assert wandb_processes() == []
 
 
 def test_an_offline_run_is_one_wandb_run_across_a_resume(tiny_dir, tmp_path, no_wandb_credentials):
@@ -215,6 +235,33 @@ def test_replayed_steps_are_logged_under_replay(tmp_path, no_wandb_credentials):
     assert axes["actor/kl"] == "keel/step" and axes["replay/actor/kl"] == "replay/step"
     assert read_trackers(tmp_path)["wandb"]["last_step"] == 4
     assert wandb_processes() == []
+
+
+def test_a_guard_rollback_as_the_trackers_see_it(tiny_grpo, no_wandb_credentials, monkeypatch):
+    """A real rollback (a reward that turns adversarial at step 5; the guard goes back to the
+    checkpoint of step 4): the monitor gets step 5 twice, the tripped one and the replayed one.
+    W&B keeps the first under reward/mean and the replay under replay/reward/mean; MLflow keeps
+    both points of step 5 in reward/mean's history."""
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    trackers = ["monitor.wandb={project: keel-test}", "monitor.mlflow=true"]
+    cfg = tiny_grpo(*GUARDED, *adversarial(5, 1), *trackers)
+    run_training(cfg)
+    run_dir = Path(cfg.run_dir)
+    logged = [(r["step"], r["reward/mean"]) for r in read_metrics(run_dir / "metrics.jsonl")
+              if "reward/mean" in r]  # fmt: skip
+    steps = [step for step, _ in logged]
+    assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    rows = history(wandb_records(next(folder.glob("run-*.wandb"))))
+    kept = [(r["keel/step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    replayed = [(r["replay/step"], r["replay/reward/mean"]) for r in rows if "replay/step" in r]
+    assert kept == logged[:5] + logged[6:] and replayed == [logged[5]]
+    client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    run_id = read_trackers(run_dir)["mlflow"]["run_id"]
+    points = client.get_metric_history(run_id, "reward/mean")
+    assert [(p.step, p.value) for p in points] == logged  # the same doubles, both 5s kept
 
 
 def test_mlflow_file_store_reopens_the_recorded_run(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ TRACKERS_FILE = "trackers.json"
 # layer, owns it; tests/monitor/test_optional.py checks the two agree).
 EXPORT_RECORD = "keel_export.json"
 WANDB_HOST = "https://api.wandb.ai"
+INIT_TIMEOUT_S = 30.0
 STEP_KEY, REPLAY_PREFIX, REPLAY_STEP_KEY = "keel/step", "replay/", "replay/step"
 MLFLOW_PARAM_CHARS = 6000  # MLflow refuses longer param values
 MLFLOW_BATCH_PARAMS, MLFLOW_BATCH_METRICS = 100, 1000  # MLflow's log_batch limits
@@ -131,6 +132,16 @@ def check_wandb(section: WandbConfig, environ: Mapping[str, str]) -> None:
         )
 
 
+def init_timeout(environ: Mapping[str, str]) -> float:
+    """Seconds wandb.init may wait for the W&B server: WANDB_INIT_TIMEOUT when it is a positive
+    number, else INIT_TIMEOUT_S (W&B's own default, 90, is longer)."""
+    try:
+        value = float(environ.get("WANDB_INIT_TIMEOUT", ""))
+    except ValueError:
+        return INIT_TIMEOUT_S
+    return value if value > 0 and value != float("inf") else INIT_TIMEOUT_S
+
+
 def new_run_id() -> str:
     """8 random lowercase letters and digits, the form of W&B's own run ids."""
     alphabet = string.ascii_lowercase + string.digits
@@ -165,15 +176,22 @@ class WandbSink:
             "last_step": int(saved.get("last_step", -1)),
         }
         record_tracker(run_dir, "wandb", self.entry)  # before init: a crash in it reuses the id
-        settings = wandb.Settings(silent=True, console="off", init_timeout=60)
+        timeout = init_timeout(env)
+        settings = wandb.Settings(silent=True, console="off", init_timeout=timeout)
         try:
             self.run = wandb.init(
                 id=self.entry["id"], resume="allow", mode=self.entry["mode"], dir=str(run_dir),
                 project=section.project, entity=section.entity, group=section.group,
                 tags=list(section.tags) or None, name=name, config=config, settings=settings,
             )  # fmt: skip
-        except (wandb.errors.CommError, wandb.errors.UsageError) as exc:
-            raise TrackerError(f"monitor.wandb: W&B refused to start the run: {exc}") from None
+        except BaseException as exc:
+            wandb.teardown()  # the service process it started
+            if isinstance(exc, (wandb.errors.CommError, wandb.errors.UsageError)):
+                raise TrackerError(
+                    f"monitor.wandb: W&B did not start the run ({exc}); a server out of reach "
+                    f"fails after {timeout:g}s (WANDB_INIT_TIMEOUT)"
+                ) from None
+            raise
         self.run.define_metric(STEP_KEY)
         self.run.define_metric(REPLAY_STEP_KEY)
         self.defined: set[str] = set()
