@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from keel.config.schema import KeelConfig
 
 # The config keys that name input files or folders (reward.fn and rollout.env only in their
-# `file.py:name` form).
+# `file.py:name` form; each reward.fns[i].fn as reward.fn).
 INPUT_PATHS = (
     "models.actor",
     "models.reference",
@@ -67,6 +67,8 @@ def resolve_input_paths(cfg: KeelConfig, config_dir: str | Path) -> KeelConfig:
         spec = dotted in ("reward.fn", "rollout.env")
         resolve = resolve_reward_spec if spec else resolve_input
         setattr(section, key, resolve(value, config_dir))
+    for part in out.reward.fns or ():  # reward.fns[i].fn, like reward.fn
+        part.fn = resolve_reward_spec(part.fn, config_dir)
     return out
 
 

@@ -184,11 +184,14 @@ class DataConfig(Section):
 class RewardModelConfig(Section):
     """Scoring with a reward model (`models.reward`): weights, running normalisation, clipping.
 
-    score = weight · clip(normalise(RM score)) + fn_weight · reward.fn (rule reward)."""
+    score = weight · clip(normalise(RM score)) + fn_weight · reward.fn (rule reward; with
+    reward.fns, fn_weight · Σ weight_k · fn_k)."""
 
     weight: float = Field(1.0, description="weight of the reward model's score")
     fn_weight: float = Field(
-        0.0, description="weight of the rule reward reward.fn; 0 does not call reward.fn"
+        0.0,
+        description="weight of the rule reward reward.fn (or reward.fns' weighted sum); 0 does "
+        "not call it",
     )
     normalize: bool = Field(False, description="running z-score of the RM score (all steps)")
     clip: float | None = Field(None, gt=0, description="clip the (normalised) RM score to ±clip")
@@ -219,11 +222,53 @@ def _http_url(url: str | None) -> str | None:
     return url
 
 
-class RewardConfig(Section):
-    """The reward: a built-in verifier, a user function `module:fn` / `path/file.py:fn`, or an
-    HTTP reward service (`url`)."""
+# reward/<name> metrics the step already logs: reward.fns names may not take them.
+RESERVED_REWARD_NAMES = frozenset(
+    {"mean", "std", "max", "min", "errors", "all_equal_frac", "fn_mean", "model_mean",
+     "model_std", "model_shaped_mean"}
+)  # fmt: skip
 
-    fn: str = Field("builtin:numeric_match", description="builtin:NAME, module:fn or file.py:fn")
+
+def reward_fn_name(fn: str) -> str:
+    """The default metric name of reward function `fn`: the part after its last `:`
+    (`builtin:math` → `math`, `rewards.py:format_ok` → `format_ok`)."""
+    return fn.rpartition(":")[2] or fn
+
+
+class RewardFnConfig(Section):
+    """One of several reward functions (reward.fns): the step's reward is Σ weight · score."""
+
+    fn: str = Field(description="builtin:NAME, module:fn or file.py:fn")
+    weight: float = Field(1.0, description="its weight in the sum Σ weight · score")
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="logged as reward/<name>; default: the part of fn after its last ':'",
+    )
+    kwargs: FiniteMapping = Field(
+        default_factory=dict, description="keyword arguments, on top of reward.kwargs"
+    )
+    signature: Literal["row", "trl"] | None = Field(None, description="null: reward.signature")
+
+    def metric_name(self) -> str:
+        """`name`, or the one derived from `fn`."""
+        return self.name or reward_fn_name(self.fn)
+
+
+class RewardConfig(Section):
+    """The reward: a built-in verifier, a user function `module:fn` / `path/file.py:fn`, several
+    weighted functions (`fns`), or an HTTP reward service (`url`)."""
+
+    fn: str | None = Field(
+        None,
+        description="builtin:NAME, module:fn or file.py:fn; default builtin:numeric_match, "
+        "null when reward.fns is set",
+    )
+    fns: list[RewardFnConfig] | None = Field(
+        None,
+        description="several reward functions instead of fn: score = Σ weight · fn, each "
+        "logged as reward/<name>",
+    )
     url: Annotated[str | None, AfterValidator(_http_url)] = Field(
         None,
         description="score through an HTTP reward service (keel serve --reward, docs/serving.md) "
@@ -252,6 +297,43 @@ class RewardConfig(Section):
     max_error_rate: float = Field(
         1.0, ge=0, le=1, description="stop the run when a step's errored fraction exceeds this"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_fn(cls, data: Any) -> Any:
+        """reward.fn defaults to builtin:numeric_match unless reward.fns is set."""
+        if isinstance(data, dict) and data.get("fn") is None and data.get("fns") is None:
+            return {**data, "fn": "builtin:numeric_match"}
+        return data
+
+    @model_validator(mode="after")
+    def _one_way_to_score(self) -> RewardConfig:
+        if self.fns is None:
+            return self
+        if not self.fns:
+            raise ValueError("reward.fns is empty: list one {fn, weight} or more, or use reward.fn")
+        if self.fn is not None:
+            raise ValueError(
+                "reward.fn and reward.fns are mutually exclusive: list the function in "
+                "reward.fns (with its weight) and remove reward.fn"
+            )
+        if self.url is not None:
+            raise ValueError("reward.url and reward.fns are mutually exclusive")
+        seen: dict[str, int] = {}
+        for i, part in enumerate(self.fns):
+            name = part.metric_name()
+            if name in RESERVED_REWARD_NAMES:
+                raise ValueError(
+                    f"reward.fns[{i}].name: reward/{name} is a metric Keel logs already; "
+                    "choose another name"
+                )
+            if name in seen:
+                raise ValueError(
+                    f"reward.fns[{i}].name: {name!r} is the name of reward.fns[{seen[name]}] "
+                    "too; give each function its own name (logged as reward/<name>)"
+                )
+            seen[name] = i
+        return self
 
 
 class VLLMConfig(Section):
@@ -836,4 +918,14 @@ class KeelConfig(Section):
         from keel.config.derived import check_logits_chunks
 
         check_logits_chunks(self)
+        return self
+
+    @model_validator(mode="after")
+    def _reward_fns_with_model(self) -> KeelConfig:
+        if self.models.reward is not None and self.reward.fns and self.reward.model.fn_weight == 0:
+            raise ValueError(
+                "reward.fns is set, but with models.reward the functions count only with "
+                "reward.model.fn_weight ≠ 0 (score = weight · RM + fn_weight · Σ weight_k · "
+                "fn_k); set reward.model.fn_weight (e.g. 1.0) or remove reward.fns"
+            )
         return self

@@ -4,6 +4,7 @@ from keel.rewards.answers import final_answer
 from keel.rewards.loading import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
 from keel.rewards.scoring import BatchRewardScorer, RewardError, RewardScorer
 from keel.rewards.verifiers import exact_match, math_equivalent, numeric_match
+from keel.rewards.weighted import WeightedPart, WeightedRewardScorer
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -11,6 +12,8 @@ __all__ = [
     "RewardError",
     "RewardLoadError",
     "RewardScorer",
+    "WeightedPart",
+    "WeightedRewardScorer",
     "exact_match",
     "final_answer",
     "load_reward_fn",

@@ -27,38 +27,46 @@ class RewardLoadError(ValueError):
 
 
 def load_reward_fn(
-    spec: str, *, signature: str = "row", keywords: Collection[str] = ()
+    spec: str,
+    *,
+    signature: str = "row",
+    keywords: Collection[str] = (),
+    field: str = "reward.fn",
 ) -> RewardFn:
     """The callable named by `spec`. A config's relative file path was already resolved against
     the config file's folder (keel.config.paths); here it is relative to the working directory.
 
     signature "row": fn(prompt, response, answer, **kwargs) is checked; "trl": fn must accept
-    `completions`, `prompts` and `keywords` (the answer column, reward.kwargs) as keywords."""
+    `completions`, `prompts` and `keywords` (the answer column, reward.kwargs) as keywords.
+    `field`: the config key that errors name (reward.fns[i].fn for one of several)."""
     if spec.startswith("builtin:") and signature != "row":
         raise RewardLoadError(
-            f"reward.fn: {spec} has the row signature; reward.signature: {signature} needs a "
+            f"{field}: {spec} has the row signature; reward.signature: {signature} needs a "
             "function of your own"
         )
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_REWARDS:
             known = ", ".join(f"builtin:{k}" for k in BUILTIN_REWARDS)
-            raise RewardLoadError(f"reward.fn: unknown built-in reward {spec!r} (known: {known})")
+            raise RewardLoadError(f"{field}: unknown built-in reward {spec!r} (known: {known})")
         return BUILTIN_REWARDS[name]
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise RewardLoadError(
-            f"reward.fn: {spec!r} must be builtin:NAME, package.module:function "
+            f"{field}: {spec!r} must be builtin:NAME, package.module:function "
             "or path/to/file.py:function"
         )
-    module = load_file_module(target) if target.endswith(".py") else load_module(target)
+    if target.endswith(".py"):
+        module = load_file_module(target, field)
+    else:
+        module = load_module(target, field)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise RewardLoadError(f"reward.fn: {target} has no function named {attr!r}")
+        raise RewardLoadError(f"{field}: {target} has no function named {attr!r}")
     if signature == "trl":
-        _check_trl_signature(fn, spec, keywords)
+        _check_trl_signature(fn, spec, keywords, field)
     else:
-        _check_signature(fn, spec)
+        _check_signature(fn, spec, field)
     return fn
 
 
@@ -95,24 +103,24 @@ def load_file_module(
     return module
 
 
-def _check_signature(fn: RewardFn, spec: str) -> None:
+def _check_signature(fn: RewardFn, spec: str, field: str) -> None:
     try:
         inspect.signature(fn).bind("prompt", "response", "answer")
     except TypeError:
         raise RewardLoadError(
-            f"reward.fn: {spec} must accept (prompt, response, answer, **kwargs)"
+            f"{field}: {spec} must accept (prompt, response, answer, **kwargs)"
         ) from None
     except ValueError:  # builtins without a signature: trust them
         return
 
 
-def _check_trl_signature(fn: RewardFn, spec: str, keywords: Collection[str]) -> None:
+def _check_trl_signature(fn: RewardFn, spec: str, keywords: Collection[str], field: str) -> None:
     names = ["completions", "prompts", *keywords]
     try:
         inspect.signature(fn).bind(**{name: [] for name in names})
     except TypeError as exc:
         raise RewardLoadError(
-            f"reward.fn: {spec} (reward.signature: trl) must accept the keywords "
+            f"{field}: {spec} (reward.signature: trl) must accept the keywords "
             f"{', '.join(names)} (or **kwargs): {exc}"
         ) from None
     except ValueError:

@@ -175,6 +175,14 @@ class RewardScorer:
         calls = [partial(self._checked, p, r, a) for p, r, a in rows]
         return self._score_calls(rows, calls, [1] * len(rows), lists=False)
 
+    def score_parts(
+        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+    ) -> tuple[list[float], int, dict[str, float]]:
+        """`score` and the metrics of its parts: {} for one function (WeightedRewardScorer
+        has one `reward/<name>` mean per function)."""
+        scores, errors = self.score(prompts, responses, answers)
+        return scores, errors, {}
+
     def pop_warnings(self) -> list[tuple[str, str]]:
         """(rule, message) of the warnings (calls past reward.timeout_s, retried requests)
         since the last call; each was logged when it happened."""

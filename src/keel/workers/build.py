@@ -36,7 +36,13 @@ from keel.models import (
     resolve_model_path,
 )
 from keel.models.lora import wrap_lora
-from keel.rewards import BatchRewardScorer, RewardScorer, load_reward_fn
+from keel.rewards import (
+    BatchRewardScorer,
+    RewardScorer,
+    WeightedPart,
+    WeightedRewardScorer,
+    load_reward_fn,
+)
 from keel.rewards.remote import RemoteRewardScorer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import RolloutEngine
@@ -67,9 +73,9 @@ class Roles:
     close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
 
 
-def build_reward(cfg: KeelConfig) -> RewardScorer:
+def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
     """The reward scorer: the HTTP service at reward.url, or reward.fn per row, or with
-    reward.signature: trl one call per batch."""
+    reward.signature: trl one call per batch, or with reward.fns their weighted sum."""
     r, answer_key = cfg.reward, cfg.data.answer_key
     policy = {
         "kwargs": dict(r.kwargs),
@@ -92,10 +98,33 @@ def build_reward(cfg: KeelConfig) -> RewardScorer:
             api_key=os.environ.get(h.api_key_env) or None,
             **policy,
         )
-    fn = load_reward_fn(r.fn, signature=r.signature, keywords=[answer_key, *r.kwargs])
-    if r.signature == "trl":
-        return BatchRewardScorer(fn, answer_key=answer_key, name=r.fn, **policy)
-    return RewardScorer(fn, name=r.fn, **policy)
+    if r.fns is not None:  # several functions: Σ weight · score (keel.rewards.weighted)
+        parts = []
+        for i, part in enumerate(r.fns):
+            kwargs = {**r.kwargs, **part.kwargs}
+            scorer = _fn_scorer(
+                part.fn,
+                part.signature or r.signature,
+                answer_key,
+                f"reward.fns[{i}].fn",
+                f"{part.metric_name()} ({part.fn})",
+                {**policy, "kwargs": kwargs},
+            )
+            parts.append(WeightedPart(part.metric_name(), part.weight, scorer))
+        return WeightedRewardScorer(parts)
+    assert r.fn is not None  # the schema fills it in when reward.fns is not set
+    return _fn_scorer(r.fn, r.signature, answer_key, "reward.fn", r.fn, policy)
+
+
+def _fn_scorer(
+    spec: str, signature: str, answer_key: str, field: str, name: str, policy: dict[str, Any]
+) -> RewardScorer:
+    """The scorer of one reward function `spec`: per row, or one call per batch (trl)."""
+    keywords = [answer_key, *policy["kwargs"]]
+    fn = load_reward_fn(spec, signature=signature, keywords=keywords, field=field)
+    if signature == "trl":
+        return BatchRewardScorer(fn, answer_key=answer_key, name=name, **policy)
+    return RewardScorer(fn, name=name, **policy)
 
 
 ROLES = ("actor", "rollout", "reference", "critic", "reward")

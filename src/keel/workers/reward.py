@@ -6,22 +6,24 @@ import torch
 
 from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import RewardScorer
+from keel.rewards.weighted import WeightedRewardScorer
 from keel.types import Batch
 
 
 class RewardWorker:
-    def __init__(self, scorer: RewardScorer):
+    def __init__(self, scorer: RewardScorer | WeightedRewardScorer):
         self.scorer = scorer
 
     def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
         """Fills `scores` [B] (plus each episode's environment return, keel.envs);
         `meta["reward_errors"]` counts rows that fell back; `meta["reward_warnings"]`: the
         scorer's (rule, message) warnings of this batch (calls past reward.timeout_s, retried
-        requests), for the run's events.jsonl.
+        requests), for the run's events.jsonl; `meta["reward_metrics"]`: with reward.fns, each
+        function's mean as `reward/<name>`.
         `update_stats` is accepted for symmetry with ModelRewardWorker (a rule has no state)."""
         assert batch.responses is not None and batch.prompts is not None
         answers = batch.answers or [None] * len(batch)
-        scores, errors = self.scorer.score(batch.prompts, batch.responses, answers)
+        scores, errors, parts = self.scorer.score_parts(batch.prompts, batch.responses, answers)
         out = batch.replace(
             scores=with_episode_returns(torch.tensor(scores, dtype=torch.float32), batch)
         )
@@ -30,4 +32,6 @@ class RewardWorker:
             "reward_errors": errors,
             "reward_warnings": self.scorer.pop_warnings(),
         }
+        if parts:
+            out.meta["reward_metrics"] = parts
         return out

@@ -18,6 +18,7 @@ from keel.engine.distributed import global_count
 from keel.engine.forward import head_forward
 from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import RewardScorer
+from keel.rewards.weighted import WeightedRewardScorer
 from keel.types import Batch
 from keel.workers.trainable import TrainableWorker
 
@@ -73,7 +74,7 @@ class ModelRewardWorker:
         model: Any,
         tokenizer: Any,
         *,
-        rule: RewardScorer | None,
+        rule: RewardScorer | WeightedRewardScorer | None,
         weight: float = 1.0,
         fn_weight: float = 0.0,
         normalize: bool = False,
@@ -124,10 +125,11 @@ class ModelRewardWorker:
         errors = 0
         if self.rule is not None and self.fn_weight != 0:
             answers = batch.answers or [None] * len(batch)
-            rule, errors = self.rule.score(batch.prompts, batch.responses, answers)
+            rule, errors, parts = self.rule.score_parts(batch.prompts, batch.responses, answers)
             rule_t = torch.tensor(rule, dtype=torch.float32)
             total = total + self.fn_weight * rule_t
-            metrics["reward/fn_mean"] = rule_t.mean().item()
+            metrics["reward/fn_mean"] = rule_t.mean().item()  # reward.fns: their weighted sum
+            metrics.update(parts)  # reward.fns: reward/<name> of each function
         out = batch.replace(scores=with_episode_returns(total.float(), batch))
         out.meta = {**batch.meta, "reward_errors": errors, "reward_metrics": metrics}
         return out

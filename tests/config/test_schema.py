@@ -1,0 +1,63 @@
+"""The reward section: reward.fns (several weighted functions) and its checks."""
+
+import pytest
+from pydantic import ValidationError
+
+from keel.config import validate
+from keel.config.schema import RewardConfig
+
+BASE = {"models": {"actor": "builtin:tiny"}, "algorithm": {"name": "grpo"}}
+
+
+def reward(**section):
+    return validate({**BASE, "reward": section}).reward
+
+
+def refused(section: dict, **extra) -> str:
+    with pytest.raises((ValidationError, ValueError)) as info:
+        validate({**BASE, **extra, "reward": section})
+    return str(info.value)
+
+
+def test_fn_defaults_to_numeric_match_unless_fns_is_set():
+    assert RewardConfig().fn == "builtin:numeric_match" and RewardConfig().fns is None
+    r = reward(fns=[{"fn": "builtin:math"}, {"fn": "my_rewards.py:format_ok", "weight": 0.1}])
+    assert r.fn is None
+    assert [(p.metric_name(), p.weight) for p in r.fns] == [("math", 1.0), ("format_ok", 0.1)]
+
+
+def test_a_config_with_fns_round_trips_through_its_dump():
+    """The run directory's config.yaml (every field written) validates again: resume, eval."""
+    cfg = validate({**BASE, "reward": {"fns": [{"fn": "builtin:math", "name": "acc"}]}})
+    again = validate(cfg.model_dump(mode="json"))
+    assert again.reward == cfg.reward
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"fn": "builtin:math", "fns": [{"fn": "builtin:math"}]},
+         "reward.fn and reward.fns are mutually exclusive"),
+        ({"fns": []}, "reward.fns is empty"),
+        ({"fns": [{"fn": "builtin:math"}, {"fn": "other.py:math"}]},
+         r"reward.fns\[1\].name: 'math' is the name of reward.fns\[0\] too"),
+        ({"fns": [{"fn": "builtin:math", "name": "mean"}]},
+         r"reward.fns\[0\].name: reward/mean is a metric Keel logs already"),
+        ({"fns": [{"fn": "builtin:math", "name": "a/b"}]}, "fns.0.name"),
+        ({"fns": [{"fn": "builtin:math", "wieght": 2}]}, "fns.0.wieght"),
+        ({"url": "http://127.0.0.1:1/score", "fns": [{"fn": "builtin:math"}]},
+         "reward.url and reward.fns are mutually exclusive"),
+    ],
+)  # fmt: skip
+def test_bad_fns_are_refused_naming_the_field(section, message):
+    with pytest.raises((ValidationError, ValueError), match=message):
+        validate({**BASE, "reward": section})
+
+
+def test_fns_beside_a_reward_model_need_fn_weight():
+    section = {"fns": [{"fn": "builtin:math"}]}
+    message = refused(section, models={"actor": "builtin:tiny", "reward": "rm"})
+    assert "reward.model.fn_weight" in message
+    ok = {**section, "model": {"fn_weight": 1.0}}
+    cfg = validate({**BASE, "models": {"actor": "builtin:tiny", "reward": "rm"}, "reward": ok})
+    assert cfg.reward.model.fn_weight == 1.0
