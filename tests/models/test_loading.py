@@ -1,5 +1,6 @@
 """Tests for local loading: good folders load, bad ones raise ModelLoadError naming the path."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from keel.models import (
     register_builtin_model,
     resolve_model_path,
 )
+from keel.models.loading import context_length
 
 
 def _copy_without(src: Path, dst: Path, *drop_globs: str) -> Path:
@@ -203,3 +205,82 @@ def test_building_a_builtin_leaves_the_random_streams_alone(monkeypatch, tmp_pat
     resolve_model_path("builtin:reseeding")
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+CONFIG_CODE = """from transformers import LlamaConfig
+
+
+class TinyXConfig(LlamaConfig):
+    model_type = "tinyx"
+"""
+MODEL_CODE = """from transformers import LlamaForCausalLM
+
+from .configuration_tinyx import TinyXConfig
+
+
+class TinyXForCausalLM(LlamaForCausalLM):
+    config_class = TinyXConfig
+"""
+
+
+@pytest.fixture
+def remote_code_dir(tiny_dir, tmp_path, monkeypatch):
+    """The tiny model as a model type transformers does not know, whose classes the folder
+    ships as Python (auto_map); transformers copies them under a private modules cache."""
+    import sys
+
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    folder = tmp_path / "tinyx"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        model_type="tinyx",
+        architectures=["TinyXForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tinyx.TinyXConfig",
+            "AutoModelForCausalLM": "modeling_tinyx.TinyXForCausalLM",
+        },
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_tinyx.py").write_text(CONFIG_CODE)
+    (folder / "modeling_tinyx.py").write_text(MODEL_CODE)
+    return folder
+
+
+def test_a_folder_with_its_own_code_loads_only_with_trust_remote_code(remote_code_dir, tiny_dir):
+    with pytest.raises(ModelLoadError, match=r"models\.trust_remote_code: true"):
+        load_causal_lm(remote_code_dir)
+    with pytest.raises(ModelLoadError, match=r"models\.trust_remote_code: true"):
+        context_length(remote_code_dir)
+    model = load_causal_lm(remote_code_dir, trust_remote_code=True)
+    assert type(model).__name__ == "TinyXForCausalLM"
+    assert context_length(remote_code_dir, trust_remote_code=True)[0] == 256
+    ids = torch.tensor([[5, 9, 14, 22]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, load_causal_lm(tiny_dir)(input_ids=ids).logits
+        )
+
+
+def test_keel_train_runs_such_a_folder_with_models_trust_remote_code(
+    remote_code_dir, tmp_path, capsys
+):
+    from keel.cli.main import main
+
+    def train(*extra: str) -> int:
+        example = Path(__file__).resolve().parents[2] / "examples/sft_arith_tiny.yaml"
+        sets = [
+            f"models.actor={remote_code_dir}", f"run_dir={tmp_path / 'run'}", "train.steps=1",
+            "train.batch_size=4", "train.warmup_steps=0", "eval.every=0",
+            "data.arithmetic.eval_size=4", "monitor.progress=false", *extra,
+        ]  # fmt: skip
+        return main(["train", str(example), *(x for s in sets for x in ("--set", s))])
+
+    assert train() == 2 and "models.trust_remote_code: true" in capsys.readouterr().err
+    assert train("models.trust_remote_code=true") == 0, capsys.readouterr().err
+    exported = tmp_path / "run" / "model"  # ships the code it needs, as transformers saves it
+    assert (exported / "modeling_tinyx.py").read_text() == MODEL_CODE
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "tinyx"

@@ -236,7 +236,7 @@ def load_tokenizer(
             folder, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except Exception as e:
-        raise ModelLoadError(f"could not load tokenizer from {folder}: {e}") from e
+        raise ModelLoadError(f"could not load tokenizer from {folder}: {e}{_remote_hint(e)}") from e
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer in {folder} has neither a pad token nor an eos token")
@@ -275,7 +275,7 @@ def load_causal_lm(
             **_attn(attn_implementation),
         )
     except Exception as e:
-        raise ModelLoadError(f"could not load model from {folder}: {e}") from e
+        raise ModelLoadError(f"could not load model from {folder}: {e}{_remote_hint(e)}") from e
     return model
 
 
@@ -303,7 +303,9 @@ def context_length(
             folder, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except Exception as e:
-        raise ModelLoadError(f"could not read the model config in {folder}: {e}") from e
+        raise ModelLoadError(
+            f"could not read the model config in {folder}: {e}{_remote_hint(e)}"
+        ) from e
     for section in (config, getattr(config, "text_config", None)):
         for key in _POSITION_KEYS:
             value = getattr(section, key, None)
@@ -324,6 +326,13 @@ def _check_model_folder(folder: Path) -> None:
             f"no weights in model folder: {folder} (expected *.safetensors or *.bin, "
             "or a sharded *.index.json)"
         )
+
+
+def _remote_hint(error: Exception) -> str:
+    """Keel's setting for transformers' refusal to run a folder's own code, else ''."""
+    if "trust_remote_code" in str(error):
+        return " (models.trust_remote_code: true runs it, for a model you trust)"
+    return ""
 
 
 def _attn(implementation: str | None) -> dict[str, str]:
