@@ -61,6 +61,7 @@ def test_every_example_is_run_by_a_test():
         "ppo_rm_tiny.yaml",
         "grpo_guess_number_tiny.yaml",
         "grpo_calculator_tiny.yaml",
+        "sft_calculator_tiny.yaml",
     }, smoke
 
 

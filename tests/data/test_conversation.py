@@ -228,3 +228,35 @@ def test_openai_tool_calls_are_written_in_the_hermes_format(tmp_path):
     both = {**OPENAI_CALL, "content": "Let me compute."}
     demo = load_one(tmp_path, {"messages": [row["messages"][0], both]})
     assert demo.response == "Let me compute.\n" + HERMES_CALL
+
+
+def test_a_turn_with_weight_0_is_in_the_sequence_but_not_trained(tmp_path):
+    tok = build_char_tokenizer()
+    turns = [
+        {"role": "assistant", "content": "5", "weight": 0},
+        {"role": "observation", "content": " lower\n"},
+        {"role": "assistant", "content": "3"},
+    ]
+    demo = load_one(tmp_path, {"prompt": "guess 1-9:", "messages": turns})
+    batch = encode_conversations(tok, [demo], chat=False, max_prompt_length=64)
+    responses = batch.input_ids[0, -batch.response_length :]
+    assert tok.decode(responses) == "5<eos> lower\n3<eos>"
+    assert tok.decode(responses[batch.response_mask[0].bool()]) == "3<eos>"
+    turns[0]["weight"] = 0.5
+    with pytest.raises(DataError, match="message 0: weight must be 0"):
+        load_one(tmp_path, {"prompt": "guess 1-9:", "messages": turns})
+
+
+def test_tool_calls_are_written_in_the_configured_format(tmp_path):
+    from keel.data.conversation import call_writer
+    from keel.data.tool_calls import FORMATS
+
+    tok = build_char_tokenizer()
+    row = {"messages": [{"role": "user", "content": "37*58="}, OPENAI_CALL]}
+    demo = load_one(tmp_path, row)
+    mistral = call_writer(FORMATS["mistral"])
+    batch = encode_conversations(tok, [demo], chat=True, max_prompt_length=64, write_calls=mistral)
+    trained = batch.input_ids[0, -batch.response_length :][batch.response_mask[0].bool()]
+    assert tok.decode(trained) == (
+        '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "37*58"}}]<eos>'
+    )

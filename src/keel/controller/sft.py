@@ -9,8 +9,9 @@ from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.data import BatchStream
-from keel.data.conversation import encode_conversations, has_conversations
+from keel.data.conversation import call_writer, encode_conversations, has_conversations
 from keel.data.encoding import encode_sft
+from keel.data.tool_calls import tool_call_format_for
 from keel.monitor import StageTimer
 
 
@@ -48,7 +49,10 @@ class SFTController:
             d = self.cfg.data
             # whole conversations: the episode runner's layout (keel.data.conversation)
             encode = encode_conversations if has_conversations(examples) else encode_sft
-            options = {"train_on": d.train_on} if encode is encode_conversations else {}
+            options = {}
+            if encode is encode_conversations:  # tool calls written as the model writes them
+                fmt = tool_call_format_for(self.roles.tokenizer, d.tool_format)
+                options = {"train_on": d.train_on, "write_calls": call_writer(fmt)}
             batch = encode(
                 self.roles.tokenizer,
                 examples,

@@ -94,25 +94,46 @@ register_builtin_model("tiny-pref-rm", build_tiny_pref_rm)
 
 
 # The guess-the-number player of examples/grpo_guess_number_tiny.yaml: a short SFT of the tiny
-# model on demonstrations of the game (keel.data.guessing) in the token layout the EpisodeRunner
-# builds (`guess 1-9:` 5 <eos> ` lower\n` 2 <eos> …). Half of the demonstrated guesses ignore the
-# hints, so the warm-started policy wins in ~4 turns on average (best play: 2.78) and RL has room.
+# model on demonstrations of the game (keel.data.guessing), each a whole episode trained on every
+# guess (data.train_on: all_assistant) in the token layout the EpisodeRunner builds (`guess 1-9:`
+# 5 <eos> ` lower\n` 2 <eos> …). Half of the demonstrated guesses ignore the hints, so the
+# warm-started policy needs several turns (best play: 2.78) and RL has room. 16 episodes a step
+# are ~64 guesses, the rows a step of the earlier split recipe had.
 GUESS_DEMO_EPISODES = 3000
 GUESS_RANDOM_FRAC = 0.5
-GUESS_SFT = sft_warm_start(steps=300, data={"max_prompt_length": 96}, max_new_tokens=3)
+GUESS_SFT = sft_warm_start(
+    steps=300,
+    data={"max_prompt_length": 16, "train_on": "all_assistant"},
+    max_new_tokens=3,
+    batch_size=16,
+)
+GUESS_SPLIT_SFT = sft_warm_start(steps=300, data={"max_prompt_length": 96}, max_new_tokens=3)
 
 
 def build_tiny_guess(path: Path) -> None:
-    """SFT the tiny model on guess-the-number demonstrations; write it as an HF folder."""
-    from keel.data.guessing import guess_demonstrations, write_jsonl
+    """SFT the tiny model on guess-the-number demonstrations (whole episodes); write it as an
+    HF folder."""
+    from keel.data.guessing import guess_conversations, write_jsonl
 
     with tempfile.TemporaryDirectory(prefix="keel-tiny-guess-data-") as tmp:
         demos = Path(tmp) / "demonstrations.jsonl"
         write_jsonl(
-            demos, guess_demonstrations(GUESS_DEMO_EPISODES, random_frac=GUESS_RANDOM_FRAC, seed=0)
+            demos, guess_conversations(GUESS_DEMO_EPISODES, random_frac=GUESS_RANDOM_FRAC, seed=0)
         )
         config = {**GUESS_SFT, "data": {**GUESS_SFT["data"], "train": str(demos)}}
         _train_into(path, config, name="tiny-guess", title="SFT warm-start (guess the number)")
+
+
+def build_tiny_guess_split(path: Path) -> None:
+    """The earlier builtin:tiny-guess: one SFT row per guess (GUESS_SPLIT_SFT)."""
+    from keel.data.guessing import guess_demonstrations, write_jsonl
+
+    with tempfile.TemporaryDirectory(prefix="keel-tiny-guess-data-") as tmp:
+        demos = Path(tmp) / "demonstrations.jsonl"
+        rows = guess_demonstrations(GUESS_DEMO_EPISODES, random_frac=GUESS_RANDOM_FRAC, seed=0)
+        write_jsonl(demos, rows)
+        config = {**GUESS_SPLIT_SFT, "data": {**GUESS_SPLIT_SFT["data"], "train": str(demos)}}
+        _train_into(path, config, name="tiny-guess", title="SFT warm-start (guess, split)")
 
 
 register_builtin_model("tiny-guess", build_tiny_guess)
@@ -122,13 +143,22 @@ register_builtin_model("tiny-guess", build_tiny_guess)
 # 2-digit products (the arithmetic task's training split, ops "*", operands 0-99), a minority of
 # them solved with the calculator tool (keel.data.calculator), the rest answered directly,
 # which the tiny model cannot do in its head. The task must match the RL example's (same
-# held-out split).
+# held-out split). Each demonstration is a whole episode, one multi-turn SFT row trained on
+# every assistant turn (data.train_on: all_assistant) in the runner's token layout.
 CALC_TASK: dict[str, Any] = {"ops": "*", "max_operand": 99, "eval_size": 200, "seed": 0}
 CALC_TOOL_FRAC = 0.3
-CALC_ANSWER_ROWS = "all"
+CALC_ANSWER_ROWS = "all"  # the direct problems' answer after the tool too (call not trained)
 # Tool rows are ~80 tokens, direct ones ~10: length-sorted micro-batches without the padding
 # (train.max_tokens_per_micro_batch) make the build 1.9× faster (60 steps: 15.4 s against 29.1 s).
 CALC_SFT = sft_warm_start(
+    steps=1000,
+    data={"max_prompt_length": 16, "train_on": "all_assistant"},
+    max_new_tokens=96,
+    max_tokens_per_micro_batch=2048,
+)
+# The earlier recipe: each episode split by hand into (episode so far, next turn) rows, the
+# answer row for every problem (keel.data.calculator.calculator_demonstrations).
+CALC_SPLIT_SFT = sft_warm_start(
     steps=1000,
     data={"max_prompt_length": 128},
     max_new_tokens=96,
@@ -137,7 +167,25 @@ CALC_SFT = sft_warm_start(
 
 
 def build_tiny_calc(path: Path) -> None:
-    """SFT the tiny model on calculator demonstrations; write it as an HF folder."""
+    """SFT the tiny model on calculator demonstrations (whole episodes); write it as an HF
+    folder."""
+    from keel.data.arithmetic import arithmetic_splits
+    from keel.data.calculator import calculator_conversations
+    from keel.data.guessing import write_jsonl
+
+    train, _ = arithmetic_splits(**CALC_TASK)
+    with tempfile.TemporaryDirectory(prefix="keel-tiny-calc-data-") as tmp:
+        demos = Path(tmp) / "demonstrations.jsonl"
+        rows = calculator_conversations(
+            train, tool_frac=CALC_TOOL_FRAC, answer_rows=CALC_ANSWER_ROWS, seed=0
+        )
+        write_jsonl(demos, rows)
+        config = {**CALC_SFT, "data": {**CALC_SFT["data"], "train": str(demos)}}
+        _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator)")
+
+
+def build_tiny_calc_split(path: Path) -> None:
+    """The earlier builtin:tiny-calc: the split demonstration rows (CALC_SPLIT_SFT)."""
     from keel.data.arithmetic import arithmetic_splits
     from keel.data.calculator import calculator_demonstrations
     from keel.data.guessing import write_jsonl
@@ -145,14 +193,12 @@ def build_tiny_calc(path: Path) -> None:
     train, _ = arithmetic_splits(**CALC_TASK)
     with tempfile.TemporaryDirectory(prefix="keel-tiny-calc-data-") as tmp:
         demos = Path(tmp) / "demonstrations.jsonl"
-        write_jsonl(
-            demos,
-            calculator_demonstrations(
-                train, tool_frac=CALC_TOOL_FRAC, answer_rows=CALC_ANSWER_ROWS, seed=0
-            ),
+        rows = calculator_demonstrations(
+            train, tool_frac=CALC_TOOL_FRAC, answer_rows=CALC_ANSWER_ROWS
         )
-        config = {**CALC_SFT, "data": {**CALC_SFT["data"], "train": str(demos)}}
-        _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator)")
+        write_jsonl(demos, rows)
+        config = {**CALC_SPLIT_SFT, "data": {**CALC_SPLIT_SFT["data"], "train": str(demos)}}
+        _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator, split)")
 
 
 register_builtin_model("tiny-calc", build_tiny_calc)

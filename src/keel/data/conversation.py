@@ -14,8 +14,9 @@ that ends each of them) and 0 on observations, as the runner's mask has holes th
 Assistant turns may carry OpenAI-style `tool_calls`
 (`[{"type": "function", "function": {"name": …, "arguments": …}}]`, arguments a JSON string or
 object); they are written in the model's tool-call text format (Hermes / Qwen2.5's
-`<tool_call>\\n{json}\\n</tool_call>`, keel.envs.tools) after the turn's content. A call that
-cannot be read (bad JSON, an unknown shape) is a DataError naming the row and the message.
+`<tool_call>\\n{json}\\n</tool_call>` by default; `data.tool_format`, keel.data.tool_calls) after
+the turn's content. A call that cannot be read (bad JSON, an unknown shape, a broken call
+written in the content) is a DataError naming the row and the message.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import torch
 from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
 from keel.data.files import DataError
+from keel.data.tool_calls import FORMATS, HERMES, ToolCall, ToolCallFormat, call_from_object
 from keel.types import Batch
 
 TRAIN_ON = ("last", "all_assistant")
 TEXT_OBSERVATION = "observation"  # the runner's role for a text observation (appended as is)
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 _USER = {"role": "user", "content": "keel-user-sentinel"}
 _ANSWER = "keel-assistant-sentinel"
@@ -142,13 +143,14 @@ class Conversation(Example):
 
 
 def hermes_calls(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """(name, arguments) calls in the Hermes / Qwen2.5 text format, one block per call
-    (keel.envs.tools.format_tool_call's), joined by newlines."""
-    blocks = []
-    for name, arguments in calls:
-        body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        blocks.append(f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}")
-    return "\n".join(blocks)
+    """(name, arguments) calls in the Hermes / Qwen2.5 text format, one block per call,
+    joined by newlines (keel.data.tool_calls.HERMES)."""
+    return HERMES.format([ToolCall(name, arguments) for name, arguments in calls])
+
+
+def call_writer(tool_format: ToolCallFormat) -> CallWriter:
+    """The CallWriter of a tool-call format (keel.data.tool_calls.tool_call_format_for)."""
+    return lambda calls: tool_format.format([ToolCall(n, a) for n, a in calls])
 
 
 CallWriter = Callable[[Sequence[tuple[str, dict[str, Any]]]], str]
@@ -163,45 +165,21 @@ def _openai_call(call: Any) -> tuple[str, dict[str, Any]]:
             'unknown tool-call format (expected {"type": "function", "function": '
             f'{{"name", "arguments"}}}}), got {call!r:.120}'
         )
-    function = call["function"]
-    name = function.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError("a tool call without a name (function.name)")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}: arguments are not valid JSON ({exc.msg})") from None
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{name}: arguments must be a JSON object")
-    return name.strip(), arguments
+    parsed = call_from_object(call["function"])
+    if isinstance(parsed, str):
+        raise ValueError(parsed)
+    return parsed.name, parsed.arguments
 
 
 def _check_call_text(text: str) -> None:
-    """ValueError when `text` holds a `<tool_call>` block that does not parse (no closing
-    tag, bad JSON, no name, arguments that are not an object)."""
-    position = 0
-    while (start := text.find(TOOL_CALL_OPEN, position)) >= 0:
-        body_start = start + len(TOOL_CALL_OPEN)
-        end = text.find(TOOL_CALL_CLOSE, body_start)
-        if end < 0:
-            raise ValueError(f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}")
-        try:
-            call = json.loads(text[body_start:end])
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"a {TOOL_CALL_OPEN} block is not valid JSON ({exc.msg})") from None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ValueError(f"a {TOOL_CALL_OPEN} block is not an object with a name")
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                raise ValueError(f"{call['name']}: arguments are not valid JSON") from None
-        if not isinstance(arguments, dict):
-            raise ValueError(f"{call['name']}: arguments must be a JSON object")
-        position = end + len(TOOL_CALL_CLOSE)
+    """ValueError when `text` writes a tool call (Hermes `<tool_call>` blocks, Mistral
+    `[TOOL_CALLS]`) that does not parse: no closing tag, bad JSON, no name, arguments that are
+    not an object."""
+    for tool_format in (HERMES, FORMATS["mistral"]):
+        if tool_format.has_call_syntax(text):
+            errors = tool_format.parse(text).errors
+            if errors:
+                raise ValueError(f"{tool_format.name}: {errors[0]}")
 
 
 def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +195,10 @@ def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list):
         raise ValueError("tool_calls must be a list")
-    return {"role": "assistant", "content": content, "calls": [_openai_call(c) for c in calls]}
+    turn = {"role": "assistant", "content": content, "calls": [_openai_call(c) for c in calls]}
+    if message.get("weight") is not None:
+        turn["weight"] = message["weight"]
+    return turn
 
 
 def assistant_text(turn: dict[str, Any], write_calls: CallWriter = hermes_calls) -> str:
@@ -238,6 +219,10 @@ def _normal_messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise DataError(f"{where}: field {key!r}, message {i}: not a {{role, content}} message")
         if message["role"] == "assistant":
+            if message.get("weight") not in (None, 0, 1) or isinstance(message.get("weight"), bool):
+                raise DataError(
+                    f"{where}: field {key!r}, message {i}: weight must be 0 (not trained) or 1"
+                )
             try:
                 out.append(assistant_turn(message))
             except ValueError as exc:
@@ -327,8 +312,9 @@ def conversation_tokens(
 ) -> tuple[list[int], list[int]]:
     """(tokens, mask) of a conversation's response columns, both of length R_i: each assistant
     turn's text tokens and `eos_id` (mask 1 when trained: every turn with all_assistant, the
-    last with last), then the observation before the next turn (mask 0), as
-    EpisodeRunner._record_turn and _after_step append them."""
+    last with last, never a turn with `"weight": 0`, OpenAI's fine-tuning key), then the
+    observation before the next turn (mask 0), as EpisodeRunner._record_turn and _after_step
+    append them."""
     last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
     tokens: list[int] = []
     mask: list[int] = []
@@ -344,7 +330,7 @@ def conversation_tokens(
             pending = []
         text = assistant_text(message, write_calls)
         ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], eos_id]
-        trained = train_on == "all_assistant" or i == last
+        trained = (train_on == "all_assistant" or i == last) and message.get("weight", 1) != 0
         tokens += ids
         mask += [int(trained)] * len(ids)
     return tokens, mask

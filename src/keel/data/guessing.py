@@ -7,9 +7,13 @@ episode played by the EpisodeRunner in text mode is the token sequence
 
     guess 1-9: 5 <eos> " lower\\n" 2 <eos> " higher\\n" 3 <eos>
 
-and a demonstration row for SFT is (prompt = the episode so far, response = the next guess):
-with the char tokenizer the text `<eos>` in a prompt is the EOS token itself, so the SFT
-prompt `guess 1-9:5<eos> lower\\n` is token-identical to what the runner builds at RL time.
+and a demonstration is the whole episode as one multi-turn SFT row (keel.data.conversation,
+trained with `data.train_on: all_assistant`): `{"prompt": "guess 1-9:", "messages": [{"role":
+"assistant", "content": "5"}, {"role": "observation", "content": " lower\\n"}, …]}`, the
+runner's own record of an episode (text observations have the role `observation`), encoded
+token for token as the runner lays it out (`guess_conversations`). The older split rows
+(`demonstration_rows`: prompt = the episode so far with the text `<eos>` standing for the EOS
+token, response = the next guess) are kept to compare the two warm starts.
 
 `guess_demonstrations` plays a deliberately mediocre player (each guess is, with probability
 `random_frac`, uniform over the whole range, ignoring the hints; otherwise uniform in the
@@ -27,6 +31,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 from keel.data.examples import Example
 
@@ -95,6 +100,41 @@ def demonstration_rows(
     return rows
 
 
+def conversation_row(
+    secret: int, guesses: list[int], *, low: int = LOW, high: int = HIGH
+) -> dict[str, Any]:
+    """The multi-turn SFT row of one episode: the prompt, then each guess and the hint after
+    it (the runner's messages of the episode)."""
+    messages: list[dict[str, str]] = []
+    for i, guess in enumerate(guesses):
+        if i:  # the hint after the guess before (none after the last: the episode is over)
+            messages.append({"role": "observation", "content": hint(secret, guesses[i - 1])})
+        messages.append({"role": "assistant", "content": str(guess)})
+    return {"prompt": guess_prompt(low, high), "messages": messages}
+
+
+def guess_conversations(
+    episodes: int,
+    *,
+    low: int = LOW,
+    high: int = HIGH,
+    random_frac: float = 0.5,
+    max_turns: int = 6,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One multi-turn SFT row per demonstration episode (secrets uniform in [low, high]); the
+    same games as guess_demonstrations with the same arguments."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(episodes):
+        secret = rng.randint(low, high)
+        guesses = play_demonstration(
+            rng, secret, low=low, high=high, random_frac=random_frac, max_turns=max_turns
+        )
+        rows.append(conversation_row(secret, guesses, low=low, high=high))
+    return rows
+
+
 def guess_demonstrations(
     episodes: int,
     *,
@@ -116,7 +156,7 @@ def guess_demonstrations(
     return rows
 
 
-def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for row in rows:
