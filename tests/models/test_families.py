@@ -31,8 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 REWARD = f"{REPO / 'tests/cli/format_reward.py'}:digit_fraction"
 NAMES = list(FAMILIES)
 CHINESE = "你好，世界。今天天气很好。"
-# One family per tokenizer kind and template for the slower end-to-end checks (serve).
-ONE_PER_KIND = ["qwen2", "llama", "mistral", "gemma2"]
 
 
 @pytest.fixture(scope="session")
@@ -211,7 +209,7 @@ def test_rollout_engine_logprobs_match_the_trainers_forward(name, family_dirs):
     torch.testing.assert_close(recomputed[m], batch.rollout_logprobs[m], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ONE_PER_KIND)
+@pytest.mark.parametrize("name", NAMES)
 def test_keel_serve_answers_a_chat_completion_over_http(name, family_dirs):
     folder = family_dirs[name]
     tok = load_tokenizer(folder)

@@ -133,6 +133,50 @@ def preserved_process_state() -> Iterator[None]:
         np.random.set_state(np_state)
 
 
+def model_module_classes(model_path: Path) -> list[type]:
+    """The torch modules defined in the transformers module of the causal LM at `model_path`
+    (e.g. transformers.models.olmo2.modeling_olmo2 for an OLMo 2 folder), imported here; empty
+    when transformers does not know the model's type."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        module = __import__(AutoModelForCausalLM._model_mapping[type(config)].__module__,
+                            fromlist=["_"])  # fmt: skip
+    except Exception:  # an unknown model type: vLLM reports it itself
+        return []
+    return [
+        cls
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.nn.Module)
+        and cls.__module__ == module.__name__
+    ]
+
+
+@contextlib.contextmanager
+def transformers_classes_kept(model_path: Path) -> Iterator[None]:
+    """The transformers classes of the model at `model_path` as they were on entry, put back on
+    exit. vLLM runs architectures it has no implementation of (OLMo 2, Phi, GPT-NeoX, … its
+    "Transformers backend") on transformers' own classes, which it patches in place for
+    torch.compile: a base class and an `__init__` that needs vLLM's current config. Left so,
+    no later model of that family could be built with transformers in this process (the
+    reference policy, a reload after a rollback): "Current vLLM config is not set". vLLM's copy,
+    built by then, keeps working (its forward is transformers' forward, run eagerly)."""
+    saved = {cls: (cls.__bases__, dict(vars(cls))) for cls in model_module_classes(model_path)}
+    try:
+        yield
+    finally:
+        for cls, (bases, attrs) in saved.items():
+            if cls.__bases__ != bases:
+                cls.__bases__ = bases
+            for key in [k for k in vars(cls) if k not in attrs]:
+                delattr(cls, key)
+            for key, value in attrs.items():
+                if key not in ("__dict__", "__weakref__") and vars(cls).get(key) is not value:
+                    setattr(cls, key, value)
+
+
 def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
     """With rollout.vllm.enforce_eager, vLLM's small torch.compile'd helpers (the log-prob
     gather of its sampler) run eagerly: compiling them costs ≈ 4.5 s at the first generate of
@@ -208,7 +252,7 @@ class VLLMRolloutEngine:
         """Start vLLM on inputs.model_path (once per run) with `rollout.vllm`'s options."""
         check_head_size(inputs.model_path)
         check_alone_in_process()
-        with preserved_process_state():
+        with preserved_process_state(), transformers_classes_kept(inputs.model_path):
             vllm = import_vllm()
             os.environ.update(engine_env())
             llm = vllm.LLM(**engine_args(rollout, inputs))
