@@ -290,5 +290,26 @@ def test_mlflow_file_store_reopens_the_recorded_run(tmp_path, monkeypatch):
     assert [(p.step, p.value) for p in points] == [(1, 0.5), (2, 0.7)]
 
 
+def test_mlflow_out_of_reach_or_a_lost_run_is_a_clear_error(
+    tmp_path, tiny_dir, capsys, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retry setting
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    config = str(REPO / "examples" / "grpo_arith_tiny.yaml")
+    sets = ["--set", f"models.actor={tiny_dir}", "--set", f"monitor.mlflow={{tracking_uri: {url}}}"]
+    assert main(["train", config, "--run-dir", str(tmp_path / "r"), *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keel: error: monitor.mlflow.tracking_uri: MLflow at {url} refused")
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    MlflowSink(tmp_path, "r", {}, MlflowConfig(), final_step=1).close()
+    entry = read_trackers(tmp_path)["mlflow"]
+    (tmp_path / "trackers.json").write_text(
+        json.dumps({"mlflow": {**entry, "run_id": "0123456789abcdef0123456789abcdef"}})
+    )
+    with pytest.raises(ConfigError, match=r"trackers\.json: MLflow run 0123.* cannot be reopened"):
+        MlflowSink(tmp_path, "r", {}, MlflowConfig(), final_step=1)
+
+
 def test_the_export_record_name_is_the_checkpoint_layers():
     assert EXPORT_RECORD == CHECKPOINT_EXPORT_RECORD

@@ -255,11 +255,25 @@ class MlflowSink:
         if uri.startswith("file:"):  # recent MLflow refuses the file store unless asked
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
-        from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import MlflowException
 
         self.run_dir, self.final_step, self.section = run_dir, final_step, section
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.dropped = 0
+        try:
+            self._start(name, params, uri)
+        except (MlflowException, OSError) as exc:
+            raise TrackerError(
+                f"monitor.mlflow.tracking_uri: MLflow at {uri} refused or did not answer "
+                f"({exc}); an unreachable server is retried MLFLOW_HTTP_REQUEST_MAX_RETRIES "
+                "times (MLflow's setting) before this error"
+            ) from None
+
+    def _start(self, name: str, params: dict[str, Any], uri: str) -> None:
+        """Reopen the run trackers.json records for `uri`, or create one; log the params."""
+        from mlflow.entities import Param, RunTag
+
+        run_dir, section = self.run_dir, self.section
         saved = read_trackers(run_dir).get("mlflow", {})
         values = {mlflow_key(k): _param_text(v) for k, v in params.items()}
         if saved.get("tracking_uri") == uri and saved.get("run_id"):
@@ -291,6 +305,8 @@ class MlflowSink:
         try:
             run = self.client.get_run(self.run_id)
         except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
             raise TrackerError(
                 f"{self.run_dir / TRACKERS_FILE}: MLflow run {self.run_id} cannot be reopened "
                 f"({exc}); delete the file's mlflow entry to log to a new run"
