@@ -215,6 +215,9 @@ def test_an_offline_run_is_one_wandb_run_across_a_resume(tiny_dir, tmp_path, no_
     # stopped before its end: exit 1 (W&B shows it failed until resumed); finished: exit 0
     assert [of_kind(records, "exit")[0].exit_code for records in starts] == [1, 0]
     assert wandb_processes() == []
+    run_training(cfg, overwrite=True)  # a new run in the same folder: a new W&B run
+    assert read_trackers(tmp_path / "run")["wandb"]["id"] != run_id
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 1
 
 
 def test_replayed_steps_are_logged_under_replay(tmp_path, no_wandb_credentials):
