@@ -284,3 +284,53 @@ def test_an_observation_after_a_turn_ended_by_eos_adds_no_second_eos(template, f
         text = tok.decode([stop, *tokens])
         assert not doubled.search(text), f"{template}: {text!r}"
         assert "The tool says 5." in text
+
+
+MEMORISED = "你好，世界。龘😀"  # the last two: outside the tokenizer's corpus
+STEPS, LR = 100, 1e-2  # measured: every family's last loss 0.0003-0.012
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_memorised_chinese_answer_comes_back_whole_from_generate_and_serve(
+    name, family_dirs, tmp_path, capsys
+):
+    """SFT until the model says one Chinese sentence (with characters the tokenizer spells in
+    bytes), then `keel generate` and `keel serve` (whole and streamed) decode it unchanged."""
+    data = tmp_path / "hello.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Say hello in Chinese."},
+                      {"role": "assistant", "content": MEMORISED}]},
+        {"prompt": "What is 12+34?", "response": "46"},
+    ]  # fmt: skip
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    config = sft_config(data)
+    config["train"].update(steps=STEPS, lr=LR, weight_decay=0.0)
+    config["checkpoint"] = {"save_steps": 0}
+    run = train(family_dirs[name], tmp_path / "hello", config, capsys)
+    assert run.returncode == 0, run.stderr
+    assert run.rows[-1]["actor/sft_loss"] < 0.05  # learnt: greedy decoding has a wide margin
+    prompt = "Say hello in Chinese."
+    code = main(["generate", str(tmp_path / "hello"), prompt, "--chat", "--json",
+                 "--max-new-tokens", "32"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    (row,) = [json.loads(line) for line in out.out.splitlines()]
+    assert (row["response"], row["finish_reason"]) == (MEMORISED, "stop")
+
+    server = InProcessServer(tmp_path / "hello" / "model", "--set", "serve.model_name=hello")
+    try:
+        body = {"model": "hello", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 32, "temperature": 0}  # fmt: skip
+        status, whole = server.request("POST", "/v1/chat/completions", body)
+        status_stream, raw = server.request("POST", "/v1/chat/completions",
+                                            {**body, "stream": True})  # fmt: skip
+    finally:
+        server.stop()
+    assert status == 200, whole
+    assert whole["choices"][0]["message"]["content"] == MEMORISED
+    assert status_stream == 200, raw
+    chunks = [json.loads(line[len("data: "):]) for line in raw.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"])  # fmt: skip
+    assert streamed == MEMORISED
