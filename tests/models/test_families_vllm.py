@@ -79,3 +79,38 @@ def test_a_family_with_narrow_heads_is_refused_with_a_clear_error(tmp_path):
     folder = build_family(narrow, tmp_path / "narrow")
     with pytest.raises(ModelLoadError, match=r"head size is 8, vLLM needs at least 32"):
         build_rollout_engine(RolloutConfig(engine="vllm"), engine_inputs(folder))
+
+
+def test_grpo_on_olmo2_with_the_vllm_engine_trains(tmp_path, capsys):
+    """The user-level regression: `keel train` with rollout.engine: vllm on a family vLLM runs
+    on its Transformers backend stopped with exit 2 ("Current vLLM config is not set") when the
+    reference policy loaded after the engine."""
+    import json
+
+    import yaml
+
+    from keel.cli.main import main
+    from keel.monitor import read_metrics
+
+    folder = build_family(FAMILIES["olmo2"], tmp_path / "olmo2")
+    data = tmp_path / "rl.jsonl"
+    rows = [{"prompt": "What is 2+3?", "answer": "5"}, {"prompt": PROMPTS[1], "answer": "56"}]
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    config = {
+        "run_dir": str(tmp_path / "run"), "seed": 0, "models": {"actor": str(folder)},
+        "algorithm": {"name": "grpo", "kl_loss_coef": 0.01},
+        "data": {"train": str(data), "apply_chat_template": True},
+        "reward": {"fn": f"{Path(__file__).parents[1] / 'cli/format_reward.py'}:digit_fraction"},
+        "rollout": {"n": 2, "max_new_tokens": 4, "engine": "vllm", "return_logprobs": True,
+                    "vllm": {"kv_cache_space_gb": 0.125}},
+        "train": {"steps": 2, "batch_size": 2, "mini_batch_size": 4, "lr": 1e-2,
+                  "warmup_steps": 0},
+        "eval": {"every": 0}, "checkpoint": {"save_steps": 0}, "monitor": {"progress": False},
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    code = main(["train", str(tmp_path / "run.yaml")])
+    assert code == 0, capsys.readouterr().err
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    assert all(r["rollout/logprob_abs_diff"] <= 1e-4 for r in steps)
