@@ -145,6 +145,14 @@ def test_grpo_with_the_chat_template_and_engine_logprobs_that_match_the_trainers
     exported = logits_of(tmp_path / "grpo" / "model", ids)
     last = logits_of(tmp_path / "grpo/checkpoints/step_000002/actor", ids)
     torch.testing.assert_close(exported, last, rtol=1e-5, atol=1e-5)
+    # keel eval of the run: its chat template and the given data and reward
+    code = main(["eval", str(tmp_path / "grpo"), "--data", str(data_files.rl), "--reward", REWARD,
+                 "--no-progress", "--out", str(tmp_path / "eval")])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    predictions = (tmp_path / "eval" / "predictions.jsonl").read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in predictions.splitlines()]
+    assert [r["prompt"] for r in rows] == ["What is 2+3?", "中文 7*8="]
+    assert all(0.0 <= r["score"] <= 1.0 for r in rows)
 
 
 @pytest.mark.parametrize("name", NAMES)
