@@ -342,3 +342,110 @@ def test_a_memorised_chinese_answer_comes_back_whole_from_generate_and_serve(
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
                        if c["choices"])  # fmt: skip
     assert streamed == MEMORISED
+
+
+class AskAgain:
+    """Two turns: after the first, the user says "Again." (a chat message); then done."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, example):
+        return None
+
+    def step(self, response):
+        from keel.envs.protocol import StepResult
+
+        self.turns += 1
+        if self.turns == 2:
+            return StepResult(reward=1.0, done=True)
+        return StepResult(observation=[{"role": "user", "content": "Again."}])
+
+
+CONVERSATION = [
+    {"role": "user", "content": "Say hello."},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Again."},
+    {"role": "assistant", "content": "Hello!"},
+]
+
+
+@pytest.fixture(scope="module")
+def two_turn_episodes(family_dirs, tmp_path_factory):
+    """episode(template) → (tokenizer, eos ids, the episode's token ids): a policy taught by
+    SFT (CONVERSATION's rows, 100 steps) to answer "Hello!" and end its turn with EOS, played
+    greedily for two turns in AskAgain with the chat template (once per template)."""
+    from transformers import GenerationConfig
+
+    from keel.envs.episodes import EpisodeRunner
+
+    played: dict[str, tuple] = {}
+
+    def episode(template: str) -> tuple:
+        if template in played:
+            return played[template]
+        family = next(f for f in FAMILIES.values() if f.template == template)
+        root = tmp_path_factory.mktemp(f"episode-{template}")
+        rows = [{"messages": CONVERSATION[:2]}, {"messages": CONVERSATION[2:]}]
+        (root / "hello.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        config = sft_config(root / "hello.jsonl")
+        config["train"].update(steps=STEPS, lr=LR, weight_decay=0.0)
+        config["checkpoint"] = {"save_steps": 0}
+        (root / "run.yaml").write_text(yaml.safe_dump({"run_dir": str(root / "run"), **config}))
+        assert main(["train", str(root / "run.yaml"), "--set",
+                     f"models.actor={family_dirs[family.name]}"]) == 0  # fmt: skip
+        folder = root / "run" / "model"
+        tok, model = load_tokenizer(folder), load_causal_lm(folder)
+        generation = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(folder))
+        eos_ids = list(eos_token_ids(generation, tok))
+        engine = HFRolloutEngine(model, tok, chat=True)
+        runner = EpisodeRunner(engine, tok, AskAgain, eos_ids=eos_ids, pad_id=tok.pad_token_id,
+                               max_turns=2, chat=True, workers=1)  # fmt: skip
+        with torch.no_grad():
+            batch = runner.generate([Example(prompt="Say hello.")],
+                                    SamplingParams(temperature=0, max_new_tokens=12))  # fmt: skip
+        (row,) = batch.episodes
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert answers == ["Hello!", "Hello!"]  # the policy learnt its turn, EOS included
+        ids = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
+        played[template] = (tok, eos_ids, ids)
+        return played[template]
+
+    return episode
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_a_two_turn_episode_has_no_doubled_eos_and_bos_as_the_template_writes_it(
+    template, two_turn_episodes
+):
+    tok, eos_ids, ids = two_turn_episodes(template)
+    text = tok.decode(ids)
+    eos_texts = [tok.decode([i]) for i in eos_ids]
+    doubled = re.compile("|".join(f"{re.escape(a)}\\s*{re.escape(b)}" for a in eos_texts
+                                  for b in eos_texts))  # fmt: skip
+    assert not doubled.search(text), text
+    expected_bos = {"chatml": 0, "llama3": 1, "gemma": 1, "llama2": 2}[template]  # per [INST]
+    bos = tok.bos_token_id
+    assert sum(1 for i in ids if bos is not None and i == bos) == expected_bos, text
+
+
+GEMMA_SFT_EOS = (
+    "SFT appends the tokenizer's EOS (`<eos>`) to a chat row's answer, where Gemma's template "
+    "closes the turn with `<end_of_turn>`: the policy learns to end turns with `<eos>` "
+    "(keel.data.encoding.encode_sft; reported to the lead)"
+)
+
+
+@pytest.mark.parametrize("template", [
+    "chatml", "llama3", pytest.param("gemma", marks=pytest.mark.xfail(strict=True,
+                                                                      reason=GEMMA_SFT_EOS)),
+])  # fmt: skip
+def test_a_two_turn_episode_is_the_templates_rendering_of_the_conversation(
+    template, two_turn_episodes
+):
+    """Token layout of an episode = the chat template's text of the same conversation (Llama
+    2's template puts spaces around the answer that a policy's own turn does not have)."""
+    tok, _, ids = two_turn_episodes(template)
+    text = tok.decode(ids)
+    rendered = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert rendered.startswith(text) and rendered[len(text) :].strip() == "", (text, rendered)
