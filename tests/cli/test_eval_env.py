@@ -119,3 +119,20 @@ def test_a_wrong_config_or_environment_is_one_clear_line(keel_main, tiny_dir, rl
     shutil.rmtree(rl_config.parent / "data")
     assert_clean_error(keel_main("eval", tiny_dir, "--config", rl_config.parent / "rl.yaml",
                                  "--set", "rollout.env_kwargs={}"), "held_out.jsonl")  # fmt: skip
+
+
+def test_a_config_with_several_reward_functions(keel_main, rl_config, tmp_path):
+    """A run config with reward.fns: the summary names the functions; --reward replaces them
+    (not refused as `fn` beside `fns`)."""
+    raw = yaml.safe_load(rl_config.read_text())
+    raw["reward"] = {"fns": [{"fn": "builtin:numeric_match", "name": "right"},
+                             {"fn": "builtin:exact_match", "weight": 0.5}]}  # fmt: skip
+    raw["rollout"] = {"max_new_tokens": 3, "n": 2}
+    rl_config.write_text(yaml.safe_dump(raw))
+    args = ("eval", "builtin:tiny", "--config", rl_config, "--limit", "2", "--no-progress")
+    proc = keel_main(*args, "--out", tmp_path / "fns")
+    assert proc.returncode == 0, proc.stderr
+    assert read_eval(tmp_path / "fns")[0]["reward"] == ["right", "exact_match"]
+    proc = keel_main(*args, "--reward", "exact_match", "--out", tmp_path / "one")
+    assert proc.returncode == 0, proc.stderr
+    assert read_eval(tmp_path / "one")[0]["reward"] == "builtin:exact_match"

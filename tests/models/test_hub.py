@@ -145,6 +145,12 @@ def test_keel_generate_answers_with_a_hub_id(offline_cache, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_keel_eval_records_the_hub_id_not_its_snapshot(offline_cache, tmp_path, capsys):
+    args = ["eval", "acme/tiny", "--data", "builtin:arithmetic", "--limit", "2", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e" / "metrics.json").read_text())["model"] == "acme/tiny"
+
+
 def test_a_lora_run_on_a_hub_id_exports_an_adapter_naming_the_id(offline_cache, tmp_path, capsys):
     code, run_dir = sft_run(
         tmp_path, "models.actor=acme/tiny", "models.revision=v2", "models.lora.r=4"

@@ -22,11 +22,13 @@ class PolicySource:
     """folder: an HF causal-LM folder (config.json, weights, tokenizer). step: the training
     step its weights are from (None for a plain HF folder or an exported model). run_dir: the
     run it belongs to (None for a plain HF folder), whose config.yaml holds the run's data,
-    reward and prompt settings."""
+    reward and prompt settings. hub_id: the hub id it was given by (its folder is then the
+    snapshot in the Hugging Face cache), else None."""
 
     folder: Path
     step: int | None = None
     run_dir: Path | None = None
+    hub_id: str | None = None
 
 
 def resolve_policy(model: str | Path) -> PolicySource:
@@ -42,7 +44,7 @@ def resolve_policy(model: str | Path) -> PolicySource:
     path = Path(model).expanduser()
     if not path.exists():
         if is_hub_id(str(model)):  # its snapshot in the HF cache (ModelLoadError when absent)
-            return PolicySource(hub_snapshot(str(model)))
+            return PolicySource(hub_snapshot(str(model)), hub_id=str(model))
         raise PolicyNotFound(f"{model}: no such file or directory")
     if (path / "config.json").is_file():
         run_dir = (

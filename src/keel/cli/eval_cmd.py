@@ -96,7 +96,7 @@ def eval_config(source: Any, options: EvalOptions, overrides: Sequence[str] = ()
     from keel.controller.saved_policy import NOT_USED, policy_config
 
     # --reward names a rule reward: it replaces a reward model the run may have used
-    unset = ("models.reward",) if options.reward is not None else ()
+    unset = ("models.reward", "reward.fns") if options.reward is not None else ()
     if options.config is None:
         return policy_config(source, overrides, _settings(options), unset=unset)
     name = str(options.config)
@@ -167,11 +167,13 @@ def _summary(
     return {
         "metrics": metrics,
         "examples": len(job.examples),
-        "model": os.path.abspath(source.folder),
+        "model": source.hub_id or os.path.abspath(source.folder),
         "step": source.step,
         "run_dir": os.path.abspath(source.run_dir) if source.run_dir is not None else None,
         "data": cfg.data.eval or cfg.data.train,
-        "reward": cfg.models.reward or cfg.reward.fn,
+        "reward": cfg.models.reward
+        or cfg.reward.fn
+        or [f.metric_name() for f in cfg.reward.fns or ()],
         "config": os.path.abspath(config) if config is not None else None,
         "env": cfg.rollout.env,
         "env_kwargs": cfg.rollout.env_kwargs,
