@@ -117,4 +117,4 @@ bench-engines: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m bench.engines
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-mlflow .pytest_cache build src/*.egg-info
