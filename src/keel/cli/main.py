@@ -198,7 +198,7 @@ USER_ERRORS = (
     ("keel.checkpoint.policy", "PolicyNotFound"), ("keel.checkpoint.state", "CheckpointError"),
     ("keel.config.loading", "ConfigError"),
     ("keel.controller.resume", "RunDirError"), ("keel.data.files", "DataError"),
-    ("keel.envs.loading", "EnvLoadError"),
+    ("keel.envs.loading", "EnvLoadError"), ("keel.envs.episodes", "ResetError"),
     ("keel.guard.decisions", "GuardStateError"), ("keel.models.loading", "ModelLoadError"),
     ("keel.monitor.optional", "MissingPackageError"),
     ("keel.monitor.prometheus", "ExporterError"), ("keel.report.runs", "ReportError"),

@@ -26,6 +26,11 @@ from keel.rollout.protocol import Completions, RolloutEngine, SamplingParams
 from keel.types import Batch
 
 
+class ResetError(ValueError):
+    """An environment could not start an episode on an example (e.g. a row without the answer
+    the environment needs); the message names the environment and the example's source."""
+
+
 @dataclass
 class Episode:
     """One row while it is played: the response columns so far (`tokens`, `mask` 1 on the
@@ -157,7 +162,7 @@ class EpisodeRunner:
         try:
             return env.reset(example)
         except Exception as exc:
-            raise RuntimeError(f"{self.name}: reset failed on {example.source}: {exc!r}") from exc
+            raise ResetError(f"{self.name}: reset failed on {example.source}: {exc!r}") from exc
 
     def _first_turn(self, episodes: list[Episode], sampling: SamplingParams) -> Completions:
         """The first turn as the plain rollout generates it: the n rows of a prompt sampled
