@@ -20,7 +20,7 @@ from keel.models import (
     register_builtin_model,
     resolve_model_path,
 )
-from keel.models.loading import context_length
+from keel.models.loading import BUILTIN_VERSIONS, context_length
 
 
 def _copy_without(src: Path, dst: Path, *drop_globs: str) -> Path:
@@ -164,6 +164,25 @@ def test_register_builtin(monkeypatch, tmp_path):
         assert load_causal_lm(path).config.hidden_size == 16
     finally:
         BUILTIN_MODELS.pop("tiny16", None)
+
+
+def test_a_new_version_of_a_builtin_recipe_is_built_beside_the_old_one(monkeypatch, tmp_path):
+    """A cache holding version 1 of a recipe's model is not taken for version 2."""
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    sizes = {1: 16, 2: 8}
+    try:
+        for version, hidden in sizes.items():
+            spec = TinyModelSpec(hidden_size=hidden, num_layers=1)
+            register_builtin_model(
+                "tinyv", lambda p, s=spec: create_tiny_model(p, s), version=version
+            )
+            path = resolve_model_path("builtin:tinyv")
+            assert path == tmp_path / "models" / ("tinyv" if version == 1 else "tinyv-v2")
+            assert load_causal_lm(path).config.hidden_size == hidden
+        assert (tmp_path / "models" / "tinyv" / "config.json").is_file()  # left as it was
+    finally:
+        BUILTIN_MODELS.pop("tinyv", None)
+        BUILTIN_VERSIONS.pop("tinyv", None)
 
 
 def test_builtin_builder_crash_leaves_nothing(monkeypatch, tmp_path):

@@ -50,7 +50,7 @@ def demo(
     run_dir: Path | None = None, seed: int | None = None, overrides: Sequence[str] = ()
 ) -> int:
     from keel.controller import run_training
-    from keel.models import keel_cache_dir
+    from keel.models import builtin_folder
 
     raw = {
         **DEMO_GRPO,
@@ -65,7 +65,7 @@ def demo(
         set_path(raw, key, value, source=f"--set {item}")
     cfg = validate(raw, source="keel demo")
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    cached = (keel_cache_dir() / "models" / "tiny-arith" / "config.json").is_file()
+    cached = (builtin_folder("tiny-arith") / "config.json").is_file()
     say(
         "keel demo: tiny Llama + character tokenizer, integer addition (`37+45=` → `82`).\n"
         + (

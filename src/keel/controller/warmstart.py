@@ -136,7 +136,8 @@ def build_tiny_guess_split(path: Path) -> None:
         _train_into(path, config, name="tiny-guess", title="SFT warm-start (guess, split)")
 
 
-register_builtin_model("tiny-guess", build_tiny_guess)
+# version 2: whole-episode demonstrations (version 1 was build_tiny_guess_split)
+register_builtin_model("tiny-guess", build_tiny_guess, version=2)
 
 
 # The calculator user of examples/grpo_calculator_tiny.yaml: a short SFT of the tiny model on
@@ -201,4 +202,5 @@ def build_tiny_calc_split(path: Path) -> None:
         _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator, split)")
 
 
-register_builtin_model("tiny-calc", build_tiny_calc)
+# version 2: whole-episode demonstrations (version 1 was build_tiny_calc_split)
+register_builtin_model("tiny-calc", build_tiny_calc, version=2)

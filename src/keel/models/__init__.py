@@ -10,6 +10,7 @@ from keel.models.factory import (
 from keel.models.loading import (
     BUILTIN_MODELS,
     ModelLoadError,
+    builtin_folder,
     check_vocab,
     keel_cache_dir,
     load_causal_lm,
@@ -28,6 +29,7 @@ __all__ = [
     "TinyModelSpec",
     "build_char_tokenizer",
     "build_tiny_model",
+    "builtin_folder",
     "check_vocab",
     "count_parameters",
     "create_tiny_model",

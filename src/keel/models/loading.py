@@ -56,13 +56,28 @@ def _tiny_builder(path: Path) -> None:
 
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {"tiny": _tiny_builder}
+BUILTIN_VERSIONS: dict[str, int] = {}  # a recipe's version when above 1 (builtin_folder)
 
 
-def register_builtin_model(name: str, builder: Callable[[Path], None]) -> None:
-    """Make `builtin:NAME` resolvable; builder(path) must create a complete HF folder at path."""
+def register_builtin_model(name: str, builder: Callable[[Path], None], *, version: int = 1) -> None:
+    """Make `builtin:NAME` resolvable; builder(path) must create a complete HF folder at path.
+    A new `version` of a recipe is built into a folder of its own (`builtin_folder`), so a
+    cache that holds an earlier version's model is never taken for the new one."""
     if not name or ":" in name or "/" in name:
         raise ValueError(f"invalid builtin model name: {name!r}")
+    if version < 1:
+        raise ValueError(f"builtin model {name!r}: version must be ≥ 1, got {version}")
     BUILTIN_MODELS[name] = builder
+    BUILTIN_VERSIONS.pop(name, None)
+    if version > 1:
+        BUILTIN_VERSIONS[name] = version
+
+
+def builtin_folder(name: str) -> Path:
+    """Where `builtin:NAME` lives in the Keel cache: models/NAME for a recipe's first version,
+    models/NAME-vK for its version K."""
+    version = BUILTIN_VERSIONS.get(name, 1)
+    return keel_cache_dir() / "models" / (name if version == 1 else f"{name}-v{version}")
 
 
 def keel_cache_dir() -> Path:
@@ -87,7 +102,7 @@ def resolve_model_path(spec: str | os.PathLike[str], revision: str | None = None
     if builder is None:
         known = ", ".join(f"{BUILTIN_PREFIX}{n}" for n in sorted(BUILTIN_MODELS))
         raise ModelLoadError(f"unknown builtin model {text!r}; known: {known}")
-    target = keel_cache_dir() / "models" / name
+    target = builtin_folder(name)
     if target.is_dir() and (target / "config.json").is_file():
         return target
     _build_atomically(target, builder)
