@@ -287,7 +287,26 @@ def test_sft_rows_carry_their_tools_into_the_prompt():
     batch = encode_sft(chatml, rows, chat=True, max_prompt_length=512)
     texts = [chatml.decode(ids, skip_special_tokens=False) for ids in batch.input_ids.tolist()]
     assert '"name": "lookup"' in texts[0] and "lookup" not in texts[1]
-    assert texts[0].endswith("<|im_start|>assistant\na pet</s>")
+    # a chat answer ends as the template ends a turn (turn_end_id), not with the tokenizer's </s>
+    assert texts[0].endswith("<|im_start|>assistant\na pet<|im_end|>")
+
+
+def test_a_chat_turn_ends_with_the_special_token_its_template_closes_it_with():
+    """turn_end_id: ChatML's <|im_end|>; a template whose closing is plain text (Keel's char
+    one: a newline) or no template: the EOS. A chat rollout also stops on it."""
+    from keel.data.encoding import stop_ids, turn_end_id
+    from keel.models import build_char_tokenizer
+
+    chatml = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    im_end = chatml.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != chatml.eos_token_id and turn_end_id(chatml) == im_end
+    assert stop_ids([chatml.eos_token_id], chatml, chat=True) == (chatml.eos_token_id, im_end)
+    assert stop_ids([chatml.eos_token_id], chatml, chat=False) == (chatml.eos_token_id,)
+    char = build_char_tokenizer()
+    assert turn_end_id(char) == char.eos_token_id
+    rows = [Example("2+2=", response="4")]
+    text_row = encode_sft(chatml, rows, chat=False, max_prompt_length=64)
+    assert text_row.input_ids[0, -1].item() == chatml.eos_token_id  # text SFT: still the EOS
 
 
 def test_the_rollout_engine_generates_from_prompts_with_one_bos():

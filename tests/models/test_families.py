@@ -429,17 +429,7 @@ def test_a_two_turn_episode_has_no_doubled_eos_and_bos_as_the_template_writes_it
     assert sum(1 for i in ids if bos is not None and i == bos) == expected_bos, text
 
 
-GEMMA_SFT_EOS = (
-    "SFT appends the tokenizer's EOS (`<eos>`) to a chat row's answer, where Gemma's template "
-    "closes the turn with `<end_of_turn>`: the policy learns to end turns with `<eos>` "
-    "(keel.data.encoding.encode_sft; reported to the lead)"
-)
-
-
-@pytest.mark.parametrize("template", [
-    "chatml", "llama3", pytest.param("gemma", marks=pytest.mark.xfail(strict=True,
-                                                                      reason=GEMMA_SFT_EOS)),
-])  # fmt: skip
+@pytest.mark.parametrize("template", ["chatml", "llama3", "gemma"])
 def test_a_two_turn_episode_is_the_templates_rendering_of_the_conversation(
     template, two_turn_episodes
 ):

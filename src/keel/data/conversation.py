@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from keel.data.encoding import assemble, encode_prompts
+from keel.data.encoding import assemble, encode_prompts, stop_ids, turn_end_id
 from keel.data.examples import Example
 from keel.data.files import DataError
 from keel.data.tool_calls import FORMATS, HERMES, ToolCall, ToolCallFormat, call_from_object
@@ -368,10 +368,12 @@ def encode_conversations(
     prompts = encode_prompts(
         tokenizer, examples, chat=chat, max_prompt_length=max_prompt_length, truncation=truncation
     )
-    eos = tokenizer.eos_token_id
-    observations = ObservationEncoder(tokenizer, [eos])
+    eos, turn_end = tokenizer.eos_token_id, turn_end_id(tokenizer)
+    observations = ObservationEncoder(tokenizer, stop_ids([eos], tokenizer, chat=True))
     rows, masks = [], []
     for ex in examples:
+        # a chat row's turns end as its template ends them (the rollout stops on that token)
+        end = turn_end if chat or isinstance(ex.prompt, list) else eos
         if isinstance(ex, Conversation):
             turns: Sequence[dict[str, Any]] = ex.turns
         elif ex.response is None:
@@ -383,7 +385,7 @@ def encode_conversations(
                 tokenizer,
                 observations,
                 turns,
-                eos_id=eos,
+                eos_id=end,
                 train_on=train_on,
                 write_calls=write_calls,
             )

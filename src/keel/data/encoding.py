@@ -183,6 +183,43 @@ def assemble(
     return Batch(input_ids=input_ids, attention_mask=attention, response_mask=response_mask)
 
 
+_SENTINEL = "keel-turn-end-sentinel"
+
+
+def turn_end_id(tokenizer: Any) -> int | None:
+    """The token that ends an assistant turn in chat: the special token the chat template
+    closes an assistant message with (Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`, ChatML's
+    `<|im_end|>`), else the tokenizer's EOS. A template whose closing starts with plain text
+    (Keel's char template: a newline) or no template at all gives the EOS. Chat SFT ends its
+    answers with it, and a chat rollout stops on it, so that a policy ends a turn as its
+    template renders one."""
+    eos = tokenizer.eos_token_id
+    if getattr(tokenizer, "chat_template", None) is None:
+        return eos
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}],
+            tokenize=False,
+        )
+    except Exception:  # a template that cannot render this conversation: nothing to learn
+        return eos
+    if _SENTINEL not in text:
+        return eos
+    closing = text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
+    ids = tokenizer(closing, add_special_tokens=False)["input_ids"] if closing else []
+    special = set(getattr(tokenizer, "all_special_ids", ())) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+    }
+    return ids[0] if ids and ids[0] in special else eos
+
+
+def stop_ids(eos_ids: Sequence[int], tokenizer: Any, chat: bool) -> tuple[int, ...]:
+    """`eos_ids` (the model's EOS ids) and, for a chat rollout, the template's turn end
+    (`turn_end_id`) when it is not among them."""
+    end = turn_end_id(tokenizer) if chat else None
+    return (*eos_ids, end) if end is not None and end not in eos_ids else tuple(eos_ids)
+
+
 def encode_sft(
     tokenizer: Any,
     examples: Sequence[Example],
@@ -191,16 +228,20 @@ def encode_sft(
     max_prompt_length: int,
     truncation: str = "error",
 ) -> Batch:
-    """SFT batch: target response + EOS in the response slot (response_mask covers both)."""
+    """SFT batch: target response + EOS in the response slot (response_mask covers both). A
+    chat row (`chat`, or a prompt given as messages) ends with the template's turn end
+    (`turn_end_id`) instead of the EOS."""
     prompts = encode_prompts(
         tokenizer, examples, chat=chat, max_prompt_length=max_prompt_length, truncation=truncation
     )
     responses = []
+    turn_end = turn_end_id(tokenizer)
     for ex in examples:
         if ex.response is None:
             raise DataError(f"{ex.source}: SFT needs a target response (data.response_key)")
         ids = tokenizer(ex.response, add_special_tokens=False)["input_ids"]
-        responses.append([*ids, tokenizer.eos_token_id])
+        end = turn_end if chat or isinstance(ex.prompt, list) else tokenizer.eos_token_id
+        responses.append([*ids, end])
     batch = assemble(prompts, responses, [len(x) for x in responses], tokenizer.pad_token_id)
     batch.prompts = [ex.prompt for ex in examples]
     batch.answers = [ex.answer for ex in examples]

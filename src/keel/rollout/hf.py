@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from keel.data.encoding import stop_ids
 from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
@@ -63,7 +64,8 @@ class HFRolloutEngine:
         self.static_length = 0  # the static cache's length: the longest generate call's so far
         self.compile = compile
         self.share_prefill = share_prefill
-        self.eos_ids = eos_token_ids(model, tokenizer)
+        # the model's EOS ids, and in chat the template's turn end (Gemma's <end_of_turn>)
+        self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, chat)
         first_eos = self.eos_ids[0] if self.eos_ids else None  # the tokenizer's, when it has one
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from keel.config.loading import ConfigError
+from keel.data.encoding import stop_ids
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
@@ -261,7 +262,9 @@ class VLLMRolloutEngine:
         return cls(
             llm,
             inputs.tokenizer,
-            eos_ids=eos_token_ids(generation, inputs.tokenizer),
+            eos_ids=stop_ids(
+                eos_token_ids(generation, inputs.tokenizer), inputs.tokenizer, inputs.chat
+            ),
             chat=inputs.chat,
             max_prompt_length=inputs.max_prompt_length,
             truncation=inputs.truncation,
