@@ -91,23 +91,15 @@ def eval_config(source: Any, options: EvalOptions, overrides: Sequence[str] = ()
     FILE instead (its relative input paths resolved against its folder, as `keel train`
     does). models.actor is MODEL either way; training-only roles (reference, critic, LoRA)
     are dropped; `--reward` replaces a reward model (models.reward)."""
-    from keel.config.loading import load_config, set_path, validate
-    from keel.config.paths import resolve_input_paths
-    from keel.controller.saved_policy import NOT_USED, policy_config
+    from keel.config.loading import load_config
+    from keel.controller.saved_policy import policy_config, settled_config
 
     # --reward names a rule reward: it replaces a reward model the run may have used
     unset = ("models.reward", "reward.fns") if options.reward is not None else ()
     if options.config is None:
         return policy_config(source, overrides, _settings(options), unset=unset)
-    name = str(options.config)
     raw = load_config(options.config, overrides).model_dump(mode="json")
-    for key, value in _settings(options).items():
-        if value is not None:
-            set_path(raw, key, value, source=key)
-    set_path(raw, "models.actor", str(source.folder), source="MODEL")
-    for key in (*NOT_USED, *unset):
-        set_path(raw, key, None, source="MODEL")
-    return resolve_input_paths(validate(raw, source=name), Path.cwd())
+    return settled_config(raw, str(options.config), source, _settings(options), unset)
 
 
 def _settings(options: EvalOptions) -> dict[str, Any]:

@@ -59,6 +59,19 @@ def policy_config(
     for item in overrides:
         key, value = parse_override(item)
         set_path(raw, key, value, source=f"--set {item}")
+    return settled_config(raw, name, source, settings, unset)
+
+
+def settled_config(
+    raw: dict[str, Any],
+    name: str,
+    source: PolicySource,
+    settings: Mapping[str, Any] | None = None,
+    unset: Sequence[str] = (),
+) -> KeelConfig:
+    """`raw` (a config mapping read from `name`) with a command's `settings` (None values left
+    out), models.actor the policy's folder and the training-only roles and `unset` keys null,
+    validated, relative input paths relative to the working directory."""
     for key, value in (settings or {}).items():
         if value is not None:
             set_path(raw, key, value, source=key)
