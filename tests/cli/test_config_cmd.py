@@ -85,7 +85,7 @@ def test_validate_builds_the_environments_tools(keel_here, tmp_path):
     ("tools", "env_kwargs", "needles"),
     [
         (["calculator", "vault_tool.py:Lokup"], {},
-         ["rollout.env_kwargs.tools[1]: vault_tool.py has nothing named 'Lokup'",
+         ["rollout.env_kwargs.tools[1]: ", "/vault_tool.py has nothing named 'Lokup'",
           "did you mean 'Lookup'"]),
         (["vault.py:Lookup"], {}, ["rollout.env_kwargs.tools[0]: file not found: vault.py"]),
         (["calculator"], {"timeout": 3},

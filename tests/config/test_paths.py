@@ -102,3 +102,19 @@ def test_home_is_expanded_and_resolution_is_idempotent(layout, monkeypatch):
     once = resolve_input_paths(cfg, conf)
     assert once.data.train == str(conf / "d.jsonl") and cfg.data.train == "d.jsonl"
     assert resolve_input_paths(once, "/elsewhere") == once
+
+
+def test_builtin_tools_tool_files_resolve_against_the_config_folder(layout):
+    """rollout.env_kwargs.tools of builtin:tools: `file.py:Class` (or {"name": …}) by the same
+    rule as reward.fn; built-in tool names stay as written."""
+    conf, _ = layout
+    make(conf / "tools/vault.py")
+    raw = {
+        "models": {"actor": "builtin:tiny"},
+        "algorithm": {"name": "grpo"},
+        "rollout": {"env": "builtin:tools", "env_kwargs": {"tools": [
+            "calculator", "tools/vault.py:Lookup", {"name": "tools/vault.py:Lookup", "k": 1}]}},
+    }  # fmt: skip
+    tools = load_config(write(conf, raw), environ={}).rollout.env_kwargs["tools"]
+    assert tools == ["calculator", f"{conf / 'tools/vault.py'}:Lookup",
+                     {"name": f"{conf / 'tools/vault.py'}:Lookup", "k": 1}]  # fmt: skip

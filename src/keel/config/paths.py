@@ -69,7 +69,19 @@ def resolve_input_paths(cfg: KeelConfig, config_dir: str | Path) -> KeelConfig:
         setattr(section, key, resolve(value, config_dir))
     for part in out.reward.fns or ():  # reward.fns[i].fn, like reward.fn
         part.fn = resolve_reward_spec(part.fn, config_dir)
+    tools = out.rollout.env_kwargs.get("tools")
+    if out.rollout.env == "builtin:tools" and isinstance(tools, list):
+        # builtin:tools' own `file.py:Class` tools, like reward.fn (a {"name": …} entry too)
+        out.rollout.env_kwargs["tools"] = [_resolve_tool(t, config_dir) for t in tools]
     return out
+
+
+def _resolve_tool(tool: object, config_dir: str | Path) -> object:
+    if isinstance(tool, str):
+        return resolve_reward_spec(tool, config_dir)
+    if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+        return {**tool, "name": resolve_reward_spec(tool["name"], config_dir)}
+    return tool
 
 
 def missing_hint(text: str | Path) -> str:
