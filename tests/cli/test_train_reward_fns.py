@@ -25,7 +25,8 @@ def test_grpo_logs_each_reward_function_and_their_weighted_sum(keel, tiny_dir, t
     proc = keel(
         "train", str(path), "--run-dir", str(run_dir), "--set", f"models.actor={tiny_dir}",
         "--set", "train.steps=2", "--set", "train.batch_size=4", "--set", "rollout.n=4",
-        "--set", "train.mini_batch_size=16", "--set", "eval.every=0",
+        "--set", "train.mini_batch_size=16", "--set", "eval.every=2",
+        "--set", "data.arithmetic.eval_size=8",
         "--set", "monitor.tensorboard=false", "--set", "monitor.samples.every=0",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -36,3 +37,8 @@ def test_grpo_logs_each_reward_function_and_their_weighted_sum(keel, tiny_dir, t
         want = row["reward/accuracy"] + 0.5 * row["reward/digits"]
         assert row["reward/mean"] == pytest.approx(want, abs=1e-6)
     assert any(row["reward/digits"] > 0 for row in rows)  # the random policy writes digits
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/reward_mean" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    for row in evals:  # evaluation logs each function's mean too, as eval/reward/<name>
+        want = row["eval/reward/accuracy"] + 0.5 * row["eval/reward/digits"]
+        assert row["eval/reward_mean"] == pytest.approx(want, abs=1e-6)

@@ -53,7 +53,8 @@ class Prediction:
 
 @dataclass
 class Evaluation:
-    """metrics: eval/accuracy, eval/reward_mean, eval/length_mean, eval/reward_errors (and
+    """metrics: eval/accuracy, eval/reward_mean, eval/length_mean, eval/reward_errors, the reward
+    role's parts as eval/reward/<name> (reward.fns; a reward model's reward/model_*) (and
     with episodes eval/turns_mean, eval/tool_use_frac, … of keel.envs.episode_metrics);
     predictions: one per example, in the examples' order."""
 
@@ -88,6 +89,7 @@ def evaluate_examples(
     reward function failed). `on_batch(n)` is told how many examples each chunk finished."""
     sampling = eval_sampling(eval_cfg, rollout_cfg)
     scores, lengths, errors = [], [], 0
+    parts: dict[str, float] = {}  # reward/<name> (reward.fns, a reward model's) · rows, summed
     episodes: list[dict[str, Any]] = []
     predictions: list[Prediction] = []
     warnings: list[tuple[str, str]] = []
@@ -97,6 +99,8 @@ def evaluate_examples(
         batch = reward.call("score", batch, update_stats=False)  # eval never moves the stats
         scores.append(batch.scores)
         errors += int(batch.meta.get("reward_errors", 0))
+        for key, value in batch.meta.get("reward_metrics", {}).items():
+            parts[key] = parts.get(key, 0.0) + float(value) * len(chunk)
         warnings.extend(tuple(w) for w in batch.meta.pop("reward_warnings", ()))
         lengths.append(batch.response_mask.sum(dim=1))
         episodes.extend(batch.episodes or [])
@@ -109,6 +113,7 @@ def evaluate_examples(
         "eval/reward_mean": s.mean().item(),
         "eval/length_mean": n.float().mean().item(),
         "eval/reward_errors": float(errors),
+        **{f"eval/{key}": total / len(s) for key, total in parts.items()},
         **episode_metrics(episodes, prefix="eval"),
     }
     return Evaluation(metrics, predictions, warnings)
