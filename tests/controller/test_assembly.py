@@ -130,3 +130,29 @@ def test_lora_reference_is_the_actors_base_unless_another_folder_is_named(tiny_d
     other = roles(reference=str(shutil.copytree(tiny_dir, tmp_path / "ref")))
     ref = other.reference.workers[0].model
     assert not is_lora(ref) and not any(p.requires_grad for p in ref.parameters())
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def test_tool_definitions_the_prompts_cannot_show_are_a_warning_in_events_jsonl(tiny_dir, tmp_path):
+    """A tools column with text prompts (data.apply_chat_template false): the warning is kept
+    on the datasets and written to the run's events.jsonl, not only printed."""
+    import json
+
+    from keel.controller import run_training
+    from keel.guard.events import read_events
+
+    rows = [{"prompt": "1+1=", "response": "2", "tools": [TOOL]}] * 2
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = validate({
+        "run_dir": str(tmp_path / "run"), "models": {"actor": str(tiny_dir)},
+        "algorithm": {"name": "sft"}, "data": {"train": str(data)},
+        "train": {"batch_size": 2, "steps": 1}, "monitor": {"progress": False},
+    })  # fmt: skip
+    with pytest.warns(UserWarning, match="tool definitions"):
+        run_training(cfg)
+    found = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "warning"]
+    assert [e["rule"] for e in found] == ["tools_ignored"]
+    assert "sft.jsonl:1" in found[0]["message"] and "apply_chat_template" in found[0]["message"]

@@ -56,6 +56,7 @@ class Datasets:
     dropped_prompts: int = 0  # data.truncation: drop
     truncated_prompts: int = 0  # data.truncation: left
     long_prompts: list[str] = field(default_factory=list)  # "source (N tokens)" of each
+    warnings: list[tuple[str, str]] = field(default_factory=list)  # (rule, message), for events
 
 
 def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec) -> Datasets:
@@ -156,8 +157,11 @@ def fit_prompt_lengths(tokenizer: Any, data: Datasets, cfg: DataConfig) -> Datas
     is too long (file:line or row); `left` keeps them (encoding keeps their last
     max_prompt_length tokens) and counts them in `truncated_prompts`; `drop` leaves them out
     and counts them in `dropped_prompts` (a DataError when no training example is left).
-    Rows whose tool definitions the prompt would not show are warned about (warn_ignored_tools)."""
-    warn_ignored_tools(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
+    Rows whose tool definitions the prompt would not show are warned about (warn_ignored_tools;
+    the warning also kept in `warnings`, for the run's events.jsonl)."""
+    ignored = warn_ignored_tools(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
+    if ignored is not None:
+        data = replace(data, warnings=[*data.warnings, ("tools_ignored", ignored)])
     limit = cfg.max_prompt_length
     long: dict[str, list[tuple[Any, int]]] = {}
     for split in ("train", "eval"):

@@ -225,6 +225,8 @@ def _run(
                 loop.note_bad_rows(data.bad_rows)
             if data.long_prompts:
                 loop.note_long_prompts(data)
+            for rule, message in data.warnings:  # e.g. tool definitions the prompts cannot show
+                loop.events.emit(start, "warning", message, rule=rule)
             return loop.run(start, stop_after, preemption)
         finally:
             loop.close()
