@@ -98,7 +98,7 @@ def test_generate_stream_gives_each_token_then_the_finish_then_the_usage(stub):
          "context_length_exceeded"),
         (pb.GenerateRequest(), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "exactly one of prompt"),
         (pb.GenerateRequest(messages=[pb.Message(role="robot", content="x")]), AUTH,
-         grpc.StatusCode.INVALID_ARGUMENT, "messages.0.role"),
+         grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role"),
     ],
 )  # fmt: skip
 def test_a_bad_call_gets_a_clear_status_and_the_server_keeps_serving(

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from keel.serve.chat_tools import chat_prompt, with_tool_calls
 from keel.serve.config import ServeConfig
 from keel.serve.errors import APIError
 from keel.serve.handling import answers, authorize, check_model, plan_generation
@@ -111,10 +113,12 @@ def _generation_routes(app: FastAPI, policy: ServedPolicy, cfg: ServeConfig, tok
         authorize(request.headers.get("authorization"), token)
         req: ChatCompletionRequest = parse_body(await _body(request, cfg), ChatCompletionRequest)
         check_model(policy, req.model)
-        prompts: list[Prompt] = [req.template_messages]
+        prompts: list[Prompt] = [chat_prompt(req, policy.chat_tools, policy.tokenizer)]
         budget = req.token_budget(cfg.max_new_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        return await _generate(policy, cfg, CHAT, req, prompts, budget, req.logprobs, param)
+        return await _generate(policy, cfg, CHAT, req, prompts, budget, req.logprobs, param,
+                               tools=req.tool_schemas,
+                               read_calls=req.parses_tool_calls)  # fmt: skip
 
 
 def _score_route(app: FastAPI, reward: ServedReward, cfg: ServeConfig, token: str | None):
@@ -154,14 +158,19 @@ async def _generate(
     max_tokens: int,
     logprobs: bool,
     budget_param: str = "max_tokens",
+    tools: list[dict[str, Any]] | None = None,
+    read_calls: bool = False,
 ) -> Response:
-    """Check the limits, generate n answers per prompt, answer as JSON or as an SSE stream."""
+    """Check the limits, generate n answers per prompt (chat: rendered with `tools`, and with
+    `read_calls` their tool calls parsed), answer as JSON or as an SSE stream."""
     plan = plan_generation(
         policy, cfg, req, prompts, max_tokens, logprobs or req.stream,
-        prompt_param=endpoint.prompt_param, budget_param=budget_param,
+        prompt_param=endpoint.prompt_param, budget_param=budget_param, tools=tools,
     )  # fmt: skip
-    gens = await policy.generate(plan.prompts, plan.n, plan.sampling)
+    gens = await policy.generate(plan.prompts, plan.n, plan.sampling, plan.tools)
     answered = answers(policy, plan, gens)
+    if read_calls:
+        answered = [with_tool_calls(a, policy.chat_tools.format) for a in answered]
     reply = Reply.new(endpoint.id_prefix, policy.name, gens[0].step if gens else policy.step)
     if req.stream:
         events = endpoint.chunks(reply, answered, plan.prompt_tokens, req.include_usage)
@@ -180,7 +189,7 @@ def _model_card(served: Served) -> dict[str, Any]:
         "object": "model",
         "created": int(served.loaded_at),
         "owned_by": "keel",
-        "root": str(served.source.folder),
+        "root": str(Path(served.source.folder).resolve()),
         "step": served.step,
         "kind": served.kind,
     }

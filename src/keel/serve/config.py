@@ -62,6 +62,11 @@ class ServeConfig(Section):
         description="--reward: text prompts go through the reward model's chat template too (as "
         "in a run with data.apply_chat_template); message lists always do",
     )
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="how the model writes tool calls (chat requests with tools), as "
+        "data.tool_format; auto: the one its chat template writes",
+    )
     grpc_workers: int = Field(
         64, ge=1, description="--grpc-port: threads answering gRPC calls (each waits on its batch)"
     )

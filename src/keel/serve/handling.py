@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from typing import Any
 
 from keel.rollout.protocol import SamplingParams
 from keel.serve.config import ServeConfig
@@ -49,6 +50,7 @@ class Plan:
     prompt_tokens: int
     stops: list[str]
     per_token: bool  # answers with each token's text and log-prob (logprobs, or a stream)
+    tools: list[dict[str, Any]] | None = None  # chat: the tools the template is given
 
 
 def plan_generation(
@@ -61,8 +63,10 @@ def plan_generation(
     *,
     prompt_param: str,
     budget_param: str = "max_tokens",
+    tools: list[dict[str, Any]] | None = None,
 ) -> Plan:
-    """Check the limits (max_tokens, rows per request, prompt lengths) and say what to run."""
+    """Check the limits (max_tokens, rows per request, prompt lengths, the prompts rendered
+    with `tools` when given) and say what to run."""
     if max_tokens > cfg.max_new_tokens:
         raise bad_request(
             f"{budget_param} is {max_tokens}, more than this server allows "
@@ -75,17 +79,23 @@ def plan_generation(
             f"{rows} completions asked (prompts × n), more than this server allows in one "
             f"request ({cfg.max_batch_size}, serve.max_batch_size)", param="n",
         )  # fmt: skip
-    prompt_tokens = sum(prompt_length(policy, p, cfg, prompt_param) for p in prompts)
+    prompt_tokens = sum(prompt_length(policy, p, cfg, prompt_param, tools) for p in prompts)
     sampling = SamplingParams(
         n=1, temperature=req.temperature, top_p=req.top_p, max_new_tokens=max_tokens
     )
-    return Plan(prompts, req.n, sampling, prompt_tokens, req.stops, per_token)
+    return Plan(prompts, req.n, sampling, prompt_tokens, req.stops, per_token, tools)
 
 
-def prompt_length(policy: ServedPolicy, prompt: Prompt, cfg: ServeConfig, param: str) -> int:
-    """The prompt's token count; an empty or too long prompt is a 400."""
+def prompt_length(
+    policy: ServedPolicy,
+    prompt: Prompt,
+    cfg: ServeConfig,
+    param: str,
+    tools: list[dict[str, Any]] | None = None,
+) -> int:
+    """The prompt's token count (with `tools` rendered); an empty or too long prompt is a 400."""
     try:
-        count = policy.prompt_tokens(prompt)
+        count = policy.prompt_tokens(prompt, tools)
     except Exception as exc:  # e.g. a tokenizer without a chat template
         raise bad_request(f"cannot tokenize the {param}: {exc}", param=param) from None
     if count == 0:

@@ -19,6 +19,7 @@ from keel.engine.devices import place, resolve_device
 from keel.models import check_vocab, load_causal_lm, load_tokenizer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import RolloutEngine, SamplingParams
+from keel.serve.chat_tools import ChatTools
 from keel.serve.config import ServeFileConfig
 from keel.serve.generation import Generation, GenerationRunner
 from keel.serve.served import Served
@@ -95,27 +96,38 @@ class ServedPolicy(Served):
         self.tokenizer = load_tokenizer(source.folder)
         if cfg.serve.torch_threads:
             torch.set_num_threads(cfg.serve.torch_threads)
+        self.chat_tools = ChatTools.of(self.tokenizer, cfg.serve.tool_format)
         runner = GenerationRunner(build_engine(source.folder, cfg, self.tokenizer), source.step)
         super().__init__(source, cfg, name, runner)
 
-    def prompt_tokens(self, prompt: Prompt) -> int:
-        """Tokens of `prompt` as the model sees it (chat messages through the template)."""
-        text = render_prompt(self.tokenizer, prompt, chat=False)
+    def prompt_tokens(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> int:
+        """Tokens of `prompt` as the model sees it (chat messages through the template, with
+        `tools` as its tools= argument)."""
+        text = render_prompt(self.tokenizer, prompt, chat=False, tools=tools)
         return len(encode_prompt_text(self.tokenizer, text))
 
     def submit(
-        self, prompts: list[Prompt], n: int, sampling: SamplingParams
+        self,
+        prompts: list[Prompt],
+        n: int,
+        sampling: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Future[list[Generation]]:
-        """Queue n rows per prompt (prompt-major); QueueFull → 429, QueueClosed → 503."""
-        rows = [Example(prompt=p, source=f"prompt {i}") for i, p in enumerate(prompts)]
+        """Queue n rows per prompt (prompt-major), rendered with `tools` (the engine's
+        encode_prompts gives them to the chat template); QueueFull → 429, QueueClosed → 503."""
+        rows = [Example(prompt=p, source=f"prompt {i}", tools=tools) for i, p in enumerate(prompts)]
         rows = [row for row in rows for _ in range(n)]
         return self.enqueue(replace(sampling, n=1), rows)
 
     async def generate(
-        self, prompts: list[Prompt], n: int, sampling: SamplingParams
+        self,
+        prompts: list[Prompt],
+        n: int,
+        sampling: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[Generation]:
         """n generations per prompt, prompt-major, from a batch shared with other requests."""
-        return await self.result(self.submit(prompts, n, sampling))
+        return await self.result(self.submit(prompts, n, sampling, tools))
 
     def swap_weights(self, state: Mapping[str, torch.Tensor], step: int) -> None:
         """Answer with `state` from the next batch on (blocks until the engine has them)."""

@@ -34,6 +34,7 @@ class Answer:
     tokens: int
     pieces: list[str] | None = None
     logprobs: list[float] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # chat with tools: OpenAI's tool_calls
 
 
 def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
@@ -79,10 +80,24 @@ _PROCESS = uuid.uuid4().hex[:12]
 _COUNTER = itertools.count()
 
 
-def new_id(prefix: str) -> str:
+def new_id(prefix: str, sep: str = "-") -> str:
     """A unique response id: this process's random part and a counter (no system call per
     request, which would hand the GIL to the generating thread)."""
-    return f"{prefix}-{_PROCESS}{next(_COUNTER):012x}"
+    return f"{prefix}{sep}{_PROCESS}{next(_COUNTER):012x}"
+
+
+def new_call_id() -> str:
+    """A unique tool-call id (`call_…`, OpenAI's style)."""
+    return new_id("call", "_")
+
+
+def chat_message(a: Answer) -> dict[str, Any]:
+    """An answer's `message`: its text as content, and with tool calls those (content null when
+    no text is left outside them)."""
+    if not a.tool_calls:
+        return {"role": "assistant", "content": a.text, "refusal": None}
+    content = a.text or None
+    return {"role": "assistant", "content": content, "refusal": None, "tool_calls": a.tool_calls}
 
 
 def usage(prompt_tokens: int, answers: Sequence[Answer]) -> dict[str, int]:
@@ -191,7 +206,7 @@ def chat_body(
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": a.text, "refusal": None},
+            "message": chat_message(a),
             "logprobs": chat_logprobs(a) if logprobs else None,
             "finish_reason": a.finish_reason,
         }
@@ -208,7 +223,8 @@ def chat_chunks(
     reply: Reply, answers: Sequence[Answer], prompt_tokens: int, include_usage: bool
 ) -> Iterator[bytes]:
     """SSE events of a streamed chat completion: per choice a role delta, its content deltas
-    and its finish; then [DONE]."""
+    (with tool calls: the content outside them in one delta, then one delta per call, each
+    whole) and its finish; then [DONE]."""
     head = reply.head("chat.completion.chunk")
 
     def event(i: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -217,9 +233,15 @@ def chat_chunks(
 
     for i, a in enumerate(answers):
         yield event(i, {"role": "assistant", "content": ""})
-        for piece in a.pieces or [a.text]:
-            if piece:
-                yield event(i, {"content": piece})
+        if a.tool_calls:  # the text outside the calls, then one delta per call, whole
+            if a.text:
+                yield event(i, {"content": a.text})
+            for k, call in enumerate(a.tool_calls):
+                yield event(i, {"tool_calls": [{"index": k, **call}]})
+        else:
+            for piece in a.pieces or [a.text]:
+                if piece:
+                    yield event(i, {"content": piece})
         yield event(i, {}, a.finish_reason)
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, answers)})

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from keel.data.conversation import CallWriter, assistant_text, assistant_turn, hermes_calls
 from keel.serve.errors import APIError, bad_request
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -100,20 +101,92 @@ class TextPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
-    """A chat message; content as text or as a list of text parts."""
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class MessageToolCall(BaseModel):
+    """One call of an assistant message's `tool_calls`, as the `openai` SDK sends it back."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
-    def as_template_message(self) -> dict[str, Any]:
+
+class Message(BaseModel):
+    """A chat message; content as text or as a list of text parts. An assistant message may
+    have `tool_calls` (and then a null content), a tool message answers one (`tool_call_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # what the SDK echoes back of an answer; not rendered
+
+    @model_validator(mode="after")
+    def _shape(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has tool calls (this "
+                             f"one is {self.role!r})")  # fmt: skip
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs a content (null only for "
+                             "an assistant message with tool_calls)")  # fmt: skip
+        return self
+
+    @property
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        if content is None:
+            return ""
+        return "".join(part.text for part in content) if isinstance(content, list) else content
+
+    def as_template_message(self, write_calls: CallWriter = hermes_calls) -> dict[str, Any]:
+        """The message the chat template renders: an assistant's tool calls written after its
+        content in the model's tool-call format (`write_calls`, keel.data.conversation's
+        `assistant_text`, as a training episode spells them); a tool message with its id."""
+        if self.role == "assistant" and self.tool_calls:
+            calls = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+            turn = assistant_turn({"role": "assistant", "content": self.text, "tool_calls": calls})
+            return {"role": "assistant", "content": assistant_text(turn, write_calls)}
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.role == "tool" and self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.role == "tool" and self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of `tools`: an OpenAI function schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: dict[str, Any]
 
 
 class ChatCompletionRequest(Request):
@@ -124,11 +197,27 @@ class ChatCompletionRequest(Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
         if self.top_logprobs:
             raise ValueError("top_logprobs is not supported (only the sampled tokens' log-probs)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format is not supported (only {'type': 'text'})")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            raise ValueError(
+                "tool_choice: 'required' and a named function are not supported (the model "
+                "cannot be made to call a tool): use 'auto' or 'none'"
+            )
+        if self.parallel_tool_calls is False:
+            raise ValueError("parallel_tool_calls: false is not supported (every call the "
+                             "model writes is returned)")  # fmt: skip
         return self
 
     def token_budget(self, default: int) -> int:
@@ -136,8 +225,24 @@ class ChatCompletionRequest(Request):
         return self.max_completion_tokens or self.max_tokens or default
 
     @property
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template's `tools=` argument (OpenAI function schemas)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether answers are read for tool calls: tools given and tool_choice not 'none'."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def chat_messages(self, write_calls: CallWriter = hermes_calls) -> list[dict[str, Any]]:
+        """The messages the chat template renders (Message.as_template_message)."""
+        return [m.as_template_message(write_calls) for m in self.messages]
+
+    @property
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_message() for m in self.messages]
+        return self.chat_messages()
 
 
 class ScoreItem(BaseModel):
@@ -220,21 +325,60 @@ def validate(data: dict[str, Any], model: type[BaseModel]) -> Any:
 
 
 def _invalid(exc: ValidationError) -> APIError:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    """The first problem of `exc` as a 400: the parameter in plain words (`messages[1].content`,
+    never pydantic's `messages.1.content.str`); the alternatives of a union said together."""
+    errors = exc.errors()
+    err = errors[0]
+    param = plain_path(err["loc"]) or None
     if err["type"] == "extra_forbidden":
         return bad_request(f"unrecognized request argument: {param}", code="unknown_parameter",
                            param=param)  # fmt: skip
     if err["type"] == "missing":
         return bad_request(f"missing required parameter: {param}", code="missing_parameter",
                            param=param)  # fmt: skip
-    msg = err["msg"].removeprefix("Value error, ")
-    where = f"{param}: " if param and err["type"] != "value_error" else ""
+    same = [e for e in errors if plain_path(e["loc"]) == plain_path(err["loc"])]
+    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in same))
+    msg = " or ".join(m[:1].lower() + m[1:] if i else m for i, m in enumerate(msgs))
+    where = f"{param}: " if param else ""
+    if err["type"] == "value_error":  # a validator's message may start with its field's name
+        field, sep, rest = msg.partition(": ")
+        if sep and field in _FIELD_NAMES:
+            param = f"{param}.{field}" if param else field
+            msg = rest
+        elif not param:
+            where = ""
+        where = f"{param}: " if param else ""
     code = "unsupported_parameter" if "not supported" in msg else "invalid_value"
     return bad_request(f"{where}{msg}", code=code, param=param)
+
+
+def plain_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location in plain words: field names joined by dots, list indexes in
+    brackets, the names pydantic gives union alternatives (`str`, `list[TextPart]`,
+    `function-after[...]`) left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELD_NAMES:
+            out += f".{part}" if out else part
+    return out
 
 
 Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 ScoreRequest.model_rebuild()
+
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for model in models:
+        names |= set(model.model_fields)
+    return frozenset(names)
+
+
+_FIELD_NAMES = _field_names(
+    CompletionRequest, ChatCompletionRequest, StreamOptions, TextPart, Message, MessageToolCall,
+    FunctionCall, Tool, FunctionDefinition, NamedToolChoice, ScoreItem, ScoreRequest,
+)  # fmt: skip
