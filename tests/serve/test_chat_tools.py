@@ -127,7 +127,7 @@ def test_a_call_the_model_writes_comes_back_as_tool_calls_and_the_round_trip_con
     assert out.usage.prompt_tokens > expected_prompt_tokens(tool_model, ASK) + 20
 
     # the SDK's round trip: the assistant message (content None, tool_calls), a tool result
-    followup = [*ASK, choice.message.model_dump(exclude_none=True),
+    followup = [*ASK, choice.message,  # the SDK's own object, as its docs pass it back
                 {"role": "tool", "tool_call_id": call.id, "content": "a small feline"}]  # fmt: skip
     again = client.chat.completions.create(
         model="tools", messages=followup, tools=[LOOKUP], max_tokens=8, temperature=0

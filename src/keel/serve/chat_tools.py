@@ -56,11 +56,13 @@ def chat_prompt(
     """The request's messages for the chat template (assistant tool calls written in the
     model's format); 400s naming `tools` when the template cannot show them, or naming the
     message when a tool call cannot be read or a tool result would not reach the model."""
-    try:
-        messages = req.chat_messages(tools.write_calls)
-    except ValueError as exc:  # a tool call whose arguments are not a JSON object
-        where = next((f"messages[{i}]" for i, m in enumerate(req.messages) if m.tool_calls), None)
-        raise bad_request(f"{where}.tool_calls: {exc}", param=f"{where}.tool_calls") from None
+    messages = []
+    for i, message in enumerate(req.messages):
+        try:
+            messages.append(message.as_template_message(tools.write_calls))
+        except ValueError as exc:  # a tool call whose arguments are not a JSON object
+            where = f"messages[{i}].tool_calls"
+            raise bad_request(f"{where}: {exc}", param=where) from None
     if req.tools and not tools.renders_tools:
         raise bad_request(
             "tools: the model's chat template does not render tools (the prompt is the same "
