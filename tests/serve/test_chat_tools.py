@@ -16,9 +16,10 @@ from keel.cli.main import main
 from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.data.tool_calls import HERMES, MistralFormat, ToolCall, tool_call_format_for
 from keel.models import load_tokenizer
-from keel.serve.chat_tools import read_calls, with_tool_calls
+from keel.serve.chat_tools import check_tool_results, read_calls, with_tool_calls
+from keel.serve.errors import APIError
 from keel.serve.responses import Answer, Reply, chat_body, chat_chunks
-from tests.data.test_encoding import CHATML_WITH_TOOLS, LOOKUP
+from tests.data.test_encoding import CHATML_WITH_TOOLS, LOOKUP, bpe_tokenizer
 from tests.models.families import FAMILIES, build_family
 from tests.serve.live_server import InProcessServer
 
@@ -206,3 +207,16 @@ def test_a_template_without_tools_is_a_400_naming_tools(tiny_dir):
     root = models["data"][0]["root"]
     assert Path(root).is_absolute() and Path(root) == Path(tiny_dir).resolve()
     assert "choices" in plain
+
+
+def test_a_template_that_drops_tool_messages_is_a_400_naming_the_message():
+    no_tool_role = (
+        "{% for m in messages %}{% if m['role'] != 'tool' %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n"
+    )
+    messages = [*ASK, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": "a small feline"}]  # fmt: skip
+    check_tool_results(bpe_tokenizer(False, CHATML_WITH_TOOLS), messages, [LOOKUP])  # shown
+    with pytest.raises(APIError, match=r"messages\[2\]: .* renders no 'tool' messages") as err:
+        check_tool_results(bpe_tokenizer(False, no_tool_role), messages, None)
+    assert err.value.param == "messages[2]" and err.value.status == 400
