@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,15 +125,24 @@ def guess_conversations(
 ) -> list[dict[str, Any]]:
     """One multi-turn SFT row per demonstration episode (secrets uniform in [low, high]); the
     same games as guess_demonstrations with the same arguments."""
+    games = demonstration_games(episodes, low, high, random_frac, max_turns, seed)
+    return [conversation_row(secret, guesses, low=low, high=high) for secret, guesses in games]
+
+
+def demonstration_games(
+    episodes: int, low: int, high: int, random_frac: float, max_turns: int, seed: int
+) -> Iterator[tuple[int, list[int]]]:
+    """(secret, the demonstrated guesses) of `episodes` games, secrets uniform in [low, high],
+    drawn from one RNG seeded with `seed`."""
     rng = random.Random(seed)
-    rows = []
     for _ in range(episodes):
         secret = rng.randint(low, high)
-        guesses = play_demonstration(
-            rng, secret, low=low, high=high, random_frac=random_frac, max_turns=max_turns
+        yield (
+            secret,
+            play_demonstration(
+                rng, secret, low=low, high=high, random_frac=random_frac, max_turns=max_turns
+            ),
         )
-        rows.append(conversation_row(secret, guesses, low=low, high=high))
-    return rows
 
 
 def guess_demonstrations(
@@ -145,15 +155,8 @@ def guess_demonstrations(
     seed: int = 0,
 ) -> list[dict[str, str]]:
     """SFT rows of `episodes` demonstration episodes (secrets uniform in [low, high])."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(episodes):
-        secret = rng.randint(low, high)
-        guesses = play_demonstration(
-            rng, secret, low=low, high=high, random_frac=random_frac, max_turns=max_turns
-        )
-        rows += demonstration_rows(secret, guesses, low=low, high=high)
-    return rows
+    games = demonstration_games(episodes, low, high, random_frac, max_turns, seed)
+    return [row for s, g in games for row in demonstration_rows(s, g, low=low, high=high)]
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
