@@ -202,3 +202,30 @@ def test_the_shared_prefill_runs_each_distinct_prompt_once(tiny_dir, static):
     hook.remove()
     assert shapes[0] == (2, 5)  # the prefill: 2 prompts, all but their last token (6 − 1)
     assert shapes[1] == (8, 1)  # generate: 8 rows, only the last prompt token left to run
+
+
+@pytest.mark.parametrize("stop_on_turn_end", [True, False])
+def test_an_engine_asked_to_stops_on_the_chat_templates_turn_end(stop_on_turn_end):
+    """stop_on_turn_end (keel serve's engine: chat requests arrive as messages, so `chat` is
+    off): a response ends at the template's turn end (ChatML's <|im_end|>, not the tokenizer's
+    </s>) though the model's generation config does not list it. The model here always
+    predicts <|im_end|> (its head is a bias on that token)."""
+    from keel.models.factory import TinyModelSpec, build_tiny_model
+    from tests.data.test_encoding import CHATML_WITH_TOOLS, bpe_tokenizer
+
+    tok = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = build_tiny_model(tok, TinyModelSpec(hidden_size=32, intermediate_size=64))
+    head = torch.nn.Linear(32, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[im_end] = 10.0
+    model.lm_head = head
+    engine = HFRolloutEngine(model, tok, stop_on_turn_end=stop_on_turn_end)
+    assert (im_end in engine.eos_ids) == stop_on_turn_end
+    batch = engine.generate([Example("hi")], SamplingParams(temperature=0.0, max_new_tokens=4))
+    length = int(batch.response_mask.sum().item())
+    assert (length, batch.finish_reasons) == (
+        (1, ["stop"]) if stop_on_turn_end else (4, ["length"])
+    )

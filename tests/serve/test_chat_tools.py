@@ -220,3 +220,21 @@ def test_a_template_that_drops_tool_messages_is_a_400_naming_the_message():
     with pytest.raises(APIError, match=r"messages\[2\]: .* renders no 'tool' messages") as err:
         check_tool_results(bpe_tokenizer(False, no_tool_role), messages, None)
     assert err.value.param == "messages[2]" and err.value.status == 400
+
+
+def test_the_served_engine_stops_on_the_templates_turn_end(tmp_path):
+    """keel serve's engine (chat off: requests arrive as messages) still stops on the chat
+    template's turn end, here ChatML's <|im_end|> beside the tokenizer's </s>."""
+    from keel.models.factory import TinyModelSpec, build_tiny_model
+    from keel.serve.config import ServeFileConfig
+    from keel.serve.policy import build_engine
+    from tests.data.test_encoding import CHATML_WITH_TOOLS, bpe_tokenizer
+
+    tok = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
+    build_tiny_model(tok, TinyModelSpec(hidden_size=32, intermediate_size=64)).save_pretrained(
+        tmp_path
+    )
+    tok.save_pretrained(tmp_path)
+    engine = build_engine(tmp_path, ServeFileConfig(), tok)
+    assert tok.eos_token_id in engine.eos_ids
+    assert tok.convert_tokens_to_ids("<|im_end|>") in engine.eos_ids

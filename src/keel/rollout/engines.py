@@ -38,6 +38,8 @@ class EngineInputs:
     autocast: torch.dtype | None
     load_copy: Callable[[], torch.nn.Module]
     synced: bool = False  # FSDP2: every rank decodes until all are done
+    # stop on the chat template's turn end (keel.data.encoding.turn_end_id); None: when chat
+    stop_on_turn_end: bool | None = None
 
 
 def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
@@ -52,6 +54,7 @@ def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
         model,
         inputs.tokenizer,
         chat=inputs.chat,
+        stop_on_turn_end=inputs.stop_on_turn_end,
         max_prompt_length=inputs.max_prompt_length,
         truncation=inputs.truncation,
         batch_size=rollout.batch_size,

@@ -49,6 +49,7 @@ class HFRolloutEngine:
         compile: bool = False,
         share_prefill: bool = False,
         shares_module: bool = False,
+        stop_on_turn_end: bool | None = None,
     ):
         self.model = model
         self.shares_module = shares_module
@@ -64,8 +65,10 @@ class HFRolloutEngine:
         self.static_length = 0  # the static cache's length: the longest generate call's so far
         self.compile = compile
         self.share_prefill = share_prefill
-        # the model's EOS ids, and in chat the template's turn end (Gemma's <end_of_turn>)
-        self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, chat)
+        # the model's EOS ids, and in chat (or when asked: serving, whose chat requests arrive
+        # as messages) the template's turn end (Gemma's <end_of_turn>)
+        turn_end = chat if stop_on_turn_end is None else stop_on_turn_end
+        self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, turn_end)
         first_eos = self.eos_ids[0] if self.eos_ids else None  # the tokenizer's, when it has one
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
 

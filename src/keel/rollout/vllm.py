@@ -263,7 +263,9 @@ class VLLMRolloutEngine:
             llm,
             inputs.tokenizer,
             eos_ids=stop_ids(
-                eos_token_ids(generation, inputs.tokenizer), inputs.tokenizer, inputs.chat
+                eos_token_ids(generation, inputs.tokenizer),
+                inputs.tokenizer,
+                inputs.chat if inputs.stop_on_turn_end is None else inputs.stop_on_turn_end,
             ),
             chat=inputs.chat,
             max_prompt_length=inputs.max_prompt_length,

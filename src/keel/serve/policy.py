@@ -46,6 +46,7 @@ def build_engine(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> RolloutE
         model_path=folder,
         tokenizer=tokenizer,
         chat=False,  # chat requests arrive as message lists, which go through the template
+        stop_on_turn_end=True,  # an answer ends where its template ends a turn (<end_of_turn>)
         max_prompt_length=cfg.serve.max_prompt_tokens,
         truncation="error",
         dtype=cfg.models.dtype,
