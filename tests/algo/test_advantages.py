@@ -26,7 +26,7 @@ def test_hand_computed_group_of_four_with_std():
 
 
 def test_hand_computed_group_of_four_without_std():
-    out = _adv([1.0, 2.0, 3.0, 6.0], [0, 0, 0, 0], norm_by_std=False)
+    out = _adv([1.0, 2.0, 3.0, 6.0], [0, 0, 0, 0], norm_adv_by_std=False)
     assert_close(out[:, 0], torch.tensor([-2.0, -1.0, 0.0, 3.0]))
 
 
@@ -66,12 +66,14 @@ def test_interleaved_group_ids():
     assert_close(out[:, 0], expected)
 
 
-@pytest.mark.parametrize("norm_by_std", [True, False])
-def test_advantages_have_zero_mean_within_each_group(norm_by_std):
+@pytest.mark.parametrize("norm_adv_by_std", [True, False])
+def test_advantages_have_zero_mean_within_each_group(norm_adv_by_std):
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(24, generator=gen) * 3.0
     group_ids = torch.randint(0, 5, (24,), generator=gen) * 11
-    out = grpo_outcome_advantage(scores, torch.ones(24, 1), group_ids, norm_by_std=norm_by_std)
+    out = grpo_outcome_advantage(
+        scores, torch.ones(24, 1), group_ids, norm_adv_by_std=norm_adv_by_std
+    )
     for g in group_ids.unique():
         in_group = group_ids == g
         if in_group.sum() > 1:
@@ -130,7 +132,7 @@ def test_gae_estimator_whitens_advantages_but_returns_use_unwhitened_ones():
     raw, ret = gae_advantage_return(rewards, values, mask, gamma=0.9, lam=0.8)
     adv, ret2 = ADVANTAGE_ESTIMATORS["gae"](
         token_rewards=rewards, response_mask=mask, group_ids=torch.arange(3), values=values,
-        gamma=0.9, lam=0.8, whiten=True,
+        gamma=0.9, lam=0.8, norm_adv=True,
     )  # fmt: skip
     assert_close(ret2, ret)
     assert_close(adv, masked_whiten(raw, mask))
@@ -209,7 +211,7 @@ def test_grpo_advantages_are_zero_mean_within_every_group():
     scores = torch.randint(0, 3, (24,), generator=g).float()
     groups = torch.arange(6).repeat_interleave(4)
     for norm in (True, False):
-        adv = grpo_outcome_advantage(scores, torch.ones(24, 1), groups, norm_by_std=norm)[:, 0]
+        adv = grpo_outcome_advantage(scores, torch.ones(24, 1), groups, norm_adv_by_std=norm)[:, 0]
         assert_close(adv.view(6, 4).sum(dim=1), torch.zeros(6))
 
 

@@ -13,9 +13,9 @@ def test_grpo_spec_carries_the_config():
                           norm_adv_by_std=False, loss_agg_mode="token-mean"))  # fmt: skip
     assert spec.stage == "rl" and spec.advantage == "grpo" and spec.policy_loss == "vanilla"
     assert spec.policy_loss_kwargs["clip_ratio_high"] == 0.28
-    assert spec.advantage_kwargs == {"norm_by_std": False, "epsilon": 1e-6}
+    assert spec.advantage_kwargs == {"norm_adv_by_std": False, "adv_epsilon": 1e-6}
     assert spec.kl_loss_type == "k2" and spec.kl_loss_coef == 0.05
-    assert spec.agg_mode == "token-mean"
+    assert spec.loss_agg_mode == "token-mean"
     assert spec.needs_reference
 
 
@@ -50,7 +50,7 @@ def test_dpo_spec_carries_loss_beta_and_smoothing():
     assert spec.stage == "dpo" and spec.needs_reference
     assert spec.preference_loss == "robust"
     assert spec.preference_loss_kwargs == {"beta": 0.3, "label_smoothing": 0.2}
-    assert not spec.precompute_ref_logps and spec.generate_eval
+    assert not spec.precompute_ref_logps and spec.eval_generate
     assert build_spec(cfg(name="dpo", loss="ipo_mean")).preference_loss == "ipo_mean"
 
 
@@ -71,15 +71,15 @@ def test_ppo_spec_has_a_critic_gae_and_kl_in_the_reward():
                           kl_ctrl=ctrl))  # fmt: skip
     assert spec.needs_critic and spec.needs_reference
     assert spec.advantage == "gae"
-    assert spec.advantage_kwargs == {"gamma": 0.99, "lam": 0.9, "whiten": True}
-    assert spec.kl_reward_type == "kl" and spec.kl_loss_coef == 0.0
-    assert spec.kl_ctrl == {"kind": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000}
-    assert spec.value_clip == 0.5 and spec.critic_lr == 1e-3 and spec.critic_warmup_steps == 3
+    assert spec.advantage_kwargs == {"gamma": 0.99, "lam": 0.9, "norm_adv": True}
+    assert spec.kl_penalty == "kl" and spec.kl_loss_coef == 0.0
+    assert spec.kl_ctrl == {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 10000}
+    assert spec.cliprange_value == 0.5 and spec.critic_lr == 1e-3 and spec.critic_warmup_steps == 3
 
 
 def test_without_kl_anywhere_no_reference_is_loaded():
     spec = build_spec(cfg(name="rloo", use_kl_in_reward=False))
-    assert not spec.needs_reference and spec.kl_reward_type is None and spec.advantage == "rloo"
+    assert not spec.needs_reference and spec.kl_penalty is None and spec.advantage == "rloo"
     fixed_zero = build_spec(cfg(name="reinforce_pp", kl_ctrl={"kl_coef": 0.0}))
     assert not fixed_zero.needs_reference
 
@@ -93,18 +93,22 @@ def test_drgrpo_divides_by_the_generation_budget_and_drops_the_std():
     c = validate({"models": {"actor": "x"}, "algorithm": {"name": "drgrpo"},
                   "rollout": {"max_new_tokens": 24}})  # fmt: skip
     spec = build_spec(c)
-    assert spec.agg_mode == "seq-mean-token-sum-norm" and spec.loss_scale_factor == 24
-    assert spec.advantage_kwargs["norm_by_std"] is False and not spec.needs_reference
+    assert spec.loss_agg_mode == "seq-mean-token-sum-norm" and spec.loss_scale_factor == 24
+    assert spec.advantage_kwargs["norm_adv_by_std"] is False and not spec.needs_reference
 
 
 def test_dapo_and_gspo_specs():
     dapo = build_spec(cfg(name="dapo", overlong_buffer_len=4, overlong_filter=True))
     assert dapo.policy_loss_kwargs == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
                                        "clip_ratio_c": 10.0}  # fmt: skip
-    assert dapo.agg_mode == "token-mean" and dapo.dynamic_sampling and dapo.max_gen_batches == 4
-    assert dapo.mask_truncated and dapo.overlong_buffer_len == 4
+    assert (
+        dapo.loss_agg_mode == "token-mean"
+        and dapo.dynamic_sampling
+        and dapo.max_num_gen_batches == 4
+    )
+    assert dapo.overlong_filter and dapo.overlong_buffer_len == 4
     gspo = build_spec(cfg(name="gspo"))
-    assert gspo.policy_loss == "gspo" and gspo.agg_mode == "seq-mean-token-mean"
+    assert gspo.policy_loss == "gspo" and gspo.loss_agg_mode == "seq-mean-token-mean"
     assert gspo.policy_loss_kwargs == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
     assert build_spec(cfg(name="gspo", importance_level="token")).policy_loss == "gspo_token"
 

@@ -20,7 +20,7 @@ AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-s
 def rl_spec(mode: str, kl: float = 0.0, entropy: float = 0.0) -> AlgorithmSpec:
     roles = {"actor", "rollout", "reward"} | ({"reference"} if kl else set())
     return AlgorithmSpec(
-        name="test", stage="rl", roles=frozenset(roles), agg_mode=mode, advantage="grpo",
+        name="test", stage="rl", roles=frozenset(roles), loss_agg_mode=mode, advantage="grpo",
         policy_loss="vanilla", policy_loss_kwargs={"clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
                                                    "clip_ratio_c": 3.0},
         kl_loss_coef=kl, entropy_coeff=entropy,

@@ -16,7 +16,7 @@ from tests.workers.test_actor import AGG_MODES, synthetic_batch
 
 def spec(mode: str, value_clip: float | None = 0.5, epochs: int = 1) -> AlgorithmSpec:
     return AlgorithmSpec(name="test", stage="rl", roles=frozenset({"actor", "critic"}),
-                         agg_mode=mode, advantage="gae", value_clip=value_clip,
+                         loss_agg_mode=mode, advantage="gae", cliprange_value=value_clip,
                          ppo_epochs=epochs)  # fmt: skip
 
 

@@ -18,7 +18,7 @@ LONGER = PreferencePair(prompt="123+456=", chosen="579000", rejected="5791234")
 
 def spec(loss: str) -> AlgorithmSpec:
     return AlgorithmSpec(
-        name="dpo", stage="dpo", roles=frozenset({"actor", "reference"}), agg_mode="token-sum",
+        name="dpo", stage="dpo", roles=frozenset({"actor", "reference"}), loss_agg_mode="token-sum",
         preference_loss=loss, preference_loss_kwargs={"beta": 0.5, "label_smoothing": 0.0},
     )  # fmt: skip
 

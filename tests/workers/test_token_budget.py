@@ -97,7 +97,9 @@ def test_sft_update_equals_the_padded_path(tiny_dir):
     batch = skewed_batch(len(tok))
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     for mode in ("token-mean", "seq-mean-token-sum-norm"):
-        spec = AlgorithmSpec(name="sft", stage="sft", roles=frozenset({"actor"}), agg_mode=mode)
+        spec = AlgorithmSpec(
+            name="sft", stage="sft", roles=frozenset({"actor"}), loss_agg_mode=mode
+        )
         metrics = [actor(m, tok, b, micro=2).sft_update(batch, spec)
                    for m, b in zip(models, (None, BUDGET), strict=True)]  # fmt: skip
         assert_same(models, metrics, "actor/sft_loss")
@@ -137,8 +139,8 @@ def test_critic_values_and_update_equal_the_padded_path(tiny_dir):
     old = values[0] + 0.5 * torch.randn(values[0].shape, generator=g)  # the value clip acts
     batch = batch.replace(values=old, returns=returns)
     spec = AlgorithmSpec(name="test", stage="rl", roles=frozenset({"actor", "critic"}),
-                         agg_mode="seq-mean-token-sum-norm", advantage="gae",
-                         value_clip=0.2)  # fmt: skip
+                         loss_agg_mode="seq-mean-token-sum-norm", advantage="gae",
+                         cliprange_value=0.2)  # fmt: skip
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     metrics = [critic(m, tok, b).update(batch, spec)
                for m, b in zip(models, (None, BUDGET), strict=True)]  # fmt: skip
@@ -161,7 +163,7 @@ def test_pair_updates_equal_the_padded_path(tiny_dir):
     noise = torch.randn(batch.ref_logprobs.shape, generator=torch.Generator().manual_seed(3))
     batch = batch.replace(ref_logprobs=batch.ref_logprobs + noise)  # margins away from 0
     spec = AlgorithmSpec(
-        name="dpo", stage="dpo", roles=frozenset({"actor", "reference"}), agg_mode="token-sum",
+        name="dpo", stage="dpo", roles=frozenset({"actor", "reference"}), loss_agg_mode="token-sum",
         preference_loss="ipo_mean", preference_loss_kwargs={"beta": 0.5, "label_smoothing": 0.0},
     )  # fmt: skip
     models = [copy.deepcopy(base), copy.deepcopy(base)]

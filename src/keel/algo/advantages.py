@@ -45,18 +45,18 @@ def grpo_outcome_advantage(
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     *,
-    norm_by_std: bool = True,
-    epsilon: float = 1e-6,
+    norm_adv_by_std: bool = True,
+    adv_epsilon: float = 1e-6,
 ) -> torch.Tensor:
     """GRPO (DeepSeekMath, arXiv:2402.03300): Â_i = (R_i − mean_g R)/(std_g R + ε), per token.
 
     scores [B], response_mask [B, R], group_ids [B] → advantages [B, R] (Â_i · m[i, t]).
     std is the unbiased sample std over the whole group; an all-equal group gives 0; a singleton
-    group uses mean 0, std 1 (verl). norm_by_std=False gives Â_i = R_i − mean (Dr.GRPO).
+    group uses mean 0, std 1 (verl). norm_adv_by_std=False gives Â_i = R_i − mean (Dr.GRPO).
     """
     mean, std, _ = group_statistics(scores, group_ids)
     centered = (scores.to(torch.float64) - mean.to(torch.float64)).to(torch.float32)
-    adv = centered / (std + epsilon) if norm_by_std else centered
+    adv = centered / (std + adv_epsilon) if norm_adv_by_std else centered
     m = response_mask.bool()
     zero = torch.zeros((), device=adv.device)
     return torch.where(m, adv.unsqueeze(1).expand_as(response_mask), zero)
@@ -189,11 +189,11 @@ def _grpo(token_rewards, response_mask, group_ids, values=None, **options):
     return grpo_outcome_advantage(scores, response_mask, group_ids, **options), None
 
 
-def _gae(token_rewards, response_mask, group_ids, values=None, *, whiten=True, **options):
+def _gae(token_rewards, response_mask, group_ids, values=None, *, norm_adv=True, **options):
     if values is None:
         raise ValueError("the gae advantage estimator needs critic values")
     advantages, returns = gae_advantage_return(token_rewards, values, response_mask, **options)
-    if whiten:
+    if norm_adv:
         advantages = masked_whiten(advantages, response_mask)
     return advantages, returns
 

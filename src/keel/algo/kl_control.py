@@ -58,11 +58,11 @@ KLController = FixedKLController | AdaptiveKLController
 
 
 def build_kl_controller(
-    kind: str, *, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
+    type: str, *, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
 ) -> KLController:
     """`fixed` or `adaptive`."""
-    if kind == "fixed":
+    if type == "fixed":
         return FixedKLController(kl_coef)
-    if kind == "adaptive":
+    if type == "adaptive":
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown KL controller {kind!r}; choose fixed or adaptive")
+    raise ValueError(f"unknown KL controller {type!r}; choose fixed or adaptive")

@@ -19,24 +19,24 @@ class AlgorithmSpec:
     roles: which role worker groups exist.
     advantage / advantage_kwargs: a key of keel.algo.ADVANTAGE_ESTIMATORS and its options.
     policy_loss / policy_loss_kwargs: a key of keel.algo.POLICY_LOSSES and its options.
-    agg_mode, loss_scale_factor: loss aggregation (docs/algorithms.md §1) for every loss term.
+    loss_agg_mode, loss_scale_factor: loss aggregation (docs/algorithms.md §1) for every loss term.
     kl_loss_coef, kl_loss_type: KL as a loss against the reference (0: no reference model).
     entropy_coeff: the entropy bonus c_H.
     preference_loss / preference_loss_kwargs: a key of keel.algo.preference.DPO_LOSSES and its
       options {beta, label_smoothing} (stage "dpo").
     precompute_ref_logps: reference log-probs of every pair computed once and cached ("dpo").
-    generate_eval: evaluation also generates answers to the held-out prompts and scores them
+    eval_generate: evaluation also generates answers to the held-out prompts and scores them
       with the reward role (pair stages, which otherwise evaluate pairwise only).
     ppo_epochs: passes over each rollout batch.
-    kl_reward_type / kl_ctrl: KL in the reward (docs/algorithms.md §3): the estimator on
-      (ℓ_old, ℓ_ref) and the controller options for keel.algo.build_kl_controller (kind,
+    kl_penalty / kl_ctrl: KL in the reward (docs/algorithms.md §3): the estimator on
+      (ℓ_old, ℓ_ref) and the controller options for keel.algo.build_kl_controller (type,
       kl_coef, target_kl, horizon); None: no KL in the reward.
-    value_clip, critic_warmup_steps: the critic's value clipping ε_v (None: off) and the number
+    cliprange_value, critic_warmup_steps: the critic's value clipping ε_v (None: off) and the number
       of first steps in which only the critic is updated, and its learning rate (roles with
       "critic").
-    dynamic_sampling, max_gen_batches: drop groups whose scores are all equal and generate more
-      until the batch is full, at most max_gen_batches generation rounds per step (0: no cap).
-    mask_truncated: responses cut at the length budget (no EOS) get response mask 0.
+    dynamic_sampling, max_num_gen_batches: drop groups whose scores are all equal and generate more
+      until the batch is full, at most max_num_gen_batches generation rounds per step (0: no cap).
+    overlong_filter: responses cut at the length budget (no EOS) get response mask 0.
     overlong_buffer_len, overlong_penalty_factor: soft overlong punishment (0: off).
     tis_cap: truncated importance sampling (keel.algo.drift): the policy loss's per-token terms
       are weighted by min(π_old/π_rollout, tis_cap), detached; None: off. Needs the rollout
@@ -46,7 +46,7 @@ class AlgorithmSpec:
     name: str
     stage: Literal["rl", "sft", "rm", "dpo"]
     roles: frozenset[str]
-    agg_mode: str
+    loss_agg_mode: str
     advantage: str | None = None
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)
     policy_loss: str | None = None
@@ -59,14 +59,14 @@ class AlgorithmSpec:
     preference_loss: str | None = None
     preference_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     precompute_ref_logps: bool = False
-    generate_eval: bool = False
-    kl_reward_type: str | None = None
+    eval_generate: bool = False
+    kl_penalty: str | None = None
     kl_ctrl: dict[str, Any] = field(default_factory=dict)
-    value_clip: float | None = None
+    cliprange_value: float | None = None
     critic_warmup_steps: int = 0
     dynamic_sampling: bool = False
-    max_gen_batches: int = 0
-    mask_truncated: bool = False
+    max_num_gen_batches: int = 0
+    overlong_filter: bool = False
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     critic_lr: float | None = None

@@ -232,7 +232,7 @@ def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
     """The longest sequence the run generates fits every model that reads it: a ModelLoadError
     naming the keys and the model otherwise, raised from the model configs alone (before any
     weights load). Stages that never generate (rm; dpo without eval_generate) are not checked."""
-    if spec.stage not in ("rl", "sft") and not spec.generate_eval:
+    if spec.stage not in ("rl", "sft") and not spec.eval_generate:
         return
     m = cfg.models
     models = {"models.actor": m.actor}

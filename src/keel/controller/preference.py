@@ -164,7 +164,7 @@ class DPOController(PairController):
             chosen_lengths=n[0::2], rejected_lengths=n[1::2],
         )  # fmt: skip
         metrics = {f"eval/{k}": v for k, v in out.metrics.items()}
-        if self.spec.generate_eval:
+        if self.spec.eval_generate:
             prompts = [Example(p.prompt, answer=p.answer, source=p.source) for p in self.eval_pairs]
             metrics.update(evaluate_policy(self.roles, prompts, self.cfg))
         return metrics

@@ -52,9 +52,9 @@ class RLController:
         )
         self.timer = StageTimer()
         self.groups_seen = 0
-        self.kl_ctrl = build_kl_controller(**spec.kl_ctrl) if spec.kl_reward_type else None
+        self.kl_ctrl = build_kl_controller(**spec.kl_ctrl) if spec.kl_penalty else None
         self.sampler = (
-            DynamicSampler(cfg.train.batch_size, spec.max_gen_batches)
+            DynamicSampler(cfg.train.batch_size, spec.max_num_gen_batches)
             if spec.dynamic_sampling
             else None
         )
@@ -129,7 +129,7 @@ class RLController:
             batch, kl_metrics = self.compute_advantages(batch)
         metrics = {**batch_metrics(batch, spec.tis_cap), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
-        if spec.mask_truncated:  # overlong filtering: after the advantages, loss mask only
+        if spec.overlong_filter:  # overlong filtering: after the advantages, loss mask only
             batch, metrics["response/truncated_masked"] = mask_truncated(batch)
         if roles.critic is not None:
             with t("critic_update"):
@@ -212,7 +212,7 @@ class RLController:
         mask, metrics = batch.response_mask, {}
         kl, beta = None, 0.0
         if self.kl_ctrl is not None:
-            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_reward_type)
+            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_penalty)
             beta, current = self.kl_ctrl.value * self.kl_scale, batch_mean_kl(kl, mask)
             self.kl_ctrl.update(current, n_steps=len(batch))
             metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}

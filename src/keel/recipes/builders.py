@@ -29,7 +29,7 @@ from keel.config.schema import (
 
 def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
     return AlgorithmSpec(
-        name="sft", stage="sft", roles=frozenset({"actor"}), agg_mode=algo.loss_agg_mode
+        name="sft", stage="sft", roles=frozenset({"actor"}), loss_agg_mode=algo.loss_agg_mode
     )
 
 
@@ -41,7 +41,7 @@ def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm, **changes: Any) -> AlgorithmSpec
     fields = dict(
         _ppo_clip_fields(cfg, algo, roles),
         advantage="grpo",
-        advantage_kwargs={"norm_by_std": algo.norm_adv_by_std, "epsilon": algo.adv_epsilon},
+        advantage_kwargs={"norm_adv_by_std": algo.norm_adv_by_std, "adv_epsilon": algo.adv_epsilon},
     )
     return AlgorithmSpec(**{**fields, **changes})
 
@@ -54,7 +54,7 @@ def _ppo_clip_fields(
         name=algo.name,
         stage="rl",
         roles=frozenset(roles),
-        agg_mode=algo.loss_agg_mode,
+        loss_agg_mode=algo.loss_agg_mode,
         policy_loss="vanilla",
         policy_loss_kwargs=_clip_kwargs(algo),
         loss_scale_factor=algo.loss_scale_factor,
@@ -93,8 +93,8 @@ def _dapo(cfg: KeelConfig, algo: DAPOAlgorithm) -> AlgorithmSpec:
         cfg,
         algo,
         dynamic_sampling=algo.dynamic_sampling,
-        max_gen_batches=algo.max_num_gen_batches,
-        mask_truncated=algo.overlong_filter,
+        max_num_gen_batches=algo.max_num_gen_batches,
+        overlong_filter=algo.overlong_filter,
         overlong_buffer_len=algo.overlong_buffer_len,
         overlong_penalty_factor=algo.overlong_penalty_factor,
     )
@@ -122,9 +122,9 @@ def _reward_kl_spec(
     fields = dict(
         _ppo_clip_fields(cfg, algo, roles),
         advantage=advantage,
-        kl_reward_type=algo.kl_penalty if kl_in_reward else None,
+        kl_penalty=algo.kl_penalty if kl_in_reward else None,
         kl_ctrl={
-            "kind": ctrl.type,
+            "type": ctrl.type,
             "kl_coef": ctrl.kl_coef,
             "target_kl": ctrl.target_kl,
             "horizon": ctrl.horizon,
@@ -139,8 +139,8 @@ def _ppo(cfg: KeelConfig, algo: PPOAlgorithm) -> AlgorithmSpec:
         algo,
         "gae",
         extra_roles=frozenset({"critic"}),
-        advantage_kwargs={"gamma": algo.gamma, "lam": algo.lam, "whiten": algo.norm_adv},
-        value_clip=algo.cliprange_value,
+        advantage_kwargs={"gamma": algo.gamma, "lam": algo.lam, "norm_adv": algo.norm_adv},
+        cliprange_value=algo.cliprange_value,
         critic_warmup_steps=algo.critic_warmup_steps,
         critic_lr=algo.critic_lr,
     )
@@ -158,7 +158,9 @@ def _reinforce_pp(cfg: KeelConfig, algo: ReinforcePPAlgorithm) -> AlgorithmSpec:
 
 def _rm(cfg: KeelConfig, algo: RMAlgorithm) -> AlgorithmSpec:
     """Bradley–Terry reward model: the trained model (role actor) has a scalar head."""
-    return AlgorithmSpec(name="rm", stage="rm", roles=frozenset({"actor"}), agg_mode="token-mean")
+    return AlgorithmSpec(
+        name="rm", stage="rm", roles=frozenset({"actor"}), loss_agg_mode="token-mean"
+    )
 
 
 def _dpo(cfg: KeelConfig, algo: DPOAlgorithm) -> AlgorithmSpec:
@@ -166,11 +168,11 @@ def _dpo(cfg: KeelConfig, algo: DPOAlgorithm) -> AlgorithmSpec:
         name="dpo",
         stage="dpo",
         roles=frozenset({"actor", "reference"}),
-        agg_mode="token-sum",  # sequence log-probs are sums over completion tokens
+        loss_agg_mode="token-sum",  # sequence log-probs are sums over completion tokens
         preference_loss=algo.loss,
         preference_loss_kwargs={"beta": algo.beta, "label_smoothing": algo.label_smoothing},
         precompute_ref_logps=algo.precompute_ref_logps,
-        generate_eval=algo.eval_generate,
+        eval_generate=algo.eval_generate,
     )
 
 

@@ -18,7 +18,7 @@ def unused_settings(cfg: KeelConfig, spec: AlgorithmSpec) -> list[tuple[list[str
     stands for the whole section."""
     stage = spec.stage
     out: list[tuple[list[str], str]] = []
-    generates_eval = stage in ("rl", "sft") or spec.generate_eval
+    generates_eval = stage in ("rl", "sft") or spec.eval_generate
     if stage != "rl":
         if generates_eval:
             out.append((

@@ -122,7 +122,7 @@ class ActorWorker(TrainableWorker):
         weights = self._tis_weights(micro, old, spec.tis_cap)
         agg = partial(
             agg_loss,
-            mode=spec.agg_mode,
+            mode=spec.loss_agg_mode,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             scale_factor=spec.loss_scale_factor,
@@ -132,7 +132,7 @@ class ActorWorker(TrainableWorker):
             old,
             micro.advantages,
             mask,
-            agg_mode=spec.agg_mode,
+            agg_mode=spec.loss_agg_mode,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             scale_factor=spec.loss_scale_factor,
@@ -186,7 +186,7 @@ class ActorWorker(TrainableWorker):
                 loss = sft_loss(
                     logprobs,
                     micro.response_mask,
-                    agg_mode=spec.agg_mode,
+                    agg_mode=spec.loss_agg_mode,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                     scale_factor=width,
