@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo gpu-wheels test test-tools lint format bench bench-trl bench-engines clean install mutants \
+.PHONY: demo gpu-wheels test test-tools lint typecheck format bench bench-trl bench-engines clean install mutants \
 	golden learning install-vllm test-vllm test-portable
 
 install: $(STAMP)
@@ -89,9 +89,15 @@ golden: $(STAMP)
 learning: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.learning.cases --seeds 0,1,2
 
-lint: $(STAMP)
+lint: $(STAMP) typecheck
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+
+# pyright (basic mode) over the packages pyproject's [tool.pyright] includes. The checker and
+# its node are wheels of the dev extra, so nothing is downloaded; the variable skips its
+# check for a newer release (a request to PyPI).
+typecheck: $(STAMP)
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests bench
