@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from keel.types import Batch
+from keel.types import Batch, merge_meta
 
 
 def make_batch(rows: int = 4, width: int = 3, start: int = 0) -> Batch:
@@ -84,3 +84,38 @@ def test_replace_returns_new_batch_and_leaves_original():
     assert new.scores.tolist() == [9.0, 9.0]
     assert batch.scores.tolist() == [0.0, 1.0]
     assert new.input_ids is batch.input_ids
+
+
+def test_meta_is_copied_by_row_algebra_and_concat_keeps_the_first():
+    batch = make_batch(4)
+    batch.meta["eos_token_ids"] = [2]
+    part = batch.select([0])
+    part.meta["weight_version"] = 5
+    assert batch.meta == {"step": 1, "eos_token_ids": [2]}
+    second = make_batch(1).replace(meta={"weight_version": 9})
+    assert Batch.concat([part, second]).meta == {**part.meta}
+
+
+def test_merge_meta_combines_the_reward_keys_of_shards():
+    shards = [
+        make_batch(1).replace(meta={"eos_token_ids": [2], "reward_errors": 1,
+                                    "reward_metrics": {"reward/a": 1.0},
+                                    "reward_warnings": [("timeout", "x")]}),
+        make_batch(3).replace(meta={"eos_token_ids": [2], "reward_errors": 2,
+                                    "reward_metrics": {"reward/a": 0.0}}),
+    ]  # fmt: skip
+    assert merge_meta(shards) == {
+        "eos_token_ids": [2],
+        "reward_errors": 3,
+        "reward_metrics": {"reward/a": 0.25},  # weighted by rows: (1·1 + 0·3) / 4
+        "reward_warnings": [("timeout", "x")],
+    }
+    # a key some shards lack is the first shard's, as Batch.concat keeps it
+    assert merge_meta([shards[0], make_batch(1)])["reward_errors"] == 1
+    assert merge_meta(shards[:1]) == shards[0].meta  # one shard: its meta as it is
+
+
+def test_from_state_reads_states_written_with_the_removed_logprobs_field():
+    state = {**make_batch(2).to_state(), "logprobs": None}
+    assert Batch.from_state(state).prompts == ["p0", "p1"]
+    assert not hasattr(Batch(), "logprobs")

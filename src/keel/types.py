@@ -10,9 +10,34 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+
+
+class BatchMeta(TypedDict, total=False):
+    """What a batch carries besides its rows (`Batch.meta`), by the role that writes it:
+
+      eos_token_ids       rollout engine: every token id that ends a response
+      eos_token_id        one EOS id, from producers older than eos_token_ids (only read)
+      weight_version      rollout worker: the policy updates its generating weights had seen
+      weight_version_lag  RL controller: its own weight version minus weight_version
+      reward_errors       reward worker: rows whose score fell back (a failed or timed-out call)
+      reward_metrics      reward worker: batch means such as reward/<name>, reward/model_mean
+      reward_warnings     reward worker: (rule, message) warnings for the run's events.jsonl
+
+    Merging: the rows of one batch share its meta, so `Batch.select`, `split` and `chunk` copy
+    it and `Batch.concat` keeps the first batch's. The shards of one data-parallel call are
+    combined by `merge_meta` (the reward keys summed, row-weighted or joined).
+    """
+
+    eos_token_ids: list[int]
+    eos_token_id: int
+    weight_version: int
+    weight_version_lag: int
+    reward_errors: int
+    reward_metrics: dict[str, float]
+    reward_warnings: list[tuple[str, str]]
 
 
 @dataclass
@@ -23,7 +48,6 @@ class Batch:
       input_ids        [B, T] long   prompt (left-padded) followed by response (right-padded)
       attention_mask   [B, T] long   1 for real tokens of prompt and response, 0 for padding
       response_mask    [B, R] float  1 for generated tokens up to and including the first EOS
-      logprobs         [B, R] float  log π_θ of the response tokens (current policy)
       old_logprobs     [B, R] float  log π_old (the policy that produced the rollout), no grad
       ref_logprobs     [B, R] float  log π_ref (frozen reference policy)
       rollout_logprobs [B, R] float  log-probs reported by the rollout engine
@@ -37,12 +61,12 @@ class Batch:
     episodes (multi-turn rollouts, keel.envs: per row a dict of turns, termination, return,
     tool_calls, tool_errors, model_tokens, observation_tokens and the messages).
     With episodes, response_mask has holes: 0 on the observation tokens between turns.
+    meta: the batch's `BatchMeta` (EOS ids, weight version, the reward worker's counts).
     """
 
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
@@ -56,7 +80,7 @@ class Batch:
     answers: list[Any] | None = None
     finish_reasons: list[str] | None = None
     episodes: list[dict[str, Any]] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: BatchMeta = field(default_factory=BatchMeta)
 
     # ------------------------------------------------------------------ shape
     def __len__(self) -> int:
@@ -91,7 +115,7 @@ class Batch:
                 out[f] = v[idx]
             else:
                 out[f] = [v[int(i)] for i in idx]
-        return Batch(**out, meta=dict(self.meta))
+        return Batch(**out, meta=self.meta.copy())
 
     def split(self, chunk_rows: int) -> list[Batch]:
         """Consecutive chunks of `chunk_rows` rows (the last may be shorter)."""
@@ -122,7 +146,7 @@ class Batch:
                 out[f] = _cat_padded(vals)
             else:
                 out[f] = [x for v in vals for x in v]
-        return Batch(**out, meta=dict(batches[0].meta))
+        return Batch(**out, meta=batches[0].meta.copy())
 
     def real_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt, response) lengths [B] of each row without its padding: the prompt from its
@@ -171,7 +195,9 @@ class Batch:
 
     @staticmethod
     def from_state(state: dict[str, Any]) -> Batch:
-        return Batch(**state)
+        """The batch `to_state` wrote. States written before the field `logprobs` was removed
+        carry it as None (nothing ever set it); it is dropped."""
+        return Batch(**{k: v for k, v in state.items() if k != "logprobs"})
 
     def replace(self, **changes: Any) -> Batch:
         return dataclasses.replace(self, **changes)
@@ -201,6 +227,34 @@ def concat_rollouts(batches: list[Batch]) -> Batch:
             )
         )
     return Batch.concat(relaid)
+
+
+def merge_meta(shards: Sequence[Batch]) -> BatchMeta:
+    """The meta of the shards of one data-parallel call taken together (their rows
+    concatenated in order): the first shard's, with the reward worker's keys combined —
+    reward_errors summed when every shard has it, reward_metrics (with several shards) as means
+    over all rows (each shard's value weighted by its rows), reward_warnings joined in order.
+    Any other key, and reward_errors where a shard lacks it, is the first shard's."""
+    out = shards[0].meta.copy()
+    if all("reward_errors" in s.meta for s in shards):
+        out["reward_errors"] = sum(s.meta.get("reward_errors", 0) for s in shards)
+    if len(shards) > 1 and any("reward_metrics" in s.meta for s in shards):
+        out["reward_metrics"] = _row_weighted_means(shards)
+    if any("reward_warnings" in s.meta for s in shards):
+        out["reward_warnings"] = [w for s in shards for w in s.meta.get("reward_warnings", ())]
+    return out
+
+
+def _row_weighted_means(shards: Sequence[Batch]) -> dict[str, float]:
+    """The shards' meta["reward_metrics"] (batch means such as reward/<name>) as means over
+    all their rows: each shard's value weighted by its number of rows."""
+    sums: dict[str, float] = {}
+    rows: dict[str, int] = {}
+    for s in shards:
+        for key, value in s.meta.get("reward_metrics", {}).items():
+            sums[key] = sums.get(key, 0.0) + float(value) * len(s)
+            rows[key] = rows.get(key, 0) + len(s)
+    return {key: sums[key] / rows[key] for key in sums if rows[key]}
 
 
 def _row_fields() -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from keel.types import Batch, concat_rollouts
+from keel.types import Batch, concat_rollouts, merge_meta
 
 
 class WorkerLostError(RuntimeError):
@@ -135,14 +135,7 @@ def _gather(results: list[Any]) -> Any:
             out = concat_rollouts(results)
         else:
             out = Batch.concat(results)
-        if all("reward_errors" in r.meta for r in results):
-            out.meta["reward_errors"] = sum(r.meta["reward_errors"] for r in results)
-        if len(results) > 1 and any("reward_metrics" in r.meta for r in results):
-            out.meta["reward_metrics"] = _row_weighted_means(results)
-        if any("reward_warnings" in r.meta for r in results):
-            out.meta["reward_warnings"] = [
-                w for r in results for w in r.meta.get("reward_warnings", ())
-            ]
+        out.meta = merge_meta(results)
         return out
     if isinstance(first, torch.Tensor):  # one value per row, e.g. scores [B]
         return torch.cat(results)
@@ -151,18 +144,6 @@ def _gather(results: list[Any]) -> Any:
     if isinstance(first, list):
         return [x for r in results for x in r]
     return first if len(results) == 1 else results
-
-
-def _row_weighted_means(results: list[Batch]) -> dict[str, float]:
-    """The ranks' meta["reward_metrics"] (batch means such as reward/<name>) as means over
-    all their rows: each rank's value weighted by its number of rows."""
-    sums: dict[str, float] = {}
-    rows: dict[str, int] = {}
-    for r in results:
-        for key, value in r.meta.get("reward_metrics", {}).items():
-            sums[key] = sums.get(key, 0.0) + float(value) * len(r)
-            rows[key] = rows.get(key, 0) + len(r)
-    return {key: sums[key] / rows[key] for key in sums if rows[key]}
 
 
 class WeightPush:
