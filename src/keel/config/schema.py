@@ -9,6 +9,7 @@ dual clip.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -516,39 +517,116 @@ class CheckpointConfig(Section):
 GuardAction = Literal["warn", "rollback", "stop"]
 
 
-class GuardConfig(Section):
-    """The circuit breaker: health rules checked after every step, each with an action."""
+GUARD_BOUNDS = ("max", "min", "max_drop", "max_drop_frac")
+# The event names of rules on these metrics when a rule has no `name` (stable across releases:
+# events.jsonl, alerts and dashboards read them).
+GUARD_RULE_NAMES = {
+    "actor/kl": "kl",
+    "actor/entropy": "entropy",
+    "response/length_mean": "length",
+    "rollout/logprob_kl": "drift",
+}
 
-    enabled: bool = True
-    monitor_metric: str = Field("reward/mean", description="the metric whose collapse is watched")
-    window: int = Field(10, ge=1, description="steps in the monitored metric's rolling mean")
+
+def _guard_bounds_set(rule: Mapping[str, Any] | BaseModel) -> list[str]:
+    if isinstance(rule, BaseModel):
+        return [b for b in GUARD_BOUNDS if getattr(rule, b) is not None]
+    return [b for b in GUARD_BOUNDS if rule.get(b) is not None]
+
+
+class GuardRule(Section):
+    """One health rule: one metric, one bound, one action. `max`/`min` compare the step's value
+    (or, with `window`, the rolling mean of the last `window` finite values); `max_drop` and
+    `max_drop_frac` compare the rolling mean with its best so far (window 1 when unset)."""
+
+    metric: str = Field(min_length=1, description="a key of metrics.jsonl (docs/metrics.md)")
+    max: float | None = Field(None, description="trip when the value is above this")
+    min: float | None = Field(None, description="trip when the value is below this")
     max_drop: float | None = Field(
         None, gt=0, description="trip when the rolling mean falls this far below its best"
     )
     max_drop_frac: float | None = Field(
-        0.5, gt=0, description="trip when it falls this fraction of |best| below its best"
+        None, gt=0, description="trip when it falls this fraction of |best| below its best"
     )
-    auto_stop_threshold: float | None = Field(
-        None, description="stop when the rolling mean falls below this value"
+    window: int | None = Field(
+        None, ge=1, description="steps in the rolling mean; null: the step's own value"
     )
-    collapse_action: GuardAction = "rollback"
-    nonfinite_action: Literal["warn", "skip"] = Field(
-        "skip", description="a non-finite loss/grad norm: the update is skipped; warn or skip"
-    )
-    nonfinite_patience: int = Field(3, ge=1, description="non-finite steps in a row → rollback")
-    kl_max: float | None = Field(None, gt=0, description="ceiling on actor/kl")
-    kl_action: GuardAction = "warn"
-    entropy_min: float | None = Field(None, ge=0, description="floor on actor/entropy")
-    entropy_action: GuardAction = "warn"
-    length_max: float | None = Field(None, gt=0, description="ceiling on response/length_mean")
-    length_action: GuardAction = "warn"
-    drift_kl_max: float | None = Field(
+    action: GuardAction = "warn"
+    name: str | None = Field(
         None,
-        gt=0,
-        description="ceiling on rollout/logprob_kl, the engine-vs-trainer KL (needs "
-        "rollout.return_logprobs)",
+        min_length=1,
+        description="the rule's name in events.jsonl; null: collapse for a drop, kl / entropy / "
+        "length / drift on their metrics, else the metric",
     )
-    drift_action: GuardAction = "warn"
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> GuardRule:
+        bounds = _guard_bounds_set(self)
+        if len(bounds) != 1:
+            raise ValueError(guard_bound_error(bounds))
+        return self
+
+    @property
+    def bound(self) -> str:
+        """Which bound the rule sets: max, min, max_drop or max_drop_frac."""
+        return _guard_bounds_set(self)[0]
+
+    @property
+    def rolling(self) -> bool:
+        """The rule reads a rolling mean (a drop, or a window), not the step's own value."""
+        return self.window is not None or self.bound in ("max_drop", "max_drop_frac")
+
+    @property
+    def label(self) -> str:
+        """The rule's name in events (`name`, else its default)."""
+        if self.name is not None:
+            return self.name
+        if self.bound in ("max_drop", "max_drop_frac"):
+            return "collapse"
+        if self.window is None and self.metric in GUARD_RULE_NAMES:
+            return GUARD_RULE_NAMES[self.metric]
+        return self.metric
+
+
+def guard_bound_error(bounds: list[str], where: str = "a guard rule") -> str:
+    got = f"it sets {' and '.join(bounds)}" if bounds else "it sets none"
+    return f"{where} needs exactly one bound of {', '.join(GUARD_BOUNDS)}; {got}"
+
+
+def _default_guard_rules() -> list[GuardRule]:
+    return [GuardRule(metric="reward/mean", window=10, max_drop_frac=0.5, action="rollback")]
+
+
+class NonfiniteConfig(Section):
+    """A non-finite `*loss` or `*grad_norm`, or a skipped update (`*/skipped` > 0)."""
+
+    action: Literal["warn", "skip"] = Field(
+        "skip", description="the update is skipped either way; warn or skip (count it)"
+    )
+    patience: int = Field(3, ge=1, description="non-finite steps in a row → rollback")
+
+
+class GuardConfig(Section):
+    """The circuit breaker: health rules checked after every step, each with an action."""
+
+    enabled: bool = True
+    rules: list[GuardRule] = Field(
+        default_factory=_default_guard_rules,
+        description="checked in order after every step; the default: a collapse of reward/mean "
+        "(its 10-step rolling mean 50% below its best) rolls back",
+    )
+    nonfinite: NonfiniteConfig = NonfiniteConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds_by_index(cls, data: Any) -> Any:
+        """A rule with no bound or several is an error naming guard.rules[i]."""
+        rules = data.get("rules") if isinstance(data, dict) else None
+        for i, rule in enumerate(rules if isinstance(rules, list) else []):
+            if isinstance(rule, Mapping) and len(bounds := _guard_bounds_set(rule)) != 1:
+                raise ValueError(guard_bound_error(bounds, f"guard.rules[{i}]"))
+        return data
+
     lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback")
     kl_factor: float = Field(1.0, ge=1, description="KL coefficient multiplier per rollback")
     skip_data: bool = Field(True, description="after a rollback, skip the batches that led to it")

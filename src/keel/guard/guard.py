@@ -2,9 +2,11 @@
 
 Actions, least to most severe: warn (log it), skip (a non-finite update was already skipped by
 the optimizer step; count it), rollback (the run loop restores the newest healthy checkpoint),
-stop. The most severe action of the step's tripped rules wins. `state_dict` holds everything;
-on a rollback only the *observations* (monitored history, best value, non-finite streak) go
-back to the checkpoint's, while the *decisions* (trips, rollbacks, LR and KL scales) persist.
+stop. The rules are guard.rules (keel.config.schema.GuardRule: one metric, one bound, one
+action) plus the non-finite rule (guard.nonfinite). The most severe action of the step's tripped
+rules wins. `state_dict` holds everything; on a rollback only the *observations* (the rolling
+windows with their best values, the non-finite streak) go back to the checkpoint's, while the
+*decisions* (trips, rollbacks, LR and KL scales) persist.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
-from keel.config.schema import GuardConfig
+from keel.config.schema import GuardConfig, GuardRule
 from keel.guard import rules
 from keel.guard.decisions import GuardDecisions
 
 SEVERITY = {"ok": 0, "warn": 1, "skip": 1, "rollback": 2, "stop": 3}
-OBSERVATIONS = ("history", "best", "nonfinite_streak")
+OBSERVATIONS = ("windows", "nonfinite_streak")
 
 
 @dataclass
@@ -32,8 +34,8 @@ class Trip:
 @dataclass
 class Verdict:
     """action: the step's decision; state: the guard/state metric (0 ok, 1 tripped, 2 rollback,
-    3 stop); healthy: no rule tripped and the monitored metric is not sliding (its rolling mean
-    is less than half the collapse threshold below its best), so a checkpoint written now is a
+    3 stop); healthy: no rule tripped and no metric watched by a drop rule is sliding (its rolling
+    mean is more than half the rule's drop below its best), so a checkpoint written now is a
     safe rollback target."""
 
     action: str = "ok"
@@ -53,13 +55,51 @@ class Verdict:
         return max(self.trips, key=lambda t: SEVERITY[t.action])
 
 
+class Window:
+    """The rolling mean of one metric over `size` steps (the last `size` finite values) and the
+    best rolling mean so far; rules on the same (metric, window) share one."""
+
+    def __init__(self, metric: str, size: int):
+        self.metric, self.size = metric, size
+        self.history: list[float] = []
+        self.best = -math.inf
+        self.current: float | None = None  # this step's rolling mean; None: not full, no value
+
+    def observe(self, metrics: Mapping[str, float]) -> None:
+        self.current = None
+        value = metrics.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return
+        self.history = [*self.history, float(value)][-self.size :]
+        self.current = rules.rolling_mean(self.history, self.size)
+
+    def settle(self) -> None:
+        """After the step's rules read it: the best rolling mean takes this step's."""
+        if self.current is not None:
+            self.best = max(self.best, self.current)
+
+    def state(self) -> dict:
+        return {"history": list(self.history), "best": self.best}
+
+    def restore(self, state: Mapping) -> None:
+        self.history = [float(v) for v in state["history"]][-self.size :]
+        self.best = float(state["best"])
+
+
+def window_key(rule: GuardRule) -> str:
+    """The name of a rolling rule's window in state_dict: `metric@size`."""
+    return f"{rule.metric}@{rule.window or 1}"
+
+
 class Guard:
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
-        self.history: list[float] = []  # the monitored metric, last `window` values
-        self.best = -math.inf  # best rolling mean so far
+        self.windows: dict[str, Window] = {}  # rolling means, by window_key
+        for rule in cfg.rules:
+            if rule.rolling and window_key(rule) not in self.windows:
+                self.windows[window_key(rule)] = Window(rule.metric, rule.window or 1)
         self.nonfinite_streak = 0
-        self.sliding = False  # the monitored metric is more than half-way to a collapse trip
+        self.sliding = False  # a watched metric is more than half-way to a drop rule's trip
         self.trips = 0
         self.rollbacks = 0
         self.lr_scale = 1.0
@@ -86,49 +126,62 @@ class Guard:
         return verdict
 
     def _tripped(self, metrics: Mapping[str, float]) -> list[tuple[str, str, str]]:
-        c = self.cfg
+        nonfinite = self.cfg.nonfinite
         out = []
         if msg := rules.nonfinite(metrics):
             self.nonfinite_streak += 1
-            if self.nonfinite_streak >= c.nonfinite_patience:
+            if self.nonfinite_streak >= nonfinite.patience:
                 msg += f" ({self.nonfinite_streak} steps in a row)"
                 out.append(("nonfinite", "rollback", msg))
             else:
-                out.append(("nonfinite", c.nonfinite_action, msg))
+                out.append(("nonfinite", nonfinite.action, msg))
         else:
             self.nonfinite_streak = 0
-        out.extend(self._collapse(metrics))
-        for rule, key, check, limit, action in (
-            ("kl", "actor/kl", rules.above, c.kl_max, c.kl_action),
-            ("entropy", "actor/entropy", rules.below, c.entropy_min, c.entropy_action),
-            ("length", "response/length_mean", rules.above, c.length_max, c.length_action),
-            ("drift", "rollout/logprob_kl", rules.above, c.drift_kl_max, c.drift_action),
-        ):
-            if key in metrics and (msg := check(metrics[key], limit, key)):
-                out.append((rule, action, msg))
-        return out
+        for window in self.windows.values():
+            window.observe(metrics)
+        tripped: dict[str, tuple[str, str, str]] = {}  # by rule name: one trip per name a step
+        for rule in self.cfg.rules:
+            msg = self._rolling(rule) if rule.rolling else self._instant(rule, metrics)
+            name = rule.label
+            if msg is not None:
+                seen = tripped.get(name)
+                if seen is None or SEVERITY[rule.action] > SEVERITY[seen[1]]:
+                    tripped[name] = (name, rule.action, msg)
+        for window in self.windows.values():
+            window.settle()
+        return out + list(tripped.values())
 
-    def _collapse(self, metrics: Mapping[str, float]) -> list[tuple[str, str, str]]:
-        c = self.cfg
-        value = metrics.get(c.monitor_metric)
-        if value is None or not math.isfinite(value):
-            return []
-        self.history = [*self.history, float(value)][-c.window :]
-        current = rules.rolling_mean(self.history, c.window)
+    def _instant(self, rule: GuardRule, metrics: Mapping[str, float]) -> str | None:
+        """A max or min on the step's own value (a missing metric never trips)."""
+        if rule.metric not in metrics:
+            return None
+        value = metrics[rule.metric]
+        if rule.max is not None:
+            return rules.above(value, rule.max, rule.metric)
+        return rules.below(value, rule.min, rule.metric)
+
+    def _rolling(self, rule: GuardRule) -> str | None:
+        """A bound on a rolling mean: max or min on it, or a drop below its best so far (only
+        once there is a best); a drop rule also says whether the metric is sliding (half-way)."""
+        window = self.windows[window_key(rule)]
+        current = window.current
         if current is None:
-            return []
-        out = []
-        if msg := rules.below(current, c.auto_stop_threshold, f"{c.monitor_metric} rolling mean"):
-            out.append(("auto_stop_threshold", "stop", msg + " (auto_stop_threshold)"))
-        if math.isfinite(self.best):
-            drop = partial(rules.collapse, current, self.best, metric=c.monitor_metric)
-            if msg := drop(max_drop=c.max_drop, max_drop_frac=c.max_drop_frac):
-                out.append(("collapse", c.collapse_action, msg))
-            half_drop = c.max_drop / 2 if c.max_drop else None
-            half_frac = c.max_drop_frac / 2 if c.max_drop_frac else None
-            self.sliding = drop(max_drop=half_drop, max_drop_frac=half_frac) is not None
-        self.best = max(self.best, current)
-        return out
+            return None
+        what = f"{rule.metric} rolling mean"
+        if rule.max is not None:
+            msg = rules.above(current, rule.max, what)
+            return None if msg is None else f"{msg} ({rule.label})"
+        if rule.min is not None:
+            msg = rules.below(current, rule.min, what)
+            return None if msg is None else f"{msg} ({rule.label})"
+        if not math.isfinite(window.best):
+            return None
+        drop = partial(rules.collapse, current, window.best, metric=rule.metric)
+        half_drop = rule.max_drop / 2 if rule.max_drop else None
+        half_frac = rule.max_drop_frac / 2 if rule.max_drop_frac else None
+        if drop(max_drop=half_drop, max_drop_frac=half_frac) is not None:
+            self.sliding = True
+        return drop(max_drop=rule.max_drop, max_drop_frac=rule.max_drop_frac)
 
     # ------------------------------------------------------------------------- actions
     def rolled_back(self) -> None:
@@ -156,8 +209,7 @@ class Guard:
     # -------------------------------------------------------------------- state (C1)
     def state_dict(self) -> dict:
         return {
-            "history": list(self.history),
-            "best": self.best,
+            "windows": {key: w.state() for key, w in self.windows.items()},
             "nonfinite_streak": self.nonfinite_streak,
             "trips": self.trips,
             "rollbacks": self.rollbacks,
@@ -173,7 +225,13 @@ class Guard:
         self.kl_scale = float(state["kl_scale"])
 
     def restore_observations(self, state: dict) -> None:
-        """Take back the checkpoint's history, best and streak (on a rollback)."""
-        self.history = [float(v) for v in state["history"]]
-        self.best = float(state["best"])
+        """Take back the checkpoint's rolling windows and non-finite streak (on a rollback). A
+        checkpoint written before guard.rules holds one window as `history` and `best`: the
+        first rolling rule's. A window the checkpoint lacks starts empty."""
+        saved = state.get("windows")
+        if saved is None and "history" in state:
+            saved = {next(iter(self.windows), ""): state}
+        saved = saved or {}
+        for key, window in self.windows.items():
+            window.restore(saved.get(key) or {"history": [], "best": -math.inf})
         self.nonfinite_streak = int(state["nonfinite_streak"])
