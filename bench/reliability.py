@@ -110,8 +110,8 @@ def steps_to_trip() -> dict:
                 break
     return {
         "case": "steps_to_trip",
-        "window": cfg.guard.window,
-        "max_drop_frac": cfg.guard.max_drop_frac,
+        "window": cfg.guard.rules[0].window,
+        "max_drop_frac": cfg.guard.rules[0].max_drop_frac,
         "false_trips_before_collapse": sum(t < 0 for t in trips),
         "median_steps_after_collapse": statistics.median(t for t in trips if t >= 0),
         "max_steps_after_collapse": max(trips),

@@ -88,12 +88,13 @@ def test_guard_stop_exits_3_with_a_clear_message(keel, tiny_dir, tmp_path):
         "train", "examples/grpo_arith_tiny.yaml", "--run-dir", str(run_dir),
         "--set", f"models.actor={tiny_dir}", "--set", "train.steps=3",
         "--set", "data.arithmetic.eval_size=8", "--set", "train.batch_size=2",
-        "--set", "train.mini_batch_size=16", "--set", "guard.window=1",
-        "--set", "guard.auto_stop_threshold=2.0",  # rewards are at most 1: stops after step 1
+        "--set", "train.mini_batch_size=16",
+        "--set",  # rewards are at most 1: stops after step 1
+        "guard.rules=[{metric: reward/mean, window: 1, min: 2.0, action: stop, name: floor}]",
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr
     assert "keel: stopped: guard stopped the run" in proc.stderr
-    assert "auto_stop_threshold" in proc.stderr
+    assert "reward/mean rolling mean" in proc.stderr and "(floor)" in proc.stderr
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "stop" and events[-1]["step"] == 1
     assert not (run_dir / "model").exists()

@@ -27,9 +27,9 @@ FAULTS = ROOT / "tests" / "guard" / "fault_rewards.py"
 EVAL_CALLS, CALLS_PER_STEP = 8, 16  # eval_size=8 at step 0; 4 prompts x 4 samples per step
 UPDATES_PER_STEP = 4  # 16 sequences / mini_batch_size 4
 STEADY = [f"reward.fn={FAULTS}:turns_bad", "reward.kwargs={bad_from: 1000000}"]  # in [0.5, 1]
+COLLAPSE = "{metric: reward/mean, window: 2, max_drop_frac: 0.4, action: rollback}"
 GUARDED = [
-    "train.steps=8", "checkpoint.save_steps=2", "checkpoint.keep=2", "guard.window=2",
-    "guard.max_drop_frac=0.4",
+    "train.steps=8", "checkpoint.save_steps=2", "checkpoint.keep=2", f"guard.rules=[{COLLAPSE}]",
 ]  # fmt: skip
 
 
@@ -55,7 +55,7 @@ def test_adversarial_reward_rolls_back_and_recovers(tiny_grpo):
     events = events_of(cfg.run_dir)
     [trip] = [e for e in events if e["event"] == "guard_trip"]
     assert trip["rule"] == "collapse" and trip["action"] == "rollback"
-    assert 5 <= trip["step"] < 5 + cfg.guard.window  # tripped within the window
+    assert 5 <= trip["step"] < 5 + cfg.guard.rules[0].window  # tripped within the window
     [back] = [e for e in events if e["event"] == "rollback"]
     assert back["to_step"] == 4 and back["rule"] == "collapse"
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
@@ -91,7 +91,7 @@ def test_nan_loss_is_skipped_then_rolled_back(tiny_grpo, monkeypatch):
         return (loss * math.nan if calls[0] - 1 in bad else loss), metrics
 
     monkeypatch.setattr(ActorWorker, "_policy_loss", nan_loss)
-    cfg = tiny_grpo(*GUARDED, *STEADY, "guard.nonfinite_patience=2")
+    cfg = tiny_grpo(*GUARDED, *STEADY, "guard.nonfinite.patience=2")
     result = run_training(cfg)
     trips = [(e["step"], e["rule"], e["action"]) for e in events_of(cfg.run_dir)
              if e["event"] == "guard_trip"]  # fmt: skip
@@ -116,7 +116,8 @@ def test_lr_blow_up_trips_the_kl_ceiling_and_recovers(tiny_grpo, monkeypatch):
         return original(self, micro_batches, loss_fn)
 
     monkeypatch.setattr(GradientStep, "apply", blow_up)
-    cfg = tiny_grpo(*GUARDED, *STEADY, "guard.kl_max=0.5", "guard.kl_action=rollback")
+    kl = "{metric: actor/kl, max: 0.5, action: rollback}"
+    cfg = tiny_grpo(*GUARDED, *STEADY, f"guard.rules=[{COLLAPSE}, {kl}]")
     run_training(cfg)
     events = events_of(cfg.run_dir)
     trips = [e for e in events if e["event"] == "guard_trip"]
