@@ -14,6 +14,7 @@ and `enabled` did not change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,7 +76,8 @@ def legacy_guard(section: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple
             )
         out["nonfinite"] = {NONFINITE[k]: section[k] for k in old_nonfinite}
         renamed += [(f"guard.{k}", f"guard.nonfinite.{NONFINITE[k]}") for k in old_nonfinite]
-    return out, renamed
+    order = {f"guard.{k}": i for i, k in enumerate(section)}
+    return out, sorted(renamed, key=lambda pair: order[pair[0]])
 
 
 def _rules(section: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
@@ -125,9 +127,11 @@ def _grouped(section: Mapping[str, Any], renamed: list[tuple[str, str]]) -> list
 
 
 def _check_range(key: str, value: Any, check: str) -> None:
-    """The old key's range (kl_max > 0, entropy_min >= 0 …); other types are left to the
-    validation of the new key."""
+    """The old key's range (finite; kl_max > 0, entropy_min >= 0 …); other types are left to
+    the validation of the new key."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
+    if not math.isfinite(value):
+        raise LegacyGuardError(f"guard.{key}: must be a finite number (got {value!r})")
     if (check == "> 0" and not value > 0) or (check == ">= 0" and not value >= 0):
         raise LegacyGuardError(f"guard.{key}: must be {check} (got {value!r})")
