@@ -14,6 +14,9 @@ from typing import Any, TypedDict
 
 import torch
 
+# A prompt as a batch row holds it: text, or chat messages ({"role", "content", …}).
+Prompt = str | list[dict[str, Any]]
+
 
 class BatchMeta(TypedDict, total=False):
     """What a batch carries besides its rows (`Batch.meta`), by the role that writes it:
@@ -75,7 +78,7 @@ class Batch:
     returns: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
-    prompts: list[str] | None = None
+    prompts: list[Prompt] | None = None
     responses: list[str] | None = None
     answers: list[Any] | None = None
     finish_reasons: list[str] | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,16 +65,19 @@ def sum_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """All-reduce (sum) the gradients of replicated `params` in one flat buffer."""
     if world_size() == 1:
         return
-    params = [p for p in params if p.requires_grad]
+    grads: list[torch.Tensor] = []
     for p in params:
+        if not p.requires_grad:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
 
 
@@ -101,7 +104,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
+        # full_state_dict: every value is a whole tensor (no shards, no DTensors)
+        return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
@@ -114,7 +118,7 @@ def load_full_state_dict(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, strict=False)
-    return set_model_state_dict(model, state, options=options)
+    return set_model_state_dict(model, {**state}, options=options)  # a dict of its value type
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -170,7 +174,8 @@ def shard_fsdp2(
         options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32
         )
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA: peft's
+    get_base = getattr(model, "get_base_model", None)  # LoRA: peft's model holds the base
+    base = get_base() if get_base is not None else model
     for layer in getattr(getattr(base, "model", None), "layers", []):
         fully_shard(layer, **options)
     fully_shard(model, **options)

@@ -98,4 +98,5 @@ def _read_back(totals: dict[str, Any], device: torch.device) -> dict[str, float]
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
     """The gradient norm as a plain tensor (FSDP2 returns a DTensor over the shards)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm

@@ -27,6 +27,10 @@ from keel.models.factory import create_tiny_model
 
 BUILTIN_PREFIX = "builtin:"
 
+# The tokenizer Keel's code holds: what `load_tokenizer` returns, an HF tokenizer (the built-in
+# character tokenizer is one too).
+Tokenizer = PreTrainedTokenizerBase
+
 # Any one of these means "a tokenizer lives here" (fast json, config, sentencepiece, BPE vocab).
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -234,9 +238,7 @@ def _require_folder(path: Path, what: str) -> None:
         raise ModelLoadError(f"{what} path is not a folder: {path}")
 
 
-def load_tokenizer(
-    path: str | os.PathLike[str], *, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Tokenizer:
     """AutoTokenizer from a local folder; when there is no pad token, eos doubles as pad.
     trust_remote_code: run a tokenizer class the folder ships as Python
     (models.trust_remote_code)."""

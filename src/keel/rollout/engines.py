@@ -4,42 +4,12 @@ classes (the workers and the controller see a `RolloutEngine`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-import torch
 
 from keel.config.schema import RolloutConfig
 from keel.rollout.hf import HFRolloutEngine
-from keel.rollout.protocol import RolloutEngine
+from keel.rollout.protocol import EngineInputs, RolloutEngine
 
-
-@dataclass(frozen=True)
-class EngineInputs:
-    """What an engine needs besides the rollout section.
-
-    model_path: the policy's HF folder (engines that load their own copy, e.g. vLLM).
-    prompt options (data.*): chat template, max_prompt_length, truncation.
-    dtype: models.dtype; device: resources.device resolved.
-    actor_module: the trained module when the rollout lives in the actor's process (None for a
-    separate rollout worker); autocast: the actor's compute dtype (mixed precision) or None.
-    load_copy: loads a frozen copy of the policy on `device` (an HF engine that may not share
-    the actor's module)."""
-
-    model_path: Path
-    tokenizer: Any
-    chat: bool
-    max_prompt_length: int
-    truncation: str
-    dtype: str
-    device: torch.device
-    actor_module: torch.nn.Module | None
-    autocast: torch.dtype | None
-    load_copy: Callable[[], torch.nn.Module]
-    synced: bool = False  # FSDP2: every rank decodes until all are done
-    # stop on the chat template's turn end (keel.data.encoding.turn_end_id); None: when chat
-    stop_on_turn_end: bool | None = None
+__all__ = ["ENGINE_BUILDERS", "EngineInputs", "build_rollout_engine", "hf_engine", "vllm_engine"]
 
 
 def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:

@@ -14,7 +14,7 @@ from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, SamplingParams
-from keel.rollout.responses import cut_completions, generate_examples
+from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch
 
 
@@ -69,8 +69,7 @@ class HFRolloutEngine:
         # as messages) the template's turn end (Gemma's <end_of_turn>)
         turn_end = chat if stop_on_turn_end is None else stop_on_turn_end
         self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, turn_end)
-        first_eos = self.eos_ids[0] if self.eos_ids else None  # the tokenizer's, when it has one
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
 
     @torch.no_grad()
     def generate(
@@ -187,7 +186,7 @@ def shared_prefill(
     `generate` (tested; the logits agree up to float rounding). A static cache (rows fixed at
     its first write) is filled from a reserved one after the repeat. Returns the cache, or None
     (nothing run) for a static cache with other than full-attention layers (sliding windows)."""
-    from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import DynamicLayer, StaticLayer
 
     width = input_ids.shape[1] - 1
     target = cache if cache is not None else reserved_cache(model.config, width)
@@ -206,6 +205,9 @@ def shared_prefill(
     )
     staged.batch_repeat_interleave(n)
     for layer, filled in zip(static, staged.layers, strict=bool(static)):
+        # every layer is full attention (StaticLayer): the staged ones are ReservedLayers
+        assert isinstance(filled, DynamicLayer) and filled.keys is not None
+        assert filled.values is not None
         layer.update(filled.keys, filled.values)
     return target
 

@@ -77,8 +77,9 @@ class ReservedLayer(DynamicLayer):
     ) -> None:
         rows, heads, _, key_dim = key_states.shape
         size = max(self.capacity, length)
-        if self._holds(self.buffers[0].shape[-2] if self.buffers else 0, rows):
-            size = max(size, 2 * self.buffers[0].shape[-2])  # outgrown: double, as a list does
+        held_size = self.buffers[0].shape[-2] if self.buffers is not None else 0
+        if self._holds(held_size, rows):
+            size = max(size, 2 * held_size)  # outgrown: double, as a list does
         keys = key_states.new_empty(rows, heads, size, key_dim)
         values = value_states.new_empty(rows, heads, size, value_states.shape[-1])
         if held:

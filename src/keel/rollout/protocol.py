@@ -1,19 +1,24 @@
 """The rollout engine seam: what the rollout worker asks of any engine (HF `generate`, vLLM).
 
 The controller and the workers hold a `RolloutEngine`; they never name an engine class. The
-engine for `rollout.engine` is built by `keel.rollout.engines.build_rollout_engine`.
+engine for `rollout.engine` is built from `EngineInputs` by
+`keel.rollout.engines.build_rollout_engine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from keel.data.examples import Example
 from keel.types import Batch
+
+if TYPE_CHECKING:
+    from keel.models.loading import Tokenizer
 
 # Why a response ended: its first EOS token ("stop") or the max_new_tokens budget ("length").
 FINISH_REASONS = ("stop", "length")
@@ -71,9 +76,18 @@ class RolloutEngine(Protocol):
     (no-ops elsewhere); `close` releases its processes and memory (idempotent).
     """
 
-    shares_module: bool
-    eos_ids: Sequence[int]  # every token id that ends a response
-    pad_id: int  # the id that pads rows
+    @property
+    def shares_module(self) -> bool: ...
+
+    @property
+    def eos_ids(self) -> Sequence[int]:
+        """Every token id that ends a response."""
+        ...
+
+    @property
+    def pad_id(self) -> int:
+        """The id that pads rows."""
+        ...
 
     def generate(
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
@@ -90,3 +104,30 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """What an engine needs besides the rollout section.
+
+    model_path: the policy's HF folder (engines that load their own copy, e.g. vLLM).
+    prompt options (data.*): chat template, max_prompt_length, truncation.
+    dtype: models.dtype; device: resources.device resolved.
+    actor_module: the trained module when the rollout lives in the actor's process (None for a
+    separate rollout worker); autocast: the actor's compute dtype (mixed precision) or None.
+    load_copy: loads a frozen copy of the policy on `device` (an HF engine that may not share
+    the actor's module)."""
+
+    model_path: Path
+    tokenizer: Tokenizer
+    chat: bool
+    max_prompt_length: int
+    truncation: str
+    dtype: str
+    device: torch.device
+    actor_module: torch.nn.Module | None
+    autocast: torch.dtype | None
+    load_copy: Callable[[], torch.nn.Module]
+    synced: bool = False  # FSDP2: every rank decodes until all are done
+    # stop on the chat template's turn end (keel.data.encoding.turn_end_id); None: when chat
+    stop_on_turn_end: bool | None = None

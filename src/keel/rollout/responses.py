@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -11,6 +11,41 @@ from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
 from keel.rollout.protocol import Completions, SamplingParams
 from keel.types import Batch
+
+if TYPE_CHECKING:
+    from keel.models.loading import Tokenizer
+
+
+class PromptEncoding(Protocol):
+    """An engine that samples from token ids and encodes prompts itself (both engines): what
+    `generate_examples` reads of it."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def chat(self) -> bool: ...
+    @property
+    def max_prompt_length(self) -> int: ...
+    @property
+    def truncation(self) -> str: ...
+    @property
+    def eos_ids(self) -> Sequence[int]: ...
+    @property
+    def pad_id(self) -> int: ...
+
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> Completions: ...
+
+
+def pad_token_id(tokenizer: Tokenizer, eos_ids: Sequence[int]) -> int:
+    """The id that pads an engine's rows: the tokenizer's pad token, else the first EOS id."""
+    if tokenizer.pad_token_id is not None:
+        # one token's id (transformers types it as the union of convert_tokens_to_ids' results)
+        return cast(int, tokenizer.pad_token_id)
+    if not eos_ids:
+        raise ValueError("the tokenizer has no pad token and the model no EOS token to pad with")
+    return eos_ids[0]
 
 
 def valid_length(ids: Sequence[int], eos_ids: Collection[int]) -> int:
@@ -44,7 +79,7 @@ def rollout_batch(
     *,
     eos_ids: Collection[int],
     pad_id: int,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
 ) -> Batch:
     """The `RolloutEngine.generate` Batch (keel.rollout.protocol) of len(examples) × n rows.
 
@@ -74,7 +109,7 @@ def rollout_batch(
 
 
 def generate_examples(
-    engine: Any, examples: Sequence[Example], sampling: SamplingParams, group_offset: int
+    engine: PromptEncoding, examples: Sequence[Example], sampling: SamplingParams, group_offset: int
 ) -> Batch:
     """`RolloutEngine.generate` of an engine with `generate_ids`: the prompts encoded with its
     prompt options (`tokenizer`, `chat`, `max_prompt_length`, `truncation`), sampled, laid out

@@ -39,12 +39,12 @@ from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
 from keel.rollout.protocol import Completions, SamplingParams
-from keel.rollout.responses import cut_completions, generate_examples
+from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch
 
 if TYPE_CHECKING:
     from keel.config.schema import RolloutConfig
-    from keel.rollout.engines import EngineInputs
+    from keel.rollout.protocol import EngineInputs
 
 # vLLM's attention kernels need a head size of at least this (measured on CPU: a head size of
 # 16 kills the engine at its first generate).
@@ -59,7 +59,7 @@ INSTALL_HINT = (
 def import_vllm() -> Any:
     """The vllm package, or a ConfigError naming rollout.engine and how to install it."""
     try:
-        import vllm
+        import vllm  # pyright: ignore[reportMissingImports] (the vllm extra: .venv-vllm)
     except ImportError as e:
         raise ConfigError(
             f"rollout.engine: vllm needs the vLLM package, which this environment cannot "
@@ -240,8 +240,7 @@ class VLLMRolloutEngine:
         self.truncation = truncation
         self.max_model_len = max_model_len
         self.eos_ids = tuple(eos_ids)
-        first_eos = self.eos_ids[0] if self.eos_ids else None
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first_eos
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.weight_version = 0
         self._temperature: float | None = None  # the one the model's logits are divided by
         # the engine is shut down by close(), or at interpreter exit (a crash, a signal that
@@ -338,7 +337,7 @@ class VLLMRolloutEngine:
             raise RuntimeError("this vLLM engine is closed")
         return self.llm
 
-    def _check_length(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    def _check_length(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         longest = max(len(x) for x in prompt_ids)
         if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
             raise ValueError(
@@ -353,7 +352,9 @@ class VLLMRolloutEngine:
             self._temperature = temperature
 
     def _sampling_params(self, sampling: SamplingParams, greedy: bool, seed: int) -> Any:
-        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import (  # pyright: ignore[reportMissingImports] (the vllm extra)
+            SamplingParams as VLLMSamplingParams,
+        )
 
         return VLLMSamplingParams(
             n=1,
