@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from bench.run import timed_steps
 from keel.config import validate
 from keel.controller.assembly import assemble_roles, build_reward, load_datasets
+from keel.controller.plan import resolve_run_plan
 from keel.controller.rl import RLController
 from keel.models import create_tiny_model
 from keel.recipes import build_spec
@@ -55,7 +56,7 @@ def config(model_dir: Path, groups: list | None, steps: int):
 def step_seconds(model_dir: Path, groups: list | None, steps: int = 10, warmup: int = 3):
     cfg = config(model_dir, groups, steps + warmup)
     spec = build_spec(cfg)
-    roles = assemble_roles(cfg, spec, build_reward(cfg))
+    roles = assemble_roles(resolve_run_plan(cfg, spec), build_reward(cfg))
     try:
         ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec))
         times = timed_steps(ctl, steps, warmup)

@@ -132,11 +132,11 @@ def test_a_ppo_run_writes_the_critic_as_an_hf_folder_next_to_the_policy(tiny_dir
 def test_a_separate_rollout_that_missed_a_weight_push_stops_the_run(tiny_dir):
     """The rollout role as a separate worker (its own model copy): with the push every step
     passes the version check; without it the second step's rollout is one update behind."""
-    from keel.controller.assembly import build_workers
+    from keel.workers.build import build_workers, worker_inputs
     from keel.workers.group import LocalWorkerGroup, WeightPush
 
     ctl = controller(tiny_dir, {"name": "grpo", "kl_loss_coef": 0.0})
-    separate = build_workers(ctl.cfg, ctl.spec, ["rollout"], None)["rollout"]
+    separate = build_workers(worker_inputs(ctl.cfg, ctl.spec), ["rollout"], None)["rollout"]
     assert separate.weights_from is None
     ctl.roles.rollout = LocalWorkerGroup("rollout", [separate])
     ctl.roles.push_weights = WeightPush(ctl.roles.actor, ctl.roles.rollout)
@@ -258,7 +258,7 @@ def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_di
     from keel.engine.forward import response_forward
     from keel.models import load_causal_lm
     from keel.models.lora import is_lora
-    from keel.workers.build import build_workers
+    from keel.workers.build import build_workers, worker_inputs
     from keel.workers.group import LocalWorkerGroup, WeightPush
 
     lora = {"actor": str(tiny_dir), "lora": {"r": 4, "alpha": 8.0}}
@@ -267,7 +267,7 @@ def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_di
     actor = ctl.roles.actor.workers[0]
     assert is_lora(actor.model) and ctl.roles.reference.workers[0].model is actor.model
     assert all(".lora_" in n for n, p in actor.model.named_parameters() if p.requires_grad)
-    separate = build_workers(ctl.cfg, ctl.spec, ["rollout"], None)["rollout"]
+    separate = build_workers(worker_inputs(ctl.cfg, ctl.spec), ["rollout"], None)["rollout"]
     assert not is_lora(separate.engine.model)
     ctl.roles.rollout = LocalWorkerGroup("rollout", [separate])
     ctl.roles.push_weights = WeightPush(ctl.roles.actor, ctl.roles.rollout)

@@ -9,7 +9,7 @@ from keel.engine.chunked_logits import check_plain_head
 from keel.engine.forward import response_forward
 from keel.models import load_causal_lm
 from keel.recipes import build_spec
-from keel.workers.build import build_workers
+from keel.workers.build import build_workers, worker_inputs
 from tests.engine.test_forward import grouped_batch
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
@@ -78,7 +78,7 @@ def _workers(tiny_dir, *, chunk, **models):
         "train": {"batch_size": 4, "lr": 1e-3, "lr_schedule": "constant",
                   "logits_chunk_tokens": chunk},
     })  # fmt: skip
-    return build_workers(cfg, build_spec(cfg), ("actor", "reference"), None)
+    return build_workers(worker_inputs(cfg, build_spec(cfg)), ("actor", "reference"), None)
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -10,7 +10,7 @@ from keel.config import validate
 from keel.engine import GradientStep
 from keel.recipes import build_spec
 from keel.types import Batch
-from keel.workers.build import build_workers
+from keel.workers.build import build_workers, worker_inputs
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
 # The known gradient: (3, 0) on one parameter and (4,) on another, global L2 norm 5.
@@ -76,7 +76,7 @@ def built_actor(tiny_dir, **train):
         "rollout": {"n": 2},
         "train": {"batch_size": 4, "lr": 1e-4, "lr_schedule": "constant", **train},
     })  # fmt: skip
-    return build_workers(cfg, build_spec(cfg), ["actor"], None)["actor"]
+    return build_workers(worker_inputs(cfg, build_spec(cfg)), ["actor"], None)["actor"]
 
 
 def gradient_norm(model: torch.nn.Module) -> float:

@@ -25,7 +25,7 @@ from keel.config.loading import load_config
 from keel.controller import run_training
 from keel.monitor import read_metrics
 from keel.recipes import build_spec
-from keel.workers.build import build_workers
+from keel.workers.build import build_workers, worker_inputs
 from tests.controller.test_resume import check_exact_resume
 from tests.workers.test_build import changed_after_three_updates
 
@@ -54,7 +54,9 @@ def test_every_role_and_a_separate_rollout_copy_live_on_the_gpu(tiny_dir):
         "rollout": {"n": 2, "max_staleness": 1},
         "train": {"batch_size": 4}, "resources": {"device": DEVICE},
     })  # fmt: skip
-    roles = build_workers(cfg, build_spec(cfg), ("actor", "reference", "critic", "rollout"), None)
+    roles = build_workers(
+        worker_inputs(cfg, build_spec(cfg)), ("actor", "reference", "critic", "rollout"), None
+    )
     models = {
         "actor": roles["actor"].model,
         "reference": roles["reference"].model,
@@ -99,7 +101,7 @@ def _actor(tiny_dir, dtype):
         "train": {"batch_size": 4, "lr": 1e-6, "lr_schedule": "constant", "grad_clip": None},
         "resources": {"device": DEVICE},
     })  # fmt: skip
-    actor = build_workers(cfg, build_spec(cfg), ("actor",), None)["actor"]
+    actor = build_workers(worker_inputs(cfg, build_spec(cfg)), ("actor",), None)["actor"]
     assert next(actor.model.parameters()).device.type == DEVICE
     return actor
 

@@ -6,7 +6,7 @@ import torch
 
 from keel.config import validate
 from keel.recipes import build_spec
-from keel.workers.build import build_workers
+from keel.workers.build import build_workers, worker_inputs
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
 
@@ -17,7 +17,7 @@ def workers(tiny_dir, roles=("actor", "reference"), **models):
         "rollout": {"n": 2},
         "train": {"batch_size": 4, "lr": 1e-6, "lr_schedule": "constant", "grad_clip": None},
     })  # fmt: skip
-    return build_workers(cfg, build_spec(cfg), roles, None)
+    return build_workers(worker_inputs(cfg, build_spec(cfg)), roles, None)
 
 
 def changed_after_three_updates(actor) -> torch.Tensor:
@@ -68,7 +68,7 @@ def test_device_cuda_without_a_gpu_is_an_error_naming_the_setting(tiny_dir):
         "rollout": {"n": 2}, "train": {"batch_size": 4}, "resources": {"device": "cuda"},
     })  # fmt: skip
     with pytest.raises(ValueError, match=r"resources\.device is cuda.*auto or cpu"):
-        build_workers(cfg, build_spec(cfg), ("actor",), None)
+        build_workers(worker_inputs(cfg, build_spec(cfg)), ("actor",), None)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
@@ -80,7 +80,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
             "rollout": {"n": 2},
             "train": {"batch_size": 4, "gradient_checkpointing": checkpointing},
         })  # fmt: skip
-        actor = build_workers(cfg, build_spec(cfg), ("actor",), None)["actor"]
+        actor = build_workers(worker_inputs(cfg, build_spec(cfg)), ("actor",), None)["actor"]
         assert actor.model.is_gradient_checkpointing == checkpointing
         batch = synthetic_batch(actor.model.config.vocab_size)
         spec = rl_spec("token-mean", entropy=0.01)

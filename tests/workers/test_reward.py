@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from keel.config import validate
+from keel.controller.assembly import build_reward
 from keel.rewards import RewardLoadError
 from keel.types import Batch
-from keel.workers.build import build_reward
 from keel.workers.group import LocalWorkerGroup
 from keel.workers.reward import RewardWorker
 

@@ -10,7 +10,7 @@ import yaml
 
 from keel.config import batch_plan, load_config
 from keel.recipes import build_spec
-from keel.recipes.relevance import unused_settings
+from keel.recipes.relevance import stage_plan
 
 
 def validate_file(path: Path, overrides: Sequence[str]) -> int:
@@ -26,26 +26,28 @@ def validate_file(path: Path, overrides: Sequence[str]) -> int:
 
 
 def check_run_environment(cfg: Any) -> str:
-    """With rollout.env: resolve the environment, bind rollout.env_kwargs and build its tools,
+    """With rollout.env: resolve the environment, bind rollout.env.kwargs and build its tools,
     loading no model and playing no episode (keel.envs.loading.check_environment; an
     EnvLoadError naming the field otherwise). Returns ', environment NAME (tools: …)' for the
     `ok` line, '' without rollout.env. Imports keel.envs (and torch) only when there is one."""
-    if cfg.rollout.env is None:
+    env = cfg.rollout.env
+    if env is None:
         return ""
     from keel.envs.loading import check_environment
 
-    tools = check_environment(cfg.rollout.env, cfg.rollout.env_kwargs)
+    tools = check_environment(env.name, env.kwargs)
     listed = f" (tools: {', '.join(tools)})" if tools else ""
-    return f", environment {cfg.rollout.env}{listed}"
+    return f", environment {env.name}{listed}"
 
 
 def show(path: Path, overrides: Sequence[str]) -> int:
     """The resolved config without the settings the algorithm does not use (listed after it as
-    comments), then the derived batch numbers."""
+    comments), then the derived batch numbers: the stage plan and batch plan a run's plan
+    holds (keel.controller.plan), without loading its models."""
     cfg = load_config(path, overrides)
     spec = build_spec(cfg)
     plan = batch_plan(cfg)
-    unused = unused_settings(cfg, spec)
+    unused = stage_plan(cfg, spec).unused
     tree = cfg.model_dump(mode="json")
     for keys, _ in unused:
         for key in keys:

@@ -32,6 +32,8 @@ class BatchPlan:
 
 # Algorithms trained on fixed data (no rollout): a step's rows are examples (SFT) or pairs.
 OFFLINE = ("sft", "rm", "dpo")
+# Stages that train on preference pairs (rows of one pair stay together).
+PAIR_STAGES = ("rm", "dpo")
 
 
 def responses_per_prompt(cfg: KeelConfig) -> int:

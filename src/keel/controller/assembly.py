@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.algo.spec import AlgorithmSpec
+from keel.config.derived import PAIR_STAGES
 from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, arithmetic_splits, load_examples
 from keel.data.encoding import encode_prompts, warn_ignored_tools
@@ -21,23 +22,27 @@ from keel.data.preference import load_preference_pairs, preference_splits
 from keel.data.saved import choose_split
 from keel.models import ModelLoadError, resolve_model_path
 from keel.models.loading import context_length
-from keel.rewards import RewardScorer
+from keel.rewards import RewardScorer, WeightedRewardScorer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
-    PAIR_STAGES,
     ROLES,
     Roles,
-    build_reward,
+    WorkerInputs,
     build_workers,
+    reward_scorer,
     role_names,
     roles_from_groups,
+    worker_inputs,
 )
 from keel.workers.group import weight_push
+
+if TYPE_CHECKING:
+    from keel.controller.plan import RunPlan
 
 __all__ = [
     "BUILTIN_TASK", "PAIR_STAGES", "PREFERENCE_TASK", "ROLES", "Datasets", "Roles",
     "assemble_roles", "build_reward", "build_roles", "build_workers", "check_context_length",
-    "fit_prompt_lengths", "load_datasets", "load_eval_examples", "role_names",
+    "fit_prompt_lengths", "load_datasets", "load_eval_examples", "local_roles", "role_names",
 ]  # fmt: skip
 
 BUILTIN_TASK = "builtin:arithmetic"
@@ -71,10 +76,10 @@ def load_datasets(cfg: KeelConfig, spec: AlgorithmSpec) -> Datasets:
             lambda: preference_splits(a.max_operand, a.ops, a.eval_size, a.seed),
             lambda path: load_preference_pairs(
                 path,
-                prompt_key=d.prompt_key,
-                chosen_key=d.chosen_key,
-                rejected_key=d.rejected_key,
-                answer_key=d.answer_key,
+                prompt_key=d.columns.prompt,
+                chosen_key=d.columns.chosen,
+                rejected_key=d.columns.rejected,
+                answer_key=d.columns.answer,
             ),
         )
     need = ("prompt", "response") if spec.stage == "sft" else ("prompt",)
@@ -114,15 +119,15 @@ def _example_file(
     """Loads the Examples of one file with the data section's keys and bad-row policy."""
     return lambda path: load_examples(
         path,
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        response_key=d.response_key,
-        messages_key=d.messages_key,
+        prompt_key=d.columns.prompt,
+        answer_key=d.columns.answer,
+        response_key=d.columns.response,
+        messages_key=d.columns.messages,
         require=need,
         on_bad_row=d.on_bad_row,
         bad_rows=bad_rows,
         train_on=d.train_on,
-        tools_key=d.tools_key,
+        tools_key=d.columns.tools,
         tools=d.tools,
     )
 
@@ -256,22 +261,33 @@ def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
             )
 
 
-def assemble_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> Roles:
+def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
+    """The reward scorer of `cfg`'s reward section (keel.workers.build.reward_scorer)."""
+    return reward_scorer(cfg.reward, cfg.data.columns.answer)
+
+
+def assemble_roles(plan: RunPlan, scorer: RewardScorer) -> Roles:
     """The run's roles on `resources.backend`: in this process, or as Ray actors."""
-    if cfg.resources.backend == "ray":
+    if plan.config.resources.backend == "ray":
         from keel.workers.ray_group import build_ray_roles  # the one module importing Ray
 
-        return build_ray_roles(cfg, spec)
-    return build_roles(cfg, spec, scorer)
+        return build_ray_roles(plan.config, plan.spec, plan.workers)
+    return local_roles(plan.workers, scorer)
 
 
 def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> Roles:
+    """The local roles of `cfg` run as `spec`, from their own WorkerInputs (for tests and
+    benches that build roles without a run; `keel train` builds them from its run plan)."""
+    return local_roles(worker_inputs(cfg, spec), scorer)
+
+
+def local_roles(inputs: WorkerInputs, scorer: RewardScorer) -> Roles:
     """Load the models and wire the role workers (local, in-process)."""
-    workers = build_workers(cfg, spec, ROLES, scorer)
+    workers = build_workers(inputs, ROLES, scorer)
     groups = {name: LocalWorkerGroup(name, [w]) for name, w in workers.items()}
     rollout = groups.get("rollout")
     return roles_from_groups(
-        cfg,
+        inputs.models.tokenizer,
         groups,
         push_weights=weight_push(groups["actor"], rollout),
         close=(lambda: rollout.call_all("close")) if rollout is not None else (lambda: None),

@@ -19,16 +19,22 @@ from keel.checkpoint.policy import PolicySource
 from keel.config.loading import env_overrides, parse_override, read_yaml, set_path, validate
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
-from keel.controller.assembly import Datasets, fit_prompt_lengths, load_eval_examples
+from keel.controller.assembly import (
+    Datasets,
+    build_reward,
+    fit_prompt_lengths,
+    load_eval_examples,
+)
 from keel.controller.evaluation import Evaluation, eval_sampling, evaluate_examples
 from keel.data import DataError
 from keel.data.examples import Example
+from keel.engine.devices import resolve_device
 from keel.engine.seeding import seed_everything
 from keel.models import ModelLoadError, load_tokenizer
 from keel.models.loading import context_length
 from keel.rewards import RewardScorer
 from keel.workers import LocalWorkerGroup
-from keel.workers.build import build_reward, reward_worker, rollout_worker
+from keel.workers.build import ModelPlan, resolve_models, reward_worker, rollout_worker
 from keel.workers.group import WorkerGroup
 
 RUN_CONFIG = "config.yaml"
@@ -111,7 +117,15 @@ def build_rollout(cfg: KeelConfig, tokenizer: Any = None) -> WorkerGroup:
     models.actor on resources.device (in models.dtype) and the data section's prompt options
     (chat template, max_prompt_length, truncation)."""
     tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(cfg)
-    return LocalWorkerGroup("rollout", [rollout_worker(cfg, tokenizer, None)])
+    models = policy_models(cfg, "rollout", tokenizer)
+    return LocalWorkerGroup("rollout", [rollout_worker(models, cfg.rollout, cfg.data, None)])
+
+
+def policy_models(cfg: KeelConfig, role: str, tokenizer: Any) -> ModelPlan:
+    """The models of `role` (rollout or reward) resolved as a run resolves them, with the
+    policy's `tokenizer` (already loaded)."""
+    device = resolve_device(cfg.resources.device)
+    return resolve_models(cfg.models, (role,), device, tokenizer=tokenizer)
 
 
 @dataclass
@@ -163,7 +177,10 @@ def prepare_eval(cfg: KeelConfig, limit: int | None = None) -> EvalJob:
         cfg,
         fitted.eval,
         build_rollout(cfg, tokenizer),
-        LocalWorkerGroup("reward", [reward_worker(cfg, scorer)]),
+        LocalWorkerGroup(
+            "reward",
+            [reward_worker(policy_models(cfg, "reward", tokenizer), cfg.reward, cfg.data, scorer)],
+        ),
         bad_rows,
         dropped=fitted.dropped_prompts,
         truncated=fitted.truncated_prompts,

@@ -1,6 +1,8 @@
-"""Building a run's role workers from its config, in one process: load the models, wrap them in
-the worker classes, wire the rollout to the actor. The local backend (keel.controller.assembly)
-and every Ray rank (keel.workers.ray_group) call build_workers; `Roles` holds the groups."""
+"""Building a run's role workers in one process from the parts of its plan: load the models,
+wrap them in the worker classes, wire the rollout to the actor. The local backend
+(keel.controller.assembly, from the run plan's WorkerInputs) and every Ray rank
+(keel.workers.ray_group, from the plain config it is sent) call build_workers; `Roles` holds
+the groups. `worker_inputs` is the one place here that reads a whole config."""
 
 from __future__ import annotations
 
@@ -13,8 +15,16 @@ from typing import Any
 import torch
 
 from keel.algo.spec import AlgorithmSpec
-from keel.config.derived import batch_plan, rank_batch_sizes
-from keel.config.schema import KeelConfig
+from keel.config.derived import BatchPlan, batch_plan, rank_batch_sizes
+from keel.config.schema import (
+    DataConfig,
+    KeelConfig,
+    LoraConfig,
+    ModelsConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from keel.engine import GradientStep, build_optimizer, build_scheduler
 from keel.engine.chunked_logits import check_plain_head
 from keel.engine.devices import (
@@ -36,6 +46,7 @@ from keel.models import (
     resolve_model_path,
 )
 from keel.models.lora import wrap_lora
+from keel.recipes.relevance import ROLES, StagePlan, role_names, stage_plan
 from keel.rewards import (
     BatchRewardScorer,
     RewardScorer,
@@ -55,7 +66,122 @@ from keel.workers.reward import RewardWorker
 from keel.workers.reward_model import ModelRewardWorker, RewardModelTrainer
 from keel.workers.rollout import RolloutWorker
 
-PAIR_STAGES = ("rm", "dpo")  # stages that train on preference pairs
+__all__ = [
+    "ROLES", "ModelPlan", "Roles", "Shard", "WorkerInputs", "build_critic",
+    "build_workers", "episode_runner", "frozen_reward_model", "resolve_models", "reward_scorer",
+    "reward_worker", "role_names", "roles_from_groups", "rollout_worker", "worker_inputs",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A run's models resolved once: each role's folder (hub ids and `builtin:` names resolved;
+    None for a role the algorithm does not have), the actor's tokenizer, the device and the
+    dtypes. Every model the workers load is read from here.
+
+    dtype: models.dtype, what frozen models are stored in. trained_dtype: the weights of trained
+    models (float32, the master copy of mixed precision, unless models.pure_low_precision).
+    compute: the autocast dtype of the trained models' forwards (None: full precision).
+    device: where every model is placed (resources.device); None in a process that builds no
+    worker (a Ray driver whose roles all run on ranks, which resolve their own).
+    """
+
+    actor: Path
+    reference: Path | None
+    critic: Path | None
+    reward: Path | None
+    tokenizer: Any
+    device: torch.device | None
+    dtype: str
+    trained_dtype: str
+    compute: torch.dtype | None
+    attn_implementation: str | None
+    trust_remote_code: bool
+    lora: LoraConfig | None
+
+    def placed(self, model: torch.nn.Module) -> Any:
+        """`model` on this plan's device."""
+        if self.device is None:
+            raise ValueError("no device was resolved for this process (it builds no workers)")
+        return place(model, self.device)
+
+
+def resolve_models(
+    m: ModelsConfig,
+    roles: Collection[str],
+    device: torch.device | None,
+    *,
+    tokenizer: Any = None,
+) -> ModelPlan:
+    """The ModelPlan of the models section for the algorithm's `roles`: folders resolved (a hub
+    id through the cache, models.revision pinned), the actor's tokenizer loaded (unless given).
+    models.pure_low_precision is warned about here, once, when a role is trained."""
+    actor = resolve_model_path(m.actor, m.revision)
+    trained = bool({"actor", "critic"} & set(roles))
+    return ModelPlan(
+        actor=actor,
+        reference=_role_path(m.reference, actor, m.revision) if "reference" in roles else None,
+        critic=_role_path(m.critic, actor, m.revision) if "critic" in roles else None,
+        reward=resolve_model_path(m.reward, m.revision)
+        if m.reward is not None and "reward" in roles
+        else None,
+        tokenizer=tokenizer
+        if tokenizer is not None
+        else load_tokenizer(actor, trust_remote_code=m.trust_remote_code),
+        device=device,
+        dtype=m.dtype,
+        trained_dtype=trained_weights_dtype(m.dtype, m.pure_low_precision) if trained else m.dtype,
+        compute=compute_dtype(m.dtype),
+        attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+        lora=m.lora,
+    )
+
+
+def _role_path(value: str | None, actor: Path, revision: str | None) -> Path:
+    """A role's folder: its own setting, or the actor's (already resolved)."""
+    return actor if value is None else resolve_model_path(value, revision)
+
+
+@dataclass(frozen=True)
+class WorkerInputs:
+    """What one process builds its role workers from: the resolved models, the stage's plan
+    (roles, temperature, what applies), the batch numbers and the config sections the workers
+    read their own options from."""
+
+    models: ModelPlan
+    stage: StagePlan
+    batch: BatchPlan
+    train: TrainConfig
+    rollout: RolloutConfig
+    data: DataConfig
+    reward: RewardConfig
+
+
+def worker_inputs(
+    cfg: KeelConfig,
+    spec: AlgorithmSpec,
+    *,
+    device: bool = True,
+    tokenizer: Any = None,
+) -> WorkerInputs:
+    """The WorkerInputs of `cfg` run as `spec` (the run plan's, and each Ray rank's own: its
+    device is its own). device: False leaves the device unresolved (no worker is built here)."""
+    stage = stage_plan(cfg, spec)
+    return WorkerInputs(
+        models=resolve_models(
+            cfg.models,
+            stage.roles,
+            resolve_device(cfg.resources.device) if device else None,
+            tokenizer=tokenizer,
+        ),
+        stage=stage,
+        batch=batch_plan(cfg),
+        train=cfg.train,
+        rollout=cfg.rollout,
+        data=cfg.data,
+        reward=cfg.reward,
+    )
 
 
 @dataclass
@@ -73,10 +199,10 @@ class Roles:
     close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
 
 
-def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
-    """The reward scorer: the HTTP service at reward.url, or reward.fn per row, or with
-    reward.signature: trl one call per batch, or with reward.fns their weighted sum."""
-    r, answer_key = cfg.reward, cfg.data.answer_key
+def reward_scorer(r: RewardConfig, answer_key: str) -> RewardScorer | WeightedRewardScorer:
+    """The reward scorer of the reward section: the HTTP service at reward.url, or reward.fn per
+    row, or with reward.signature: trl one call per batch, or with reward.fns their weighted sum.
+    answer_key: data.columns.answer, the column the functions are given the answer in."""
     policy = {
         "kwargs": dict(r.kwargs),
         "on_error": r.on_error,
@@ -91,7 +217,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
         h = r.http
         return RemoteRewardScorer(
             r.url,
-            batch_size=h.batch_size,
+            batch_size=r.batch_size,
             retries=h.retries,
             backoff_s=h.backoff_s,
             request_timeout_s=h.timeout_s,
@@ -127,28 +253,14 @@ def _fn_scorer(
     return RewardScorer(fn, name=name, **policy)
 
 
-ROLES = ("actor", "rollout", "reference", "critic", "reward")
-
-
-def role_names(spec: AlgorithmSpec) -> tuple[str, ...]:
-    """The roles `spec`'s algorithm has (rm trains a reward model and has only its trainer)."""
-    if spec.stage == "rm":
-        return ("actor",)
-    extra = {"reference": spec.needs_reference, "critic": spec.needs_critic}
-    return tuple(r for r in ROLES if extra.get(r, True))
-
-
-def roles_from_groups(cfg: KeelConfig, groups: dict[str, Any], **hooks: Any) -> Roles:
+def roles_from_groups(tokenizer: Any, groups: dict[str, Any], **hooks: Any) -> Roles:
     """`Roles` over the role groups by name (absent roles are None); hooks: push_weights, close."""
     return Roles(
         actor=groups["actor"],
         rollout=groups.get("rollout"),
         reward=groups.get("reward"),
         reference=groups.get("reference"),
-        tokenizer=load_tokenizer(
-            resolve_model_path(cfg.models.actor, cfg.models.revision),
-            trust_remote_code=cfg.models.trust_remote_code,
-        ),
+        tokenizer=tokenizer,
         critic=groups.get("critic"),
         **hooks,
     )
@@ -163,8 +275,7 @@ def _no_shard(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> torc
 
 
 def build_workers(
-    cfg: KeelConfig,
-    spec: AlgorithmSpec,
+    inputs: WorkerInputs,
     names: Collection[str],
     scorer: RewardScorer | None,
     *,
@@ -176,99 +287,94 @@ def build_workers(
     world: data-parallel ranks of the trained roles (each gets 1/world of a mini-batch).
     shard: applied to the actor, critic and reference models before their optimizers exist
     (FSDP2). A rollout role next to the actor generates with the actor's module. Every model
-    is placed on `resources.device`; trained ones keep float32 weights (mixed precision, see
-    keel.engine.devices), frozen ones are stored in models.dtype. models.lora: the actor is its
-    model with a LoRA adapter, and a reference next to it is that module with the adapter
-    disabled (the base model; no second copy is loaded).
+    is placed on the plan's device (resources.device); trained ones keep float32 weights (mixed
+    precision, see keel.engine.devices), frozen ones are stored in models.dtype. models.lora:
+    the actor is its model with a LoRA adapter, and a reference next to it is that module with
+    the adapter disabled (the base model; no second copy is loaded).
     """
-    names = [n for n in role_names(spec) if n in names]
-    if spec.stage == "rm":
-        return {"actor": reward_model_trainer(cfg, world, shard)} if names else {}
-    mini, micro = rank_batch_sizes(batch_plan(cfg), world)
+    stage, mp, t = inputs.stage, inputs.models, inputs.train
+    names = [n for n in stage.roles if n in names]
+    if stage.stage == "rm":
+        return {"actor": reward_model_trainer(inputs, world, shard)} if names else {}
+    mini, micro = rank_batch_sizes(inputs.batch, world)
     shard = shard or _no_shard
-    actor_path = resolve_model_path(cfg.models.actor, cfg.models.revision)
-    tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.models.trust_remote_code)
-    temperature = cfg.rollout.temperature if spec.stage == "rl" else 1.0
-    mixed = compute_dtype(cfg.models.dtype)
     out: dict[str, Any] = {}
     if "actor" in names:
-        model = shard(_lora(_causal_lm(actor_path, tokenizer, cfg, trained=True), cfg), mixed)
-        actor_cls = DPOWorker if spec.stage == "dpo" else ActorWorker
+        model = shard(_lora(_causal_lm(mp.actor, mp, t), mp.lora), mp.compute)
+        actor_cls = DPOWorker if stage.stage == "dpo" else ActorWorker
         out["actor"] = actor_cls(
             model,
-            tokenizer,
-            _gradient_step(model, cfg),
-            temperature=temperature,
+            mp.tokenizer,
+            _gradient_step(model, t, inputs.batch, mp.compute),
+            temperature=stage.temperature,
             mini_batch_size=mini,
             micro_batch_size=micro,
-            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-            share_prompts=cfg.train.share_prompts and spec.stage == "rl",
-            logits_chunk=_logits_chunk(model, cfg),
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            share_prompts=stage.share_prompts,
+            logits_chunk=_logits_chunk(model, t),
         )
     if "rollout" in names:
-        out["rollout"] = rollout_worker(cfg, tokenizer, out.get("actor"))
+        out["rollout"] = rollout_worker(mp, inputs.rollout, inputs.data, out.get("actor"))
     if "reference" in names:
-        ref_path = resolve_model_path(cfg.models.reference or cfg.models.actor, cfg.models.revision)
-        if "actor" in out and cfg.models.lora and _same_folder(ref_path, actor_path):
+        assert mp.reference is not None  # resolved for every algorithm with a reference
+        if "actor" in out and mp.lora and _same_folder(mp.reference, mp.actor):
             ref_model, adapter_off = out["actor"].model, True  # the base under the adapter
         else:
-            ref_model = shard(_causal_lm(ref_path, tokenizer, cfg, trained=False), None)
+            ref_model = shard(_causal_lm(mp.reference, mp, None), None)
             adapter_off = False
         out["reference"] = ReferenceWorker(
             ref_model,
-            temperature=temperature,
+            temperature=stage.temperature,
             micro_batch_size=micro,
             adapter_off=adapter_off,
-            dtype=mixed if adapter_off else None,
-            max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-            share_prompts=cfg.train.share_prompts and spec.stage == "rl",
-            logits_chunk=_logits_chunk(ref_model, cfg),
+            dtype=mp.compute if adapter_off else None,
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            share_prompts=stage.share_prompts,
+            logits_chunk=_logits_chunk(ref_model, t),
         )
     if "critic" in names:
-        out["critic"] = build_critic(cfg, spec, tokenizer, world=world, shard=shard)
+        out["critic"] = build_critic(inputs, world=world, shard=shard)
     if "reward" in names:
-        out["reward"] = reward_worker(cfg, scorer)
+        out["reward"] = reward_worker(mp, inputs.reward, inputs.data, scorer)
     return out
 
 
-def _logits_chunk(model: Any, cfg: KeelConfig) -> int | None:
+def _logits_chunk(model: Any, t: TrainConfig) -> int | None:
     """train.logits_chunk_tokens, once the model is known to compute its logits as the LM
     head of the last hidden states (`check_plain_head` names the setting otherwise)."""
-    if cfg.train.logits_chunk_tokens is not None:
+    if t.logits_chunk_tokens is not None:
         check_plain_head(model)
-    return cfg.train.logits_chunk_tokens
+    return t.logits_chunk_tokens
 
 
-def _causal_lm(path: Path, tokenizer: Any, cfg: KeelConfig, *, trained: bool) -> torch.nn.Module:
-    """A causal LM on resources.device: trained (float32 master weights unless
-    models.pure_low_precision; gradient checkpointing as train.gradient_checkpointing) or
-    frozen (in models.dtype, eval mode, no gradients)."""
-    m = cfg.models
-    dtype = trained_weights_dtype(m.dtype, m.pure_low_precision) if trained else m.dtype
+def _causal_lm(path: Path, mp: ModelPlan, train: TrainConfig | None) -> torch.nn.Module:
+    """A causal LM on the plan's device: trained, with `train` its train section (float32
+    master weights unless models.pure_low_precision; gradient checkpointing as
+    train.gradient_checkpointing), or frozen for None (in models.dtype, eval mode, no
+    gradients)."""
     model = load_causal_lm(
         path,
-        dtype=dtype,
-        attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
+        dtype=mp.trained_dtype if train is not None else mp.dtype,
+        attn_implementation=mp.attn_implementation,
+        trust_remote_code=mp.trust_remote_code,
     )
-    check_vocab(model, tokenizer, path)
-    if trained:
-        _memory_options(model, cfg)
+    check_vocab(model, mp.tokenizer, path)
+    if train is not None:
+        _memory_options(model, train)
     else:
         model.eval().requires_grad_(False)
-    return place(model, resolve_device(cfg.resources.device))
+    return mp.placed(model)
 
 
-def _memory_options(model: Any, cfg: KeelConfig) -> None:
+def _memory_options(model: Any, t: TrainConfig) -> None:
     """train.gradient_checkpointing: activations of each decoder layer are recomputed in the
     backward pass (the non-reentrant variant, which works with frozen inputs and FSDP2)."""
-    if cfg.train.gradient_checkpointing:
+    if t.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _lora(model: torch.nn.Module, cfg: KeelConfig) -> torch.nn.Module:
+def _lora(model: torch.nn.Module, lora: LoraConfig | None) -> torch.nn.Module:
     """The actor's model with a LoRA adapter when models.lora is set (only the adapter trains)."""
-    lora = cfg.models.lora
     if lora is None:
         return model
     return wrap_lora(
@@ -280,74 +386,83 @@ def _same_folder(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def rollout_worker(cfg: KeelConfig, tokenizer: Any, actor: Any) -> RolloutWorker:
+def rollout_worker(
+    mp: ModelPlan, rollout: RolloutConfig, data: DataConfig, actor: Any
+) -> RolloutWorker:
     """The rollout engine `rollout.engine` names (keel.rollout.engines). Colocated (`actor`
     given): an HF engine generates with the actor's own module, so the weights are always the
     latest; other engines, and asynchronous rollout, hold their own copy of the policy and
     receive the actor's weights after each update (`Roles.push_weights`). Separate: its own
     copy of models.actor, updated by pushes."""
-    path = resolve_model_path(cfg.models.actor, cfg.models.revision)
     module = actor.model if actor is not None else None
+    if mp.device is None:
+        raise ValueError("no device was resolved for this process (it builds no workers)")
     inputs = EngineInputs(
-        model_path=path,
-        tokenizer=tokenizer,
-        chat=cfg.data.apply_chat_template,
-        max_prompt_length=cfg.data.max_prompt_length,
-        truncation=cfg.data.truncation,
-        dtype=cfg.models.dtype,
-        device=resolve_device(cfg.resources.device),
+        model_path=mp.actor,
+        tokenizer=mp.tokenizer,
+        chat=data.apply_chat_template,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        dtype=mp.dtype,
+        device=mp.device,
         actor_module=module,
-        autocast=compute_dtype(cfg.models.dtype),
-        load_copy=lambda: _causal_lm(path, tokenizer, cfg, trained=False),
+        autocast=mp.compute,
+        load_copy=lambda: _causal_lm(mp.actor, mp, None),
         synced=module is not None and is_sharded(module),
     )
-    engine = build_rollout_engine(cfg.rollout, inputs)
-    episodes = episode_runner(cfg, engine, tokenizer)
+    engine = build_rollout_engine(rollout, inputs)
+    episodes = episode_runner(rollout, data, engine, mp.tokenizer)
     return RolloutWorker(
         engine, weights_from=actor if engine.shares_module else None, episodes=episodes
     )
 
 
-def episode_runner(cfg: KeelConfig, engine: RolloutEngine, tokenizer: Any) -> EpisodeRunner | None:
+def episode_runner(
+    r: RolloutConfig, data: DataConfig, engine: RolloutEngine, tokenizer: Any
+) -> EpisodeRunner | None:
     """With rollout.env: the runner that plays its episodes on `engine`; else None."""
-    r = cfg.rollout
-    if r.env is None:
+    env = r.env
+    if env is None:
         return None
     return EpisodeRunner(
         engine,
         tokenizer,
         load_environment(
-            r.env,
-            run_tool_format(r.env, r.env_kwargs, tokenizer, cfg.data.tool_format),
+            env.name,
+            run_tool_format(env.name, env.kwargs, tokenizer, data.tool_format),
             ENVIRONMENTS,
         ),
         eos_ids=engine.eos_ids,
         pad_id=engine.pad_id,
-        max_turns=r.max_turns,
-        max_episode_tokens=r.max_episode_tokens,
-        turn_discount=r.turn_discount,
-        chat=cfg.data.apply_chat_template,
-        max_prompt_length=cfg.data.max_prompt_length,
-        truncation=cfg.data.truncation,
-        workers=r.env_workers,
-        name=f"rollout.env {r.env}",
+        max_turns=env.max_turns,
+        max_episode_tokens=env.max_episode_tokens,
+        turn_discount=env.turn_discount,
+        chat=data.apply_chat_template,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        workers=env.workers,
+        name=f"rollout.env.name {env.name}",
     )
 
 
-def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
+def reward_worker(
+    mp: ModelPlan, reward: RewardConfig, data: DataConfig, scorer: RewardScorer | None
+) -> Any:
     """The rule-reward worker, or with models.reward the reward-model worker (reward.model)."""
     if scorer is None:
-        raise ValueError("the reward role needs its RewardScorer (keel.controller.build_reward)")
-    if cfg.models.reward is None:
+        raise ValueError("the reward role needs its RewardScorer (keel.workers.build.reward_scorer)")
+    if mp.reward is None:
         return RewardWorker(scorer)
+    if mp.device is None:
+        raise ValueError("no device was resolved for this process (it builds no workers)")
     model, tokenizer = frozen_reward_model(
-        resolve_model_path(cfg.models.reward, cfg.models.revision),
-        dtype=cfg.models.dtype,
-        attn_implementation=cfg.models.attn_implementation,
-        device=cfg.resources.device,
-        trust_remote_code=cfg.models.trust_remote_code,
+        mp.reward,
+        dtype=mp.dtype,
+        attn_implementation=mp.attn_implementation,
+        device=mp.device,
+        trust_remote_code=mp.trust_remote_code,
     )
-    m = cfg.reward.model
+    m = reward.model
     return ModelRewardWorker(
         model,
         tokenizer,
@@ -356,8 +471,8 @@ def reward_worker(cfg: KeelConfig, scorer: RewardScorer | None) -> Any:
         fn_weight=m.fn_weight,
         normalize=m.normalize,
         clip=m.clip,
-        batch_size=m.batch_size,
-        chat=cfg.data.apply_chat_template,
+        batch_size=reward.batch_size,
+        chat=data.apply_chat_template,
     )
 
 
@@ -366,12 +481,13 @@ def frozen_reward_model(
     *,
     dtype: str,
     attn_implementation: str | None,
-    device: str,
+    device: str | torch.device,
     trust_remote_code: bool = False,
 ) -> tuple[Any, Any]:
     """A reward model to score with (its scalar head on the last non-pad token; eval mode) on
-    `device`, and its tokenizer: what ModelRewardWorker scores with, in a run (models.reward)
-    and behind `keel serve --reward`."""
+    `device` (a resources.device setting, or a device already resolved), and its tokenizer:
+    what ModelRewardWorker scores with, in a run (models.reward) and behind
+    `keel serve --reward`."""
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = load_reward_model(
         path,
@@ -381,82 +497,82 @@ def frozen_reward_model(
         trust_remote_code=trust_remote_code,
     )
     check_vocab(model, tokenizer, path)
-    return place(model, resolve_device(device)), tokenizer
+    on = device if isinstance(device, torch.device) else resolve_device(device)
+    return place(model, on), tokenizer
 
 
-def _gradient_step(model: Any, cfg: KeelConfig, lr: float | None = None) -> GradientStep:
-    """AdamW (at `lr`, default train.lr) with the train section's LR schedule and clipping."""
-    plan = batch_plan(cfg)
-    t = cfg.train
+def _gradient_step(
+    model: Any,
+    t: TrainConfig,
+    batch: BatchPlan,
+    compute: torch.dtype | None,
+    lr: float | None = None,
+) -> GradientStep:
+    """AdamW (at `lr`, default train.lr) with the train section's LR schedule (over the plan's
+    total optimizer steps) and clipping."""
     optimizer = build_optimizer(
         model, lr=lr or t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
     )  # after the model is on its device (and sharded): the fused kernel is chosen on CUDA
     scheduler = build_scheduler(
         optimizer,
         warmup_steps=t.warmup_steps,
-        total_steps=plan.total_optimizer_steps,
+        total_steps=batch.total_optimizer_steps,
         schedule=t.lr_schedule,
         min_lr_ratio=t.min_lr_ratio,
     )
-    return GradientStep(
-        model, optimizer, scheduler, t.grad_clip, compute_dtype=compute_dtype(cfg.models.dtype)
-    )
+    return GradientStep(model, optimizer, scheduler, t.grad_clip, compute_dtype=compute)
 
 
-def reward_model_trainer(cfg: KeelConfig, world: int, shard: Shard | None) -> Any:
+def reward_model_trainer(inputs: WorkerInputs, world: int, shard: Shard | None) -> Any:
     """rm stage: the trained model (role actor) is a scalar-head classifier on models.actor."""
-    mini, micro = rank_batch_sizes(batch_plan(cfg), world)
-    path = resolve_model_path(cfg.models.actor, cfg.models.revision)
-    tokenizer = load_tokenizer(path, trust_remote_code=cfg.models.trust_remote_code)
+    mp, t = inputs.models, inputs.train
+    mini, micro = rank_batch_sizes(inputs.batch, world)
     model = _trained_head_model(
-        load_reward_model,
-        path,
-        cfg,
-        pad_token_id=tokenizer.pad_token_id,
+        load_reward_model, mp.actor, mp, t, pad_token_id=mp.tokenizer.pad_token_id
     )
-    check_vocab(model, tokenizer, path)
-    model = shard(model, compute_dtype(cfg.models.dtype)) if shard else model
+    check_vocab(model, mp.tokenizer, mp.actor)
+    model = shard(model, mp.compute) if shard else model
     return RewardModelTrainer(
         model,
-        tokenizer,
-        _gradient_step(model, cfg),
+        mp.tokenizer,
+        _gradient_step(model, t, inputs.batch, mp.compute),
         mini_batch_size=mini,
         micro_batch_size=micro,
-        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
     )
 
 
-def build_critic(
-    cfg: KeelConfig, spec: AlgorithmSpec, tokenizer: Any, *, world: int = 1, shard: Shard | None
-) -> CriticWorker:
+def build_critic(inputs: WorkerInputs, *, world: int = 1, shard: Shard | None) -> CriticWorker:
     """The critic from `models.critic` (default: the actor's folder, with a new value head),
-    trained by its own AdamW at `spec.critic_lr` with the train section's LR schedule."""
-    mini, micro = rank_batch_sizes(batch_plan(cfg), world)
-    path = resolve_model_path(cfg.models.critic or cfg.models.actor, cfg.models.revision)
-    model = _trained_head_model(load_value_model, path, cfg)
-    check_vocab(model, tokenizer, path)
-    model = shard(model, compute_dtype(cfg.models.dtype)) if shard else model
+    trained by its own AdamW at `algorithm.critic_lr` with the train section's LR schedule."""
+    mp, t = inputs.models, inputs.train
+    mini, micro = rank_batch_sizes(inputs.batch, world)
+    assert mp.critic is not None  # resolved for every algorithm with a critic
+    model = _trained_head_model(load_value_model, mp.critic, mp, t)
+    check_vocab(model, mp.tokenizer, mp.critic)
+    model = shard(model, mp.compute) if shard else model
     return CriticWorker(
         model,
-        tokenizer,
-        _gradient_step(model, cfg, lr=spec.critic_lr),
+        mp.tokenizer,
+        _gradient_step(model, t, inputs.batch, mp.compute, lr=inputs.stage.critic_lr),
         mini_batch_size=mini,
         micro_batch_size=micro,
-        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-        share_prompts=cfg.train.share_prompts and spec.stage == "rl",
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        share_prompts=inputs.stage.share_prompts,
     )
 
 
-def _trained_head_model(load: Callable[..., Any], path: Path, cfg: KeelConfig, **kw: Any) -> Any:
+def _trained_head_model(
+    load: Callable[..., Any], path: Path, mp: ModelPlan, t: TrainConfig, **kw: Any
+) -> Any:
     """A trained model with a scalar head (critic, reward model being trained), loaded by
     `load` with float32 master weights and placed as `_causal_lm` places a trained LM."""
-    m = cfg.models
     model = load(
         path,
-        dtype=trained_weights_dtype(m.dtype, m.pure_low_precision),
-        attn_implementation=m.attn_implementation,
-        trust_remote_code=m.trust_remote_code,
+        dtype=mp.trained_dtype,
+        attn_implementation=mp.attn_implementation,
+        trust_remote_code=mp.trust_remote_code,
         **kw,
     )
-    _memory_options(model, cfg)
-    return place(model, resolve_device(cfg.resources.device))
+    _memory_options(model, t)
+    return mp.placed(model)
