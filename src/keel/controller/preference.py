@@ -18,6 +18,7 @@ from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
+from keel.controller.protocol import Controller
 from keel.data import BatchStream, Example
 from keel.data.preference import PreferencePair, encode_pairs
 from keel.monitor import StageTimer
@@ -26,7 +27,7 @@ from keel.types import Batch
 EVAL_CHUNK = 256  # pairs per evaluation batch
 
 
-class PairController:
+class PairController(Controller):
     """What the rm and dpo stages share: the pair stream, encoding, timing, state."""
 
     def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):

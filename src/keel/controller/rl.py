@@ -28,6 +28,7 @@ from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.pipeline import RolloutPipeline
+from keel.controller.protocol import Controller
 from keel.controller.sampling import DynamicSampler
 from keel.data import BatchStream
 from keel.envs.builtin import sandbox_warnings
@@ -37,7 +38,9 @@ from keel.rollout import SamplingParams
 from keel.types import Batch
 
 
-class RLController:
+class RLController(Controller):
+    skips_batches = True  # the batches generated ahead, then the prompt stream's
+
     def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
         self.cfg = cfg
         self.spec = spec

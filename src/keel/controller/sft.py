@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
+from keel.controller.protocol import Controller
 from keel.data import BatchStream
 from keel.data.conversation import call_writer, encode_conversations, has_conversations
 from keel.data.encoding import encode_sft
@@ -15,7 +17,9 @@ from keel.data.tool_calls import tool_call_format_for
 from keel.monitor import StageTimer
 
 
-class SFTController:
+class SFTController(Controller):
+    skips_batches = True
+
     def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
         self.cfg = cfg
         self.spec = spec
@@ -26,11 +30,11 @@ class SFTController:
         )
         self.timer = StageTimer()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The data position (C1: a controller's own state, not the role weights)."""
         return {"examples": self.examples.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.examples.load_state_dict(state["examples"])
 
     def skip_batches(self, n: int) -> None:
