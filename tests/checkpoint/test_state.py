@@ -28,7 +28,7 @@ from keel.controller import run_training
 from keel.controller.runner import RunDirError
 from keel.guard import read_events
 from keel.recipes import build_spec
-from keel.workers.build import build_workers
+from keel.workers.build import build_workers, worker_inputs
 from keel.workers.group import LocalWorkerGroup
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
@@ -141,7 +141,7 @@ def built_actor(tiny_dir):
         "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo", "kl_loss_coef": 0.0},
         "rollout": {"n": 2}, "train": {"batch_size": 4, "lr": 1e-3, "warmup_steps": 2},
     })  # fmt: skip
-    return build_workers(cfg, build_spec(cfg), ["actor"], None)["actor"]
+    return build_workers(worker_inputs(cfg, build_spec(cfg)), ["actor"], None)["actor"]
 
 
 def test_a_checkpoint_restores_the_optimizer_state(tiny_dir, tmp_path):

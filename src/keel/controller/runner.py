@@ -47,6 +47,7 @@ from keel.controller.assembly import (
     fit_prompt_lengths,
     load_datasets,
 )
+from keel.controller.plan import resolve_run_plan
 from keel.controller.preemption import Preemption
 from keel.controller.preference import DPOController, RewardModelController
 from keel.controller.resume import (
@@ -71,7 +72,6 @@ from keel.guard import (
     write_decisions,
 )
 from keel.jsonlines import set_aside_bad_lines
-from keel.models import load_tokenizer, resolve_model_path
 from keel.models.lora import adapter_base
 from keel.monitor.build import build_monitor, check_monitor_config
 from keel.monitor.jsonl import JsonlSink, read_metrics
@@ -144,15 +144,12 @@ def run_training(
     check_context_length(cfg, spec)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec)
-    tokenizer = load_tokenizer(
-        resolve_model_path(cfg.models.actor, cfg.models.revision),
-        trust_remote_code=cfg.models.trust_remote_code,
-    )
-    data = fit_prompt_lengths(tokenizer, data, cfg.data)
+    run_plan = resolve_run_plan(cfg, spec)  # model folders, the tokenizer, device, batch numbers
+    data = fit_prompt_lengths(run_plan.tokenizer, data, cfg.data)
     scorer = build_reward(cfg)
     restarts, note = 0, None
     while True:
-        roles = assemble_roles(cfg, spec, scorer)
+        roles = assemble_roles(run_plan, scorer)
         try:
             return _run(cfg, spec, roles, data, plan, overwrite, title, stop_after, note)
         except WorkerLostError as exc:

@@ -25,18 +25,17 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from keel.algo.spec import AlgorithmSpec
-from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig, RayConfig, WorkerGroupConfig
 from keel.engine.distributed import shard_fsdp2
 from keel.engine.seeding import seed_everything
 from keel.models import resolve_model_path
 from keel.workers.build import (
-    PAIR_STAGES,
     Roles,
-    build_reward,
+    WorkerInputs,
     build_workers,
-    role_names,
+    reward_scorer,
     roles_from_groups,
+    worker_inputs,
 )
 from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch, weight_push
 
@@ -106,9 +105,10 @@ class RoleHost:
         resources.device as they load: with auto, the GPU Ray gave this worker, if any (its
         CUDA_VISIBLE_DEVICES names it; `join` made it the current device)."""
         seed_everything(self.seed)
-        scorer = build_reward(cfg) if "reward" in roles else None
+        scorer = reward_scorer(cfg.reward, cfg.data.answer_key) if "reward" in roles else None
         shard = shard_fsdp2 if fsdp and self.world > 1 else None
-        self.workers = build_workers(cfg, spec, roles, scorer, world=self.world, shard=shard)
+        inputs = worker_inputs(cfg, spec)  # this rank's own: its device, its tokenizer
+        self.workers = build_workers(inputs, roles, scorer, world=self.world, shard=shard)
         seed_everything(self.seed + self.rank)
         return sorted(self.workers)
 
@@ -176,12 +176,13 @@ class RayWorkerGroup:
             raise WorkerLostError(f"a worker of role {self.role!r} died: {e}") from e
 
 
-def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec) -> Roles:
-    """Start (or join) Ray, place every colocation group and build its workers there; roles in
-    no group are built here. Separate rollout workers get a WeightPush from the actor."""
+def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) -> Roles:
+    """Start (or join) Ray, place every colocation group and build its workers there (each rank
+    from `cfg`); roles in no group are built here from `inputs` (the run plan's). Separate
+    rollout workers get a WeightPush from the actor."""
     start_ray(cfg.resources.ray)
     cfg = with_resolved_models(cfg)
-    names = role_names(spec)
+    names = inputs.stage.roles
     groups: dict[str, Any] = {}
     hosts_all: list[Any] = []
     pgs: list[Any] = []
@@ -193,19 +194,19 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec) -> Roles:
             pg, hosts = place_group(cfg, spec, gcfg, roles_here)
             pgs.append(pg)
             hosts_all.extend(hosts)
-            unit = 2 if spec.stage in PAIR_STAGES else 1  # rows of one pair stay on one rank
-            block = batch_plan(cfg).mini_batch_size * unit
+            unit = 2 if inputs.stage.pairs else 1  # rows of one pair stay on one rank
+            block = inputs.batch.mini_batch_size * unit
             for role in roles_here:
                 groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None, unit)
         local = [n for n in names if n not in groups]
-        scorer = build_reward(cfg) if "reward" in local else None
-        for name, worker in build_workers(cfg, spec, local, scorer).items():
+        scorer = reward_scorer(cfg.reward, cfg.data.answer_key) if "reward" in local else None
+        for name, worker in build_workers(inputs, local, scorer).items():
             groups[name] = LocalWorkerGroup(name, [worker])
     except BaseException:
         release(hosts_all, pgs)
         raise
     return roles_from_groups(
-        cfg,
+        inputs.models.tokenizer,
         groups,
         push_weights=weight_push(groups["actor"], groups.get("rollout")),
         close=lambda: release(hosts_all, pgs),
