@@ -7,19 +7,28 @@ is testable in milliseconds. The formulas follow docs/algorithms.md (§0–§10;
 
 from keel.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageName,
     discounted_returns,
     gae_advantage_return,
     grpo_outcome_advantage,
     rloo_outcome_advantage,
     token_level_rewards,
 )
-from keel.algo.aggregation import AGG_MODES, agg_loss, loss_denominators
+from keel.algo.aggregation import AGG_MODES, AggMode, agg_loss, loss_denominators
 from keel.algo.drift import LogprobDrift, logprob_drift, truncated_is_weights
-from keel.algo.kl import KL_ESTIMATORS, kl_penalty
+from keel.algo.kl import KL_ESTIMATORS, KLEstimatorName, kl_penalty
 from keel.algo.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
 from keel.algo.masked import masked_explained_variance, masked_mean, masked_sum, masked_whiten
-from keel.algo.policy_loss import POLICY_LOSSES, PolicyLossOutput, gspo_loss, ppo_clip_loss
+from keel.algo.policy_loss import (
+    POLICY_LOSSES,
+    PolicyLossFn,
+    PolicyLossName,
+    PolicyLossOutput,
+    gspo_loss,
+    ppo_clip_loss,
+)
 from keel.algo.shaping import overlong_penalty, varied_groups
 from keel.algo.supervised import sft_loss
 from keel.algo.value_loss import clipped_value_loss
@@ -30,8 +39,14 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
+    "AdvantageEstimator",
+    "AdvantageName",
+    "AggMode",
     "FixedKLController",
+    "KLEstimatorName",
     "LogprobDrift",
+    "PolicyLossFn",
+    "PolicyLossName",
     "PolicyLossOutput",
     "agg_loss",
     "build_kl_controller",

@@ -6,7 +6,7 @@ one calling convention (see the registry below). Advantages are 0 outside the re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Literal, Protocol
 
 import torch
 
@@ -178,44 +178,98 @@ def group_mean_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.
 
 
 # ------------------------------------------------------------------ the registry
-# Every registered estimator takes the same keyword arguments and returns (advantages, returns):
-#   token_rewards [B, R] (score on the last valid token, −β·k where KL is in the reward),
-#   response_mask [B, R], group_ids [B], values [B, R] or None (critic), plus its options.
-# returns is None for estimators without a critic.
+# The names of the registered estimators (AlgorithmSpec.advantage; the registry's keys).
+AdvantageName = Literal["grpo", "gae", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
 
-def _grpo(token_rewards, response_mask, group_ids, values=None, **options):
+class AdvantageEstimator(Protocol):
+    """A registered estimator: token_rewards [B, R] (score on the last valid token, −β·k where
+    KL is in the reward), response_mask [B, R], group_ids [B], values [B, R] or None (critic)
+    → (advantages [B, R], returns [B, R], or None for an estimator without a critic). Its own
+    options (AlgorithmSpec.advantage_kwargs) are keyword arguments with defaults."""
+
+    def __call__(
+        self,
+        token_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        group_ids: torch.Tensor,
+        values: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+Advantages = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _grpo(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    norm_adv_by_std: bool = True,
+    adv_epsilon: float = 1e-6,
+) -> Advantages:
     scores = sequence_scores(token_rewards, response_mask)
-    return grpo_outcome_advantage(scores, response_mask, group_ids, **options), None
+    advantages = grpo_outcome_advantage(
+        scores, response_mask, group_ids, norm_adv_by_std=norm_adv_by_std, adv_epsilon=adv_epsilon
+    )
+    return advantages, None
 
 
-def _gae(token_rewards, response_mask, group_ids, values=None, *, norm_adv=True, **options):
+def _gae(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    norm_adv: bool = True,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Advantages:
     if values is None:
         raise ValueError("the gae advantage estimator needs critic values")
-    advantages, returns = gae_advantage_return(token_rewards, values, response_mask, **options)
+    advantages, returns = gae_advantage_return(
+        token_rewards, values, response_mask, gamma=gamma, lam=lam
+    )
     if norm_adv:
         advantages = masked_whiten(advantages, response_mask)
     return advantages, returns
 
 
-def _rloo(token_rewards, response_mask, group_ids, values=None):
+def _rloo(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+) -> Advantages:
     scores = sequence_scores(token_rewards, response_mask)
     return rloo_outcome_advantage(scores, response_mask, group_ids), None
 
 
-def _reinforce_pp(token_rewards, response_mask, group_ids, values=None, *, gamma=1.0):
+def _reinforce_pp(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+) -> Advantages:
     returns = discounted_returns(token_rewards, response_mask, gamma=gamma)
     return masked_whiten(returns, response_mask), returns
 
 
-def _reinforce_pp_baseline(token_rewards, response_mask, group_ids, values=None):
+def _reinforce_pp_baseline(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+) -> Advantages:
     scores = sequence_scores(token_rewards, response_mask)
     centred = _broadcast(group_mean_baseline(scores, group_ids), response_mask)
     return masked_whiten(centred, response_mask), None
 
 
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+ADVANTAGE_ESTIMATORS: dict[AdvantageName, AdvantageEstimator] = {
     "grpo": _grpo,
     "gae": _gae,
     "rloo": _rloo,

@@ -7,17 +7,20 @@ losses; the gradient then equals the one of the single-batch formula.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from keel.algo.masked import masked_sum
 
-AGG_MODES = (
+AggMode = Literal[
     "token-mean",
     "token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
-)
+]
+AGG_MODES: tuple[AggMode, ...] = get_args(AggMode)
 
 
 def loss_denominators(mask: torch.Tensor) -> tuple[int, int]:

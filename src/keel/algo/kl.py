@@ -6,6 +6,8 @@ d = ℓ − ℓ_ref with samples from π. Names follow verl: `kl`/`k1`, `abs`, `
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 
@@ -30,6 +32,11 @@ def _k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 _BASE = {"kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3}
 KL_ESTIMATORS = (*_BASE, *(f"{k}+" for k in _BASE))
+# The estimators' names (AlgorithmSpec.kl_loss_type, kl_penalty): KL_ESTIMATORS.
+KLEstimatorName = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
+]  # fmt: skip
 
 
 def kl_penalty(

@@ -7,8 +7,8 @@ the loss nor the gradient ever sees them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
@@ -152,13 +152,64 @@ def gspo_loss(
     return PolicyLossOutput(loss, clipfrac, torch.zeros((), device=loss.device), ppo_kl)
 
 
-def gspo_token_loss(*args, **kwargs) -> PolicyLossOutput:
+def gspo_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    agg_mode: str = "seq-mean-token-mean",
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+    scale_factor: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> PolicyLossOutput:
     """GSPO-token: gspo_loss with token_level=True."""
-    return gspo_loss(*args, **{**kwargs, "token_level": True})
+    return gspo_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        agg_mode=agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        scale_factor=scale_factor,
+        token_level=True,
+        token_weights=token_weights,
+    )
 
 
-PolicyLossFn = Callable[..., PolicyLossOutput]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
+# The names of the registered losses (AlgorithmSpec.policy_loss; the registry's keys).
+PolicyLossName = Literal["vanilla", "gspo", "gspo_token"]
+
+
+class PolicyLossFn(Protocol):
+    """A registered policy loss. ℓ (with grad), ℓ_old, A, m: [B, R] → the aggregated loss and
+    its diagnostics. Every loss takes the aggregation (agg_mode, the global denominators
+    num_tokens / num_seqs, scale_factor; keel.algo.aggregation) and detached per-token weights
+    (None: none); its own options (clip ratios; AlgorithmSpec.policy_loss_kwargs) are keyword
+    arguments with defaults."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        agg_mode: str = ...,
+        num_tokens: int | None = None,
+        num_seqs: int | None = None,
+        scale_factor: float | None = None,
+        token_weights: torch.Tensor | None = None,
+    ) -> PolicyLossOutput: ...
+
+
+POLICY_LOSSES: dict[PolicyLossName, PolicyLossFn] = {
     "vanilla": ppo_clip_loss,
     "gspo": gspo_loss,
     "gspo_token": gspo_token_loss,

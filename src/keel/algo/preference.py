@@ -8,13 +8,15 @@ micro-batch and sum the micro-batch losses to get the mini-batch mean (micro-bat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from keel.algo.masked import masked_sum
 
-DPO_LOSSES = ("sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge")
+DPOLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge"]
+DPO_LOSSES: tuple[DPOLossName, ...] = get_args(DPOLossName)
 # Losses on per-token mean log-probs: dpo_loss divides every sequence log-prob by its length.
 LENGTH_AVERAGED_LOSSES = frozenset({"ipo_mean"})
 

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keel.algo.advantages import AdvantageName
+from keel.algo.aggregation import AggMode
+from keel.algo.kl import KLEstimatorName
+from keel.algo.policy_loss import PolicyLossName
+from keel.algo.preference import DPOLossName
+
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
@@ -46,21 +52,21 @@ class AlgorithmSpec:
     name: str
     stage: Literal["rl", "sft", "rm", "dpo"]
     roles: frozenset[str]
-    loss_agg_mode: str
-    advantage: str | None = None
+    loss_agg_mode: AggMode
+    advantage: AdvantageName | None = None
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)
-    policy_loss: str | None = None
+    policy_loss: PolicyLossName | None = None
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     loss_scale_factor: float | None = None
     kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: KLEstimatorName = "low_var_kl"
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
-    preference_loss: str | None = None
+    preference_loss: DPOLossName | None = None
     preference_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     precompute_ref_logps: bool = False
     eval_generate: bool = False
-    kl_penalty: str | None = None
+    kl_penalty: KLEstimatorName | None = None
     kl_ctrl: dict[str, Any] = field(default_factory=dict)
     cliprange_value: float | None = None
     critic_warmup_steps: int = 0

@@ -1,0 +1,33 @@
+"""AlgorithmSpec's choices (keel.algo.spec): each `Literal` name type lists exactly the keys of
+the registry it indexes, and the config offers exactly those choices."""
+
+from typing import get_args
+
+from keel.algo import (
+    ADVANTAGE_ESTIMATORS,
+    AGG_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageName,
+    AggMode,
+    KLEstimatorName,
+    PolicyLossName,
+)
+from keel.algo.preference import DPO_LOSSES, DPOLossName
+from keel.config import schema
+
+
+def test_the_name_types_list_the_registry_keys_in_order():
+    assert get_args(AdvantageName) == tuple(ADVANTAGE_ESTIMATORS)
+    assert get_args(PolicyLossName) == tuple(POLICY_LOSSES)
+    assert get_args(AggMode) == AGG_MODES
+    assert get_args(KLEstimatorName) == KL_ESTIMATORS
+    assert get_args(DPOLossName) == DPO_LOSSES
+
+
+def test_the_config_offers_the_same_choices():
+    loss_mode = schema.PolicyLossConfig.model_fields["loss_mode"].annotation
+    assert get_args(loss_mode) == get_args(PolicyLossName)
+    assert get_args(schema.AggMode) == get_args(AggMode)
+    assert get_args(schema.KLType) == get_args(KLEstimatorName)
+    assert get_args(schema.DPOLossType) == get_args(DPOLossName)
