@@ -16,7 +16,7 @@ from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import BatchPlan
-from keel.config.schema import KeelConfig
+from keel.config.schema import KeelConfig, ResourcesConfig
 from keel.recipes.relevance import StagePlan, role_names
 from keel.workers.build import ModelPlan, WorkerInputs, worker_inputs
 
@@ -58,14 +58,14 @@ def resolve_run_plan(cfg: KeelConfig, spec: AlgorithmSpec) -> RunPlan:
         config=cfg,
         spec=spec,
         run_dir=Path(cfg.run_dir),
-        workers=worker_inputs(cfg, spec, device=_builds_here(cfg, spec)),
+        workers=worker_inputs(cfg, spec, device=_builds_here(cfg.resources, role_names(spec))),
     )
 
 
-def _builds_here(cfg: KeelConfig, spec: AlgorithmSpec) -> bool:
-    """Whether this process builds a worker: always on the local backend; on Ray, when a role
-    of the algorithm is in no colocation group."""
-    if cfg.resources.backend != "ray":
+def _builds_here(resources: ResourcesConfig, roles: tuple[str, ...]) -> bool:
+    """Whether this process builds a worker of `roles`: always on the local backend; on Ray,
+    when one of them is in no colocation group (resources.groups)."""
+    if resources.backend != "ray":
         return True
-    placed = {role for group in cfg.resources.groups for role in group.roles}
-    return any(role not in placed for role in role_names(spec))
+    placed = {role for group in resources.groups for role in group.roles}
+    return any(role not in placed for role in roles)

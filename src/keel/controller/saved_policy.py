@@ -18,7 +18,7 @@ from typing import Any
 from keel.checkpoint.policy import PolicySource
 from keel.config.loading import env_overrides, parse_override, read_yaml, set_path, validate
 from keel.config.paths import resolve_input_paths
-from keel.config.schema import KeelConfig
+from keel.config.schema import KeelConfig, ModelsConfig
 from keel.controller.assembly import (
     Datasets,
     build_reward,
@@ -117,15 +117,14 @@ def build_rollout(cfg: KeelConfig, tokenizer: Any = None) -> WorkerGroup:
     models.actor on resources.device (in models.dtype) and the data section's prompt options
     (chat template, max_prompt_length, truncation)."""
     tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(cfg)
-    models = policy_models(cfg, "rollout", tokenizer)
+    models = policy_models(cfg.models, cfg.resources.device, "rollout", tokenizer)
     return LocalWorkerGroup("rollout", [rollout_worker(models, cfg.rollout, cfg.data, None)])
 
 
-def policy_models(cfg: KeelConfig, role: str, tokenizer: Any) -> ModelPlan:
-    """The models of `role` (rollout or reward) resolved as a run resolves them, with the
-    policy's `tokenizer` (already loaded)."""
-    device = resolve_device(cfg.resources.device)
-    return resolve_models(cfg.models, (role,), device, tokenizer=tokenizer)
+def policy_models(models: ModelsConfig, device: str, role: str, tokenizer: Any) -> ModelPlan:
+    """The models of `role` (rollout or reward) resolved as a run resolves them, on the
+    resources.device `device`, with the policy's `tokenizer` (already loaded)."""
+    return resolve_models(models, (role,), resolve_device(device), tokenizer=tokenizer)
 
 
 @dataclass
@@ -173,13 +172,15 @@ def prepare_eval(cfg: KeelConfig, limit: int | None = None) -> EvalJob:
             "leaves nothing to evaluate"
         )
     check_fits(cfg, eval_sampling(cfg.eval, cfg.rollout).max_new_tokens)
+    rollout = build_rollout(cfg, tokenizer)
+    reward_models = policy_models(cfg.models, cfg.resources.device, "reward", tokenizer)
     return EvalJob(
         cfg,
         fitted.eval,
-        build_rollout(cfg, tokenizer),
+        rollout,
         LocalWorkerGroup(
             "reward",
-            [reward_worker(policy_models(cfg, "reward", tokenizer), cfg.reward, cfg.data, scorer)],
+            [reward_worker(reward_models, cfg.reward, cfg.data, scorer)],
         ),
         bad_rows,
         dropped=fitted.dropped_prompts,

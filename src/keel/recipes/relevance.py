@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import PAIR_STAGES
-from keel.config.schema import KeelConfig
+from keel.config.schema import DataConfig, KeelConfig
 
 BUILTIN_TASKS = ("builtin:arithmetic", "builtin:preference")
 EVAL_GENERATION = ("temperature", "max_new_tokens", "batch_size", "correct_threshold")
@@ -146,7 +146,7 @@ def _unused(cfg: KeelConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
             ["train.logits_chunk_tokens"],
             "a reward model has a scalar head: no vocabulary-wide logits to chunk",
         ))  # fmt: skip
-    out.extend(_data(cfg, plan))
+    out.extend(_data(cfg.data, plan))
     if cfg.resources.backend == "local":
         out.append((
             ["resources.groups", "resources.ray", "resources.max_restarts"],
@@ -155,8 +155,8 @@ def _unused(cfg: KeelConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
     return out
 
 
-def _data(cfg: KeelConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
-    d, out = cfg.data, []
+def _data(d: DataConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
+    out: list[tuple[list[str], str]] = []
     if plan.pairs:
         out.append((["data.columns.response", "data.columns.messages"], "preference pairs have none"))
     else:
