@@ -88,6 +88,9 @@ all sandboxes together (the kernel counts per uid). Not set otherwise: for the c
 it would count the caller's threads, and root ignores it."""
 CODE_FILE = "main.py"
 """The user code's file in the sandbox directory; tracebacks name it."""
+CHILD_FILE = "keel_sandbox_child.py"
+"""keel.envs.sandbox_child's copy in the sandbox directory, which the interpreter runs by path;
+the child removes it before the code runs."""
 BWRAP_WORK_DIR = "/sandbox"
 """Under bubblewrap: the work directory (a tmpfs; also HOME and TMPDIR)."""
 WORK_SPACE_LIMIT = 64 * 2**20
@@ -97,7 +100,8 @@ LAYERS = ("bwrap", "uid65534", "netns", "audit_hook", "rlimits")
 """Every layer's name, outer to inner (the module docstring says what each is)."""
 
 _DRAIN_AFTER_KILL_S = 1.0  # how long output is still read after the process group was killed
-_CHILD_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+CHILD_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+"""keel.envs.sandbox_child's file, copied into every sandbox."""
 
 
 @dataclass(frozen=True)
@@ -455,7 +459,11 @@ def run_python(
         "unchecked_fds": list(layers.pass_fds),
         "pid1": bool(layers.bwrap),
     }
-    child = ("-B", "-u", "-X", "utf8", "-c", _child_source(), json.dumps(config))
+
+    def child(work_dir: str) -> tuple[str, ...]:
+        path = f"{work_dir}/{CHILD_FILE}"
+        return ("-B", "-u", "-X", "utf8", path, json.dumps({**config, "child": path}))
+
     popen = {
         "stdin": subprocess.DEVNULL,
         "stdout": subprocess.PIPE,
@@ -464,13 +472,15 @@ def run_python(
         "umask": 0o077,
     }
     if layers.bwrap:
-        with tempfile.TemporaryFile() as source:  # bubblewrap copies it into the tmpfs
+        # bubblewrap copies both into the tmpfs
+        with tempfile.TemporaryFile() as source, open(CHILD_MODULE, "rb") as bootstrap:
             source.write(code.encode("utf-8"))
             source.flush()
             source.seek(0)
+            files = {CODE_FILE: source.fileno(), CHILD_FILE: bootstrap.fileno()}
             options = _popen_options(layers, BWRAP_WORK_DIR)
-            options["pass_fds"] = (*options["pass_fds"], source.fileno())
-            argv = [*_bwrap_argv(layers, {CODE_FILE: source.fileno()}), *child]
+            options["pass_fds"] = (*options["pass_fds"], *files.values())
+            argv = [*_bwrap_argv(layers, files), *child(BWRAP_WORK_DIR)]
             proc = subprocess.Popen(argv, cwd="/", **popen, **options)
         return _supervise(
             proc, wall_s=wall_s, max_output_bytes=max_output_bytes, layers=layers.layers, bwrap=True
@@ -479,28 +489,18 @@ def run_python(
     try:
         with open(os.path.join(home, CODE_FILE), "w", encoding="utf-8") as f:
             f.write(code)
+        shutil.copyfile(CHILD_MODULE, os.path.join(home, CHILD_FILE))
         if layers.uid is not None:
-            for path in (home, os.path.join(home, CODE_FILE)):
+            for path in (home, os.path.join(home, CODE_FILE), os.path.join(home, CHILD_FILE)):
                 os.chown(path, layers.uid, layers.uid)
         proc = subprocess.Popen(
-            [*layers.command, *child], cwd=home, **popen, **_popen_options(layers, home)
+            [*layers.command, *child(home)], cwd=home, **popen, **_popen_options(layers, home)
         )
         return _supervise(
             proc, wall_s=wall_s, max_output_bytes=max_output_bytes, layers=layers.layers
         )
     finally:
         _remove_tree(home)
-
-
-_child_source_cache: list[str] = []
-
-
-def _child_source() -> str:
-    """keel.envs.sandbox_child's source, which the child runs with -c."""
-    if not _child_source_cache:
-        with open(_CHILD_SOURCE, encoding="utf-8") as f:
-            _child_source_cache.append(f.read())
-    return _child_source_cache[0]
 
 
 def _require_linux() -> None:

@@ -1,10 +1,11 @@
 """The sandbox's child: the first code the sandboxed interpreter runs (see keel.envs.sandbox).
 
-keel.envs.sandbox runs this file's source, not the file: `python -I -S -B -u -X utf8 -c SOURCE
-CONFIG_JSON` in the sandbox's work directory, so that the child needs no view of where Keel is
-installed (under bubblewrap it has none; as uid 65534 it may not be able to read it). It sets
-the rlimits, installs the audit hook, then runs main.py as __main__. Standard library only, and
-nothing here may import Keel.
+keel.envs.sandbox copies this file into the sandbox's work directory (as CHILD_FILE there) and
+runs it by path: `python -I -S -B -u -X utf8 WORK_DIR/CHILD_FILE CONFIG_JSON`, so that the child
+needs no view of where Keel is installed (under bubblewrap it has none; as uid 65534 it may not
+be able to read it). It reads its config (`parse_config`), removes its own copy, sets the
+rlimits, installs the audit hook (`make_hook`), then runs main.py as __main__. Standard library
+only, and nothing here may import Keel.
 
 The rlimits are set here, before any of the user's code, not in a Popen preexec_fn: that runs
 Python between fork and exec, which can deadlock when the parent has threads (tool calls run on
@@ -18,6 +19,52 @@ functions it blocks.
 """
 
 import sys
+
+CONFIG_KEYS = {
+    "code": str,  # the user code's file, relative to the work directory
+    "cpu_s": int,
+    "memory_bytes": int,
+    "file_bytes": int,
+    "open_files": int,
+    "processes": (int, type(None)),  # RLIMIT_NPROC, None: not set
+    "unchecked_fds": list,
+    "pid1": bool,  # the interpreter is a PID namespace's init (under bubblewrap)
+    "child": (str, type(None)),  # this file's copy, removed before the code runs; None: keep
+}
+
+
+def parse_config(text):
+    """The child's config from its JSON argument; a missing key, an unknown one or a value of
+    the wrong type is a ValueError naming it (a mismatch between keel.envs.sandbox and this
+    file, never the user's code)."""
+    import json
+
+    config = json.loads(text)
+    if not isinstance(config, dict):
+        raise ValueError(f"sandbox child config: expected a JSON object, got {text[:80]!r}")
+    for key, kind in CONFIG_KEYS.items():
+        if key not in config:
+            raise ValueError(f"sandbox child config: {key!r} is missing")
+        if not isinstance(config[key], kind) or (kind is int and isinstance(config[key], bool)):
+            raise ValueError(f"sandbox child config: {key!r} is {config[key]!r}")
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"sandbox child config: unknown keys {unknown}")
+    return config
+
+
+def standard_library_roots(path_entries):
+    """The directories of `path_entries` (sys.path) that read-only opens may reach: absolute,
+    lexically normalized (as imports name them: /proc/self/fd/N/lib/... when the interpreter
+    was started through a descriptor), without site-packages or dist-packages ones."""
+    import os
+
+    roots = []
+    for entry in path_entries:
+        entry = os.path.normpath(os.path.abspath(entry)) if entry else entry
+        if entry and "site-packages" not in entry and "dist-packages" not in entry:
+            roots.append(entry)
+    return tuple(roots)
 
 
 def _limits(config):
@@ -54,11 +101,13 @@ class SandboxViolation(PermissionError):
     """An operation the Keel sandbox does not allow."""
 
 
-def _install_hook(home, roots, fd_bound, unchecked_fds):
-    """Install the audit hook. home: the work directory; roots: the standard library's
-    directories (read-only opens allowed); fd_bound: no descriptor is >= this (RLIMIT_NOFILE,
-    or higher when one was open before it was set); unchecked_fds: directory descriptors that
-    the kernel keeps a climb out of (the interpreter's prefix on the descriptor route)."""
+def make_hook(home, roots, fd_bound, unchecked_fds):
+    """The audit hook, not installed (`_install_hook` installs it; tests call it directly).
+    home: the work directory; roots: the standard library's directories (read-only opens
+    allowed); fd_bound: no descriptor is >= this (RLIMIT_NOFILE, or higher when one was open
+    before it was set); unchecked_fds: directory descriptors that the kernel keeps a climb out
+    of (the interpreter's prefix on the descriptor route). The hook raises SandboxViolation for
+    an event it refuses and returns None otherwise."""
     import os
     import posix
     import stat
@@ -239,7 +288,12 @@ def _install_hook(home, roots, fd_bound, unchecked_fds):
                     continue
             raise _violation(f"blocked: {files} ({event} {path!r} for {verb})")
 
-    sys.addaudithook(hook)
+    return hook
+
+
+def _install_hook(home, roots, fd_bound, unchecked_fds):
+    """Install the audit hook (make_hook's arguments); it cannot be removed."""
+    sys.addaudithook(make_hook(home, roots, fd_bound, unchecked_fds))
 
 
 def _run(config):
@@ -249,6 +303,8 @@ def _run(config):
     import resource
     import types
 
+    if config["child"] is not None:
+        os.remove(config["child"])  # the work directory holds only what the code writes
     # every descriptor open now, before the hook: one may be above RLIMIT_NOFILE
     inherited = [int(name) for name in os.listdir("/proc/self/fd")]
     _limits(config)
@@ -256,13 +312,8 @@ def _run(config):
     with open(config["code"], "rb") as f:
         source = f.read()
     home = posix.getcwd()
-    roots = []
-    for entry in sys.path:
-        # lexical, as imports name them (/proc/self/fd/N/lib/... when started through one)
-        entry = os.path.normpath(os.path.abspath(entry)) if entry else entry
-        if entry and "site-packages" not in entry and "dist-packages" not in entry:
-            roots.append(entry)
-    _install_hook(home, tuple(roots), fd_bound, frozenset(config["unchecked_fds"]))
+    roots = standard_library_roots(sys.path)
+    _install_hook(home, roots, fd_bound, frozenset(config["unchecked_fds"]))
     main = types.ModuleType("__main__")
     main.__file__ = config["code"]
     main.__builtins__ = builtins
@@ -291,4 +342,4 @@ def _run(config):
 
 
 if __name__ == "__main__":
-    _run(__import__("json").loads(sys.argv[1]))
+    _run(parse_config(sys.argv[1]))
