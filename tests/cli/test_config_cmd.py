@@ -85,13 +85,13 @@ def test_validate_builds_the_environments_tools(keel_here, tmp_path):
     ("tools", "env_kwargs", "needles"),
     [
         (["calculator", "vault_tool.py:Lokup"], {},
-         ["rollout.env_kwargs.tools[1]: ", "/vault_tool.py has nothing named 'Lokup'",
+         ["rollout.env.kwargs.tools[1]: ", "/vault_tool.py has nothing named 'Lokup'",
           "did you mean 'Lookup'"]),
-        (["vault.py:Lookup"], {}, ["rollout.env_kwargs.tools[0]: file not found: vault.py"]),
+        (["vault.py:Lookup"], {}, ["rollout.env.kwargs.tools[0]: file not found: vault.py"]),
         (["calculator"], {"timeout": 3},
-         ["rollout.env_kwargs do not fit builtin:tools", "'timeout'"]),
+         ["rollout.env.kwargs do not fit builtin:tools", "'timeout'"]),
         ([{"name": "vault_tool.py:Lookup", "tabel": {}}], {},
-         ["rollout.env_kwargs.tools[0]", "'tabel'"]),
+         ["rollout.env.kwargs.tools[0]", "'tabel'"]),
     ],
 )  # fmt: skip
 def test_a_wrong_tool_or_keyword_is_exit_2_in_validate_and_in_train_before_the_run_dir(

@@ -114,7 +114,7 @@ def test_a_wrong_config_or_environment_is_one_clear_line(keel_main, tiny_dir, rl
     text = rl_config.read_text().replace("turn_cost: 0.25", "turn_costs: 0.25")
     rl_config.write_text(text)
     assert_clean_error(keel_main("eval", tiny_dir, "--config", rl_config),
-                       "rollout.env_kwargs do not fit builtin:guess_number",
+                       "rollout.env.kwargs do not fit builtin:guess_number",
                        "'turn_costs'")  # fmt: skip
     shutil.rmtree(rl_config.parent / "data")
     assert_clean_error(keel_main("eval", tiny_dir, "--config", rl_config.parent / "rl.yaml",

@@ -44,9 +44,14 @@ def test_example_config_validates(path):
         ({"trian": {"lr": 0.1}}, "trian", "train"),
         ({"train": {"lrr": 0.1}}, "train.lrr", "lr"),
         (
-            {"algorithm": {"name": "grpo", "clip_ratio_lowx": 0.3}},
-            "algorithm.clip_ratio_lowx",
+            {"algorithm": {"name": "grpo", "policy_loss": {"clip_ratio_lowx": 0.3}}},
+            "algorithm.policy_loss.clip_ratio_lowx",
             "clip_ratio_low",
+        ),
+        (
+            {"rollout": {"env": {"name": "builtin:tools", "max_turn": 2}}},
+            "rollout.env.max_turn",
+            "max_turns",
         ),
         ({"data": {"arithmetic": {"opz": "+"}}}, "data.arithmetic.opz", "ops"),
     ],
@@ -168,7 +173,7 @@ NON_FINITE_OVERRIDES = [
     ("train.eps=-.inf", "train.eps"),
     ("train.betas=[0.9, .nan]", "train.betas.1"),
     ("reward.fallback_score=.nan", "reward.fallback_score"),
-    ("guard.kl_max=.inf", "guard.kl_max"),
+    ("guard.kl_max=.inf", "guard.kl_max"),  # the old key (keel.config.legacy_guard)
     ("eval.correct_threshold=-.inf", "eval.correct_threshold"),
     ("reward.kwargs={scale: .nan}", "reward.kwargs"),
     ("reward.kwargs={limits: [1, .inf]}", "reward.kwargs"),
@@ -208,15 +213,15 @@ def test_non_finite_number_from_the_environment_is_rejected(tmp_path, value):
 @pytest.mark.parametrize("name", ["grpo", "dapo", "ppo"])
 def test_clip_ratio_c_nan_is_rejected(tmp_path, name):
     path = write_config(tmp_path, algorithm={"name": name})
-    assert "(got nan)" in problem(load_error(path, ["algorithm.clip_ratio_c=.nan"]),
-                                  "algorithm.clip_ratio_c")  # fmt: skip
+    assert "(got nan)" in problem(load_error(path, ["algorithm.policy_loss.clip_ratio_c=.nan"]),
+                                  "algorithm.policy_loss.clip_ratio_c")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "ppo"])
 def test_clip_ratio_c_inf_still_disables_the_dual_clip(tmp_path, name):
     cfg = load_config(write_config(tmp_path, algorithm={"name": name}),
-                      ["algorithm.clip_ratio_c=.inf"], environ={})  # fmt: skip
-    assert cfg.algorithm.clip_ratio_c == float("inf")
+                      ["algorithm.policy_loss.clip_ratio_c=.inf"], environ={})  # fmt: skip
+    assert cfg.algorithm.policy_loss.clip_ratio_c == float("inf")
 
 
 def test_config_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
@@ -250,7 +255,12 @@ def test_multi_turn_settings_need_an_environment():
 
     with pytest.raises(ConfigError, match=r"rollout\.max_turns: 3 needs an environment"):
         validate({**BASE, "rollout": {"max_turns": 3}}, source="t.yaml")
-    rollout = {"env": "builtin:guess_number", "max_turns": 3, "max_new_tokens": 4}
+    with pytest.raises(ConfigError, match=r"rollout\.env\.name: required key is missing"):
+        validate({**BASE, "rollout": {"env": {"max_turns": 3}}}, source="t.yaml")
+    rollout = {"env": {"name": "builtin:guess_number", "max_turns": 3}, "max_new_tokens": 4}
     cfg = validate({**BASE, "rollout": rollout}, source="t.yaml")
     assert cfg.rollout.response_budget() == 12
-    assert cfg.rollout.model_copy(update={"max_episode_tokens": 10}).response_budget() == 10
+    assert cfg.rollout.env is not None
+    cfg.rollout.env.max_episode_tokens = 10
+    assert cfg.rollout.response_budget() == 10
+    assert validate({**BASE}, source="t.yaml").rollout.response_budget() == 16

@@ -105,16 +105,18 @@ def test_home_is_expanded_and_resolution_is_idempotent(layout, monkeypatch):
 
 
 def test_builtin_tools_tool_files_resolve_against_the_config_folder(layout):
-    """rollout.env_kwargs.tools of builtin:tools: `file.py:Class` (or {"name": …}) by the same
+    """rollout.env.kwargs.tools of builtin:tools: `file.py:Class` (or {"name": …}) by the same
     rule as reward.fn; built-in tool names stay as written."""
     conf, _ = layout
     make(conf / "tools/vault.py")
     raw = {
         "models": {"actor": "builtin:tiny"},
         "algorithm": {"name": "grpo"},
-        "rollout": {"env": "builtin:tools", "env_kwargs": {"tools": [
-            "calculator", "tools/vault.py:Lookup", {"name": "tools/vault.py:Lookup", "k": 1}]}},
+        "rollout": {"env": {"name": "builtin:tools", "kwargs": {"tools": [
+            "calculator", "tools/vault.py:Lookup", {"name": "tools/vault.py:Lookup", "k": 1}]}}},
     }  # fmt: skip
-    tools = load_config(write(conf, raw), environ={}).rollout.env_kwargs["tools"]
+    env = load_config(write(conf, raw), environ={}).rollout.env
+    assert env is not None
+    tools = env.kwargs["tools"]
     assert tools == ["calculator", f"{conf / 'tools/vault.py'}:Lookup",
                      {"name": f"{conf / 'tools/vault.py'}:Lookup", "k": 1}]  # fmt: skip

@@ -27,7 +27,7 @@ def test_builtin_and_file_environments(tmp_path):
 def test_loading_errors_name_the_field(tmp_path):
     with pytest.raises(EnvLoadError, match=r"unknown built-in environment 'builtin:nope'.*guess"):
         load_environment("builtin:nope", {}, ENVIRONMENTS)
-    with pytest.raises(EnvLoadError, match=r"rollout\.env_kwargs do not fit builtin:guess_number"):
+    with pytest.raises(EnvLoadError, match=r"rollout\.env\.kwargs do not fit builtin:guess_number"):
         load_environment("builtin:guess_number", {"turns": 3}, ENVIRONMENTS)
     with pytest.raises(EnvLoadError, match=r"rollout\.env: file not found"):
         load_environment(f"{tmp_path}/none.py:Env", {}, ENVIRONMENTS)
@@ -75,19 +75,19 @@ def test_check_environment_builds_the_tools_without_constructing_the_environment
     ("kwargs", "needles"),
     [
         ({"tools": ["calculator", "{tool}:Lokup"]},
-         ["rollout.env_kwargs.tools[1]: ", "nothing named 'Lokup'", "did you mean 'Lookup'"]),
+         ["rollout.env.kwargs.tools[1]: ", "nothing named 'Lokup'", "did you mean 'Lookup'"]),
         ({"tools": ["{dir}/none.py:Lookup"]},
-         ["rollout.env_kwargs.tools[0]: file not found: ", "none.py"]),
+         ["rollout.env.kwargs.tools[0]: file not found: ", "none.py"]),
         ({"tools": [{"name": "{tool}:Lookup", "tabel": {}}]},
-         ["rollout.env_kwargs.tools[0]: ", "'tabel'"]),
-        ({"tools": ["calculater"]}, ["rollout.env_kwargs.tools[0]: unknown tool 'calculater'"]),
-        ({"tools": "calculator"}, ["rollout.env_kwargs.tools: must be a list"]),
+         ["rollout.env.kwargs.tools[0]: ", "'tabel'"]),
+        ({"tools": ["calculater"]}, ["rollout.env.kwargs.tools[0]: unknown tool 'calculater'"]),
+        ({"tools": "calculator"}, ["rollout.env.kwargs.tools: must be a list"]),
         ({"tools": ["calculator", "builtin:calculator"]},
-         ["rollout.env_kwargs.tools[1]: a second tool named 'calculator'", "tools[0]"]),
+         ["rollout.env.kwargs.tools[1]: a second tool named 'calculator'", "tools[0]"]),
         ({"tool": ["calculator"]},
-         ["rollout.env_kwargs do not fit builtin:tools", "'tool'", "it takes tools, timeout_s"]),
+         ["rollout.env.kwargs do not fit builtin:tools", "'tool'", "it takes tools, timeout_s"]),
         ({"tools": ["{dir}/broken_tool.py:Broken"]},
-         ["rollout.env_kwargs.tools[0]: building ", "RuntimeError('no database')"]),
+         ["rollout.env.kwargs.tools[0]: building ", "RuntimeError('no database')"]),
     ],
 )  # fmt: skip
 def test_check_environment_errors_name_the_field(tmp_path, kwargs, needles):

@@ -1,5 +1,6 @@
-"""Tool calls: the parser, the calculator, the python tool's observation, building tools from
-specs, and running calls concurrently with timeouts and errors as results."""
+"""Tool calls: the parser (re-exported from keel.data.tool_calls), building tools from specs,
+running calls concurrently with timeouts and errors as results, and the tools environment.
+The built-in tools: tests/envs/test_calculator.py, test_python_tool.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from keel.envs.sandbox import SandboxResult
+from keel.envs import calculator, python_tool, tool
+from keel.envs import tools as tools_module
 from keel.envs.tools import (
     BUILTIN_TOOLS,
     CalculatorTool,
@@ -17,7 +19,6 @@ from keel.envs.tools import (
     ToolCall,
     ToolError,
     build_tools,
-    format_sandbox_result,
     format_tool_call,
     has_tool_call_syntax,
     parse_tool_calls,
@@ -99,94 +100,17 @@ def test_format_tool_call_round_trips():
     assert parse_tool_calls(text).calls == [call]
 
 
-# --- the calculator ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("expression", "value"),
-    [
-        ("37*58", "2146"),
-        ("2 + 3 * 4", "14"),
-        ("(2 + 3) * 4", "20"),
-        ("-2**2", "-4"),
-        ("(-2)**2", "4"),
-        ("-3 - -4", "1"),
-        ("+5", "5"),
-        ("7 / 2", "3.5"),
-        ("8 / 2", "4.0"),
-        ("7 // 2", "3"),
-        ("-7 % 3", "2"),
-        ("0.1 + 0.2", "0.30000000000000004"),
-        ("2 ** -1", "0.5"),
-        ("10 ** 100", "1" + "0" * 100),
-        ("1_000 * 3", "3000"),
-    ],
-)
-def test_the_calculator_evaluates_arithmetic(expression, value):
-    assert CalculatorTool()({"expression": expression}) == value
-
-
-@pytest.mark.parametrize(
-    ("expression", "message"),
-    [
-        ("__import__('os').system('echo hi')", "a function call"),
-        ("x + 1", "a name"),
-        ("(1).real", "an attribute"),
-        ("'a' * 3", "a constant"),
-        ("[1, 2]", "List"),
-        ("True + 1", "a constant"),
-        ("2 ** 101", "exponents above 100"),
-        ("9 ** 9 ** 9", "exponents above 100"),
-        ("(10 ** 100) ** 100", "more than 1000 digits"),
-        ("(10 ** 99 * 10 ** 99) ** 2 * (10 ** 99) ** 7", "more than 1000 digits"),
-        ("1 / 0", "division by zero"),
-        ("5 % 0", "division by zero"),
-        ("1e308 * 10", "not finite"),
-        ("(-8) ** 0.5", "not a real number"),
-        ("1 +", "not an arithmetic expression"),
-        ("1" * 1001, "longer than 1000"),
-        ("-" * 990 + "1", "nested too deeply"),
-    ],
-)
-def test_the_calculator_refuses_anything_else(expression, message):
-    with pytest.raises(ToolError, match=message):
-        CalculatorTool()({"expression": expression})
-
-
-def test_the_calculator_checks_its_argument():
-    with pytest.raises(ToolError, match="'expression' must be a string"):
-        CalculatorTool()({"expr": "1+1"})
-    assert CalculatorTool()({"expression": 12}) == "12"
-
-
-# --- the python tool -----------------------------------------------------------------------------
-
-
-def test_the_python_tool_returns_stdout_and_labels_failures():
-    tool = PythonTool(cpu_s=1, wall_s=3)
-    assert tool({"code": "print(6 * 7)"}) == "42"
-    failed = tool({"code": "print('before')\nraise ValueError('bad')"})
-    assert failed.startswith("before\n[stderr]\n")
-    assert "ValueError: bad" in failed and failed.endswith("[exit code 1]")
-    blocked = tool({"code": "import socket"})
-    assert blocked.endswith("[error] blocked: network access")
-    with pytest.raises(ToolError, match="'code' must be a non-empty string"):
-        tool({"code": "  "})
-
-
-def test_a_sandbox_result_becomes_one_labelled_observation():
-    cut = SandboxResult(
-        "x" * 5, "", None, False, True, "output limit (5 bytes per stream) exceeded"
-    )
-    assert format_sandbox_result(cut) == (
-        "xxxxx\n[output truncated]\n[error] output limit (5 bytes per stream) exceeded"
-    )
-    assert format_sandbox_result(SandboxResult("", "", 0, False, False, None)) == "[no output]"
-    late = SandboxResult("", "", None, True, False, "wall time limit (5 s) exceeded")
-    assert format_sandbox_result(late) == "[error] wall time limit (5 s) exceeded"
-
-
 # --- building tools ------------------------------------------------------------------------------
+
+
+def test_the_tools_names_stay_importable_from_keel_envs_tools():
+    """docs/tools.md names keel.envs.tools for all of them; each lives in its own module."""
+    for module in (calculator, python_tool, tool):
+        for name in ("CalculatorTool", "evaluate_arithmetic", "format_number", "PythonTool",
+                     "format_sandbox_result", "Tool", "ToolError", "ToolResult"):  # fmt: skip
+            if hasattr(module, name):
+                assert getattr(tools_module, name) is getattr(module, name), name
+    assert set(tools_module.__all__) <= set(dir(tools_module))
 
 
 def test_built_in_tools_by_name_and_with_arguments():
@@ -341,7 +265,7 @@ def test_the_tools_environment_parses_the_format_it_is_given():
     assert mistral.step(format_tool_call(call)).done  # a Hermes block is no Mistral call
     broken = mistral.step('[TOOL_CALLS][{"name": "calculator", "arguments": {')
     assert broken.observation[0]["content"].startswith("error: tool call 1: invalid JSON")
-    with pytest.raises(ValueError, match=r"rollout\.env_kwargs\.tool_format: .* 'xml'"):
+    with pytest.raises(ValueError, match=r"rollout\.env\.kwargs\.tool_format: .* 'xml'"):
         ToolEnvironment(tool_format="xml")
 
 
@@ -358,7 +282,7 @@ def test_a_run_resolves_the_format_from_its_config_and_tokenizer():
         "tool_format"
     ].name == ("llama3_json")
     assert run_tool_format("builtin:guess_number", {}, mistral_template, "auto") == {}
-    with pytest.raises(ValueError, match=r"rollout\.env_kwargs\.tool_format: unknown"):
+    with pytest.raises(ValueError, match=r"rollout\.env\.kwargs\.tool_format: unknown"):
         run_tool_format("builtin:tools", {"tool_format": "xml"}, None, "auto")
 
 

@@ -9,7 +9,8 @@ def cfg(**algorithm):
 
 
 def test_grpo_spec_carries_the_config():
-    spec = build_spec(cfg(name="grpo", clip_ratio_high=0.28, kl_loss_type="k2", kl_loss_coef=0.05,
+    spec = build_spec(cfg(name="grpo", policy_loss={"clip_ratio_high": 0.28}, kl_loss_type="k2",
+                          kl_loss_coef=0.05,
                           norm_adv_by_std=False, loss_agg_mode="token-mean"))  # fmt: skip
     assert spec.stage == "rl" and spec.advantage == "grpo" and spec.policy_loss == "vanilla"
     assert spec.policy_loss_kwargs["clip_ratio_high"] == 0.28
@@ -98,7 +99,7 @@ def test_drgrpo_divides_by_the_generation_budget_and_drops_the_std():
 
 
 def test_dapo_and_gspo_specs():
-    dapo = build_spec(cfg(name="dapo", overlong_buffer_len=4, overlong_filter=True))
+    dapo = build_spec(cfg(name="dapo", overlong_buffer={"len": 4}, overlong_filter=True))
     assert dapo.policy_loss_kwargs == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
                                        "clip_ratio_c": 10.0}  # fmt: skip
     assert (
@@ -110,7 +111,26 @@ def test_dapo_and_gspo_specs():
     gspo = build_spec(cfg(name="gspo"))
     assert gspo.policy_loss == "gspo" and gspo.loss_agg_mode == "seq-mean-token-mean"
     assert gspo.policy_loss_kwargs == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
-    assert build_spec(cfg(name="gspo", importance_level="token")).policy_loss == "gspo_token"
+    token = cfg(name="gspo", policy_loss={"loss_mode": "gspo_token"})
+    assert build_spec(token).policy_loss == "gspo_token"
+
+
+def test_a_presets_defaults_yield_to_the_users_keys_key_by_key():
+    dapo = cfg(name="dapo", policy_loss={"clip_ratio_low": 0.1}, filter_groups=None)
+    loss = dapo.algorithm.policy_loss
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.1, 0.28, 10.0)
+    spec = build_spec(dapo)
+    assert not spec.dynamic_sampling and spec.max_num_gen_batches == 0
+    # the dumped config is the resolved one (what keel config show prints) and reloads as is
+    again = validate(dapo.model_dump(mode="json"))
+    assert again == dapo and again.algorithm.name == "dapo"
+
+
+def test_dynamic_sampling_and_the_overlong_buffer_apply_to_any_grpo_preset():
+    spec = build_spec(cfg(name="grpo", filter_groups={"max_num_gen_batches": 2},
+                          overlong_buffer={"len": 3, "penalty_factor": 0.5}))  # fmt: skip
+    assert spec.dynamic_sampling and spec.max_num_gen_batches == 2
+    assert (spec.overlong_buffer_len, spec.overlong_penalty_factor) == (3, 0.5)
 
 
 def test_unknown_keys_of_the_new_sections_are_rejected():
@@ -129,9 +149,9 @@ def test_an_overlong_buffer_longer_than_the_generation_budget_is_a_config_error(
 
     from keel.config import ConfigError
 
-    c = validate({"models": {"actor": "x"}, "algorithm": {"name": "dapo", "overlong_buffer_len": 9},
-                  "rollout": {"max_new_tokens": 8}})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer_len \(9\)"):
+    c = validate({"models": {"actor": "x"}, "algorithm": {"name": "dapo", "overlong_buffer":
+                  {"len": 9}}, "rollout": {"max_new_tokens": 8}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"algorithm\.overlong_buffer\.len \(9\)"):
         build_spec(c)
 
 

@@ -167,9 +167,9 @@ def _summary(
         or cfg.reward.fn
         or [f.metric_name() for f in cfg.reward.fns or ()],
         "config": os.path.abspath(config) if config is not None else None,
-        "env": cfg.rollout.env,
-        "env_kwargs": cfg.rollout.env_kwargs,
-        "max_turns": cfg.rollout.max_turns,
+        "env": None if cfg.rollout.env is None else cfg.rollout.env.name,
+        "env_kwargs": {} if cfg.rollout.env is None else cfg.rollout.env.kwargs,
+        "max_turns": 1 if cfg.rollout.env is None else cfg.rollout.env.max_turns,
         "sampling": {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

@@ -6,7 +6,7 @@ prompt per non-empty line of stdin. For a run, the prompt settings (chat templat
 max_prompt_length, truncation), the engine and the response length default to the run's own.
 
 A run with `rollout.env` (or `--set rollout.env=…`) plays each prompt as an episode in that
-environment, as training's rollout does (up to rollout.max_turns turns, tools called): the
+environment, as training's rollout does (up to rollout.env.max_turns turns, tools called): the
 printed response is the episode's last turn (what reward.fn scores), and `--json` adds the
 episode (turns, tool calls, messages). `--no-env` answers one turn with no environment.
 """
@@ -66,7 +66,6 @@ def generate(
     }
     unset: tuple[str, ...] = ()
     if options.no_env:
-        settings |= {"rollout.env_kwargs": {}, "rollout.max_turns": 1}
         unset = ("rollout.env",)
     cfg = policy_config(source, overrides, settings, unset=unset)
     check_run_environment(cfg)

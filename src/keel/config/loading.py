@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from keel.config.legacy import upgrade, warn_renamed
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import ALGORITHMS, KeelConfig
 
@@ -132,7 +134,14 @@ def set_path(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None
 
 
 def validate(raw: dict[str, Any], source: str = "<config>") -> KeelConfig:
-    """KeelConfig from a plain dict; a ConfigError lists every problem with its key path."""
+    """KeelConfig from a plain dict; a ConfigError lists every problem with its key path. Old
+    keys (keel.config.legacy) are mapped to their new place, each with one RenamedKeyWarning
+    naming `source`."""
+    try:
+        raw, renamed = upgrade(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: invalid config (1 problem)\n  {exc}") from None
+    warn_renamed(renamed, source)
     try:
         return KeelConfig.model_validate(raw)
     except ValidationError as exc:
@@ -173,14 +182,21 @@ def _suggest(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
             model = ALGORITHMS.get(str((raw.get("algorithm") or {}).get("name")))
             continue
         field = model.model_fields.get(str(part)) if model else None
-        ann = field.annotation if field else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = _section_of(field.annotation) if field else None
         if model is None:
             return ""
     if model is None:
         return ""
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _section_of(ann: Any) -> type[BaseModel] | None:
+    """The section class of a field's annotation (`X`, `X | None`), else None."""
+    for t in (ann, *typing.get_args(ann)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
 
 
 def dump_config(cfg: KeelConfig) -> str:

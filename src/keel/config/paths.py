@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from keel.config.schema import KeelConfig
 
-# The config keys that name input files or folders (reward.fn and rollout.env only in their
+# The config keys that name input files or folders (reward.fn and rollout.env.name only in their
 # `file.py:name` form; each reward.fns[i].fn as reward.fn).
 INPUT_PATHS = (
     "models.actor",
@@ -26,7 +26,7 @@ INPUT_PATHS = (
     "data.train",
     "data.eval",
     "reward.fn",
-    "rollout.env",
+    "rollout.env.name",
 )
 LOOKUP_RULE = "a relative path is looked up in the config file's folder, then the working directory"
 
@@ -59,20 +59,23 @@ def resolve_input_paths(cfg: KeelConfig, config_dir: str | Path) -> KeelConfig:
     config file; the working directory for a config built in code). Idempotent."""
     out = cfg.model_copy(deep=True)
     for dotted in INPUT_PATHS:
-        section_name, key = dotted.split(".")
-        section = getattr(out, section_name)
-        value = getattr(section, key)
+        *parents, key = dotted.split(".")
+        section: Any = out
+        for name in parents:  # rollout.env.name: rollout.env may be null
+            section = getattr(section, name) if section is not None else None
+        value = None if section is None else getattr(section, key)
         if value is None:
             continue
-        spec = dotted in ("reward.fn", "rollout.env")
+        spec = dotted in ("reward.fn", "rollout.env.name")
         resolve = resolve_reward_spec if spec else resolve_input
         setattr(section, key, resolve(value, config_dir))
     for part in out.reward.fns or ():  # reward.fns[i].fn, like reward.fn
         part.fn = resolve_reward_spec(part.fn, config_dir)
-    tools = out.rollout.env_kwargs.get("tools")
-    if out.rollout.env == "builtin:tools" and isinstance(tools, list):
+    env = out.rollout.env
+    tools = None if env is None else env.kwargs.get("tools")
+    if env is not None and env.name == "builtin:tools" and isinstance(tools, list):
         # builtin:tools' own `file.py:Class` tools, like reward.fn (a {"name": …} entry too)
-        out.rollout.env_kwargs["tools"] = [_resolve_tool(t, config_dir) for t in tools]
+        env.kwargs["tools"] = [_resolve_tool(t, config_dir) for t in tools]
     return out
 
 

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from keel.config.legacy import upgrade, warn_renamed
+
 AggMode = Literal[
     "token-mean",
     "token-sum",
@@ -124,6 +126,26 @@ class ArithmeticConfig(Section):
     seed: int = 0
 
 
+class DataColumns(Section):
+    """The field of a data row that holds each part (JSONL keys, Parquet columns)."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    response: str = "response"
+    messages: str = Field(
+        "messages",
+        description="a row without a prompt field: chat messages; before the last assistant "
+        "message = the prompt, that message = the response",
+    )
+    chosen: str = Field("chosen", description="preference pairs: the preferred response")
+    rejected: str = Field("rejected", description="preference pairs: the other response")
+    tools: str = Field(
+        "tools",
+        description="a row's tool definitions (OpenAI function schemas), passed to the chat "
+        "template as tools=",
+    )
+
+
 class DataConfig(Section):
     """Training and evaluation data: `builtin:arithmetic` or JSONL/Parquet files."""
 
@@ -140,26 +162,14 @@ class DataConfig(Section):
         "raise",
         description="a malformed row: raise (error naming file:line) or skip it and count it",
     )
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    response_key: str = "response"
-    messages_key: str = Field(
-        "messages",
-        description="a row without a prompt field: chat messages; before the last assistant "
-        "message = the prompt, that message = the response",
+    columns: DataColumns = Field(
+        default_factory=lambda: DataColumns(), description="the names of a row's fields"
     )
     train_on: Literal["last", "all_assistant"] = Field(
         "last",
         description="SFT on a messages row: last (its last assistant message, the messages "
         "before it the prompt) or all_assistant (every assistant turn, in the token layout "
         "of a played episode; observations masked out)",
-    )
-    chosen_key: str = Field("chosen", description="preference pairs: the preferred response")
-    rejected_key: str = Field("rejected", description="preference pairs: the other response")
-    tools_key: str = Field(
-        "tools",
-        description="a row's tool definitions (OpenAI function schemas), passed to the chat "
-        "template as tools=",
     )
     tools: list[dict[str, Any]] | None = Field(
         None,
@@ -196,13 +206,11 @@ class RewardModelConfig(Section):
     )
     normalize: bool = Field(False, description="running z-score of the RM score (all steps)")
     clip: float | None = Field(None, gt=0, description="clip the (normalised) RM score to ±clip")
-    batch_size: int = Field(64, ge=1, description="sequences per reward-model forward")
 
 
 class RewardHTTPConfig(Section):
     """Requests to a reward service (reward.url)."""
 
-    batch_size: int = Field(64, ge=1, description="rows per request")
     timeout_s: float = Field(30.0, gt=0, description="time limit of one request attempt")
     retries: int = Field(
         3,
@@ -276,10 +284,13 @@ class RewardConfig(Section):
         "instead of reward.fn",
     )
     http: RewardHTTPConfig = RewardHTTPConfig()
+    batch_size: int = Field(
+        64, ge=1, description="rows per request to reward.url and per reward-model forward"
+    )
     signature: Literal["row", "trl"] = Field(
         "row",
         description="row: fn(prompt, response, answer, **kwargs) -> float per row; trl: "
-        "fn(prompts=, completions=, <data.answer_key>=, **kwargs) -> list[float] per batch",
+        "fn(prompts=, completions=, <data.columns.answer>=, **kwargs) -> list[float] per batch",
     )
     kwargs: FiniteMapping = Field(default_factory=dict)
     on_error: Literal["raise", "fallback"] = "raise"
@@ -354,6 +365,28 @@ class VLLMConfig(Section):
     )
 
 
+class EnvConfig(Section):
+    """The environment a run's episodes are played in (rollout.env), and the episodes' limits."""
+
+    name: str = Field(
+        description="builtin:NAME, module:Class or file.py:Class (docs/environments.md)"
+    )
+    kwargs: FiniteMapping = Field(
+        default_factory=dict, description="keyword arguments of the environment's constructor"
+    )
+    max_turns: int = Field(1, ge=1, description="the policy's turns per episode")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="response tokens of an episode, the policy's and the observations'; "
+        "null: no limit besides max_turns × max_new_tokens and the observations",
+    )
+    turn_discount: float = Field(
+        1.0, ge=0, le=1, description="γ: an episode's environment rewards add up to Σ_k γ^k r_k"
+    )
+    workers: int = Field(8, ge=1, description="environment steps (tool calls) run at once")
+
+
 class RolloutConfig(Section):
     """Sampling: n responses per prompt (the group), temperature, nucleus, length; the engine
     that generates and how far behind the trainer it may run."""
@@ -395,41 +428,20 @@ class RolloutConfig(Section):
         description="truncated importance sampling: each token's policy-loss term × "
         "min(π_train/π_rollout, tis_cap) (verl suggests 2); needs return_logprobs; null: off",
     )
-    env: str | None = Field(
+    env: EnvConfig | None = Field(
         None,
-        description="multi-turn episodes in an environment (docs/environments.md): "
-        "builtin:NAME, module:Class or file.py:Class; null: one response per prompt",
+        description="multi-turn episodes in an environment (docs/environments.md); null: one "
+        "response per prompt",
     )
-    env_kwargs: FiniteMapping = Field(
-        default_factory=dict, description="keyword arguments of the environment's constructor"
-    )
-    max_turns: int = Field(1, ge=1, description="the policy's turns per episode (needs env)")
-    max_episode_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="response tokens of an episode, the policy's and the observations'; "
-        "null: no limit besides max_turns × max_new_tokens and the observations",
-    )
-    turn_discount: float = Field(
-        1.0, ge=0, le=1, description="γ: an episode's environment rewards add up to Σ_k γ^k r_k"
-    )
-    env_workers: int = Field(8, ge=1, description="environment steps (tool calls) run at once")
-
-    @model_validator(mode="after")
-    def _turns_need_env(self) -> RolloutConfig:
-        if self.env is None and self.max_turns > 1:
-            raise ValueError(
-                f"rollout.max_turns: {self.max_turns} needs an environment to answer the "
-                "policy between turns: set rollout.env (e.g. builtin:tools)"
-            )
-        if self.env is None and self.env_kwargs:
-            raise ValueError("rollout.env_kwargs is set but rollout.env is not")
-        return self
 
     def response_budget(self) -> int:
-        """The most tokens the policy itself says in one episode (one response: max_new_tokens)."""
-        budget = self.max_turns * self.max_new_tokens
-        return budget if self.max_episode_tokens is None else min(budget, self.max_episode_tokens)
+        """The most tokens the policy itself says in one episode (one response: max_new_tokens;
+        with rollout.env: max_turns of them, at most max_episode_tokens)."""
+        if self.env is None:
+            return self.max_new_tokens
+        budget = self.env.max_turns * self.max_new_tokens
+        limit = self.env.max_episode_tokens
+        return budget if limit is None else min(budget, limit)
 
     @model_validator(mode="after")
     def _tis_needs_logprobs(self) -> RolloutConfig:
@@ -710,22 +722,117 @@ class SFTAlgorithm(Section):
     loss_agg_mode: AggMode = "token-mean"
 
 
-class GRPOAlgorithm(Section):
-    """GRPO (DeepSeekMath): group-normalised outcome advantages, PPO-clip, KL as a loss."""
+class PolicyLossConfig(Section):
+    """The actor's policy loss, shared by every RL algorithm (verl's actor.policy_loss): which
+    loss and its clip ratios."""
 
-    name: Literal["grpo"]
-    norm_adv_by_std: bool = True
-    adv_epsilon: float = Field(1e-6, gt=0)
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(
-        3.0, gt=1, allow_inf_nan=True, description="dual-clip constant; .inf disables"
+    loss_mode: Literal["vanilla", "gspo", "gspo_token"] = Field(
+        "vanilla",
+        description="vanilla: PPO-clip on the per-token ratio; gspo: GSPO's sequence-level "
+        "ratio and clipping; gspo_token: GSPO-token",
     )
-    loss_agg_mode: AggMode = "seq-mean-token-mean"
-    loss_scale_factor: float | None = Field(None, gt=0)
-    kl_loss_coef: float = Field(0.001, ge=0, description="0 loads no reference model")
+    clip_ratio_low: float = Field(0.2, ge=0, description="the ratio's lower clip 1 − ε_low")
+    clip_ratio_high: float = Field(0.2, ge=0, description="the ratio's upper clip 1 + ε_high")
+    clip_ratio_c: float = Field(
+        3.0,
+        gt=1,
+        allow_inf_nan=True,
+        description="dual-clip constant (loss_mode vanilla); .inf disables",
+    )
+
+
+class RLAlgorithm(Section):
+    """Fields every RL algorithm shares: the policy loss, the aggregation of every loss term
+    (docs/algorithms.md §1), KL as a loss and the entropy bonus."""
+
+    policy_loss: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig())
+    loss_agg_mode: AggMode = "token-mean"
+    loss_scale_factor: float | None = Field(
+        None, gt=0, description="the constant K of seq-mean-token-sum-norm; drgrpo: the budget"
+    )
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL as a loss; 0 loads no reference")
     kl_loss_type: KLType = "low_var_kl"
     entropy_coeff: float = 0.0
+
+
+class FilterGroupsConfig(Section):
+    """Dynamic sampling (DAPO): groups whose scores are all equal are dropped and more are
+    generated until the batch is full."""
+
+    max_num_gen_batches: int = Field(4, ge=0, description="generation rounds per step; 0: no cap")
+
+
+class OverlongBufferConfig(Section):
+    """Soft overlong punishment (DAPO): a response in the last `len` tokens of the budget loses
+    up to penalty_factor, linearly."""
+
+    len: int = Field(ge=1, description="tokens before the budget where the punishment starts")
+    penalty_factor: float = Field(1.0, ge=0)
+
+
+# Presets of the GRPO family: name → the defaults it changes on GRPO. The user's own keys win
+# over a preset's defaults (nested sections key by key). `keel config show` prints the result.
+GRPO_PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    # Dr.GRPO (arXiv:2503.20783): no std division, no per-response length normalisation (token
+    # sums divided by a constant K: loss_scale_factor, default the response budget).
+    "drgrpo": {
+        "norm_adv_by_std": False,
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "kl_loss_coef": 0.0,
+    },
+    # DAPO (arXiv:2503.14476): clip-higher, token-mean, dynamic sampling (overlong filter and
+    # shaping are off unless set).
+    "dapo": {
+        "policy_loss": {"clip_ratio_high": 0.28, "clip_ratio_c": 10.0},
+        "loss_agg_mode": "token-mean",
+        "kl_loss_coef": 0.0,
+        "filter_groups": {"max_num_gen_batches": 4},
+    },
+    # GSPO (arXiv:2507.18071): sequence-level importance ratio and clipping.
+    "gspo": {
+        "policy_loss": {"loss_mode": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
+        "kl_loss_coef": 0.0,
+    },
+}
+
+
+def with_preset(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`defaults` under `data`: a key of `data` wins; nested mappings are merged key by key (a
+    null in `data` wins over a section of the preset)."""
+    out = dict(defaults)
+    for key, value in data.items():
+        base = out.get(key)
+        if isinstance(base, dict) and isinstance(value, dict):
+            out[key] = with_preset(value, base)
+        else:
+            out[key] = value
+    return out
+
+
+class GRPOAlgorithm(RLAlgorithm):
+    """GRPO (DeepSeekMath) and its presets drgrpo, dapo, gspo (GRPO_PRESETS): group-normalised
+    outcome advantages, PPO-clip, KL as a loss; dynamic sampling and overlong shaping for any."""
+
+    name: Literal["grpo", "drgrpo", "dapo", "gspo"]
+    norm_adv_by_std: bool = True
+    adv_epsilon: float = Field(1e-6, gt=0)
+    loss_agg_mode: AggMode = "seq-mean-token-mean"
+    kl_loss_coef: float = Field(0.001, ge=0, description="KL as a loss; 0 loads no reference")
+    filter_groups: FilterGroupsConfig | None = Field(
+        None, description="dynamic sampling: drop groups whose scores are all equal; null: off"
+    )
+    overlong_filter: bool = Field(False, description="mask out responses cut at the budget")
+    overlong_buffer: OverlongBufferConfig | None = Field(
+        None, description="soft overlong punishment over the budget's last tokens; null: off"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("name") in GRPO_PRESETS:
+            return with_preset(data, GRPO_PRESETS[data["name"]])
+        return data
 
 
 class RMAlgorithm(Section):
@@ -766,52 +873,6 @@ class DPOAlgorithm(Section):
         return self
 
 
-class DrGRPOAlgorithm(GRPOAlgorithm):
-    """Dr.GRPO (arXiv:2503.20783): GRPO without the std division and without the per-response
-    length normalisation (token sums divided by a constant K)."""
-
-    name: Literal["drgrpo"]  # type: ignore[assignment]
-    norm_adv_by_std: bool = False
-    loss_agg_mode: AggMode = "seq-mean-token-sum-norm"
-    loss_scale_factor: float | None = Field(
-        None, gt=0, description="the constant K; default: rollout.max_new_tokens"
-    )
-    kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
-
-
-class DAPOAlgorithm(GRPOAlgorithm):
-    """DAPO (arXiv:2503.14476): clip-higher, token-mean, dynamic sampling, overlong shaping."""
-
-    name: Literal["dapo"]  # type: ignore[assignment]
-    clip_ratio_high: float = Field(0.28, ge=0)
-    clip_ratio_c: float = Field(
-        10.0, gt=1, allow_inf_nan=True, description="dual-clip constant; .inf disables"
-    )
-    loss_agg_mode: AggMode = "token-mean"
-    kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
-    dynamic_sampling: bool = Field(True, description="drop groups whose scores are all equal")
-    max_num_gen_batches: int = Field(
-        4, ge=0, description="generation rounds per step with dynamic sampling; 0: no cap"
-    )
-    overlong_filter: bool = Field(False, description="mask out responses cut at the budget")
-    overlong_buffer_len: int = Field(
-        0, ge=0, description="soft overlong punishment over the last N tokens; 0: off"
-    )
-    overlong_penalty_factor: float = Field(1.0, ge=0)
-
-
-class GSPOAlgorithm(GRPOAlgorithm):
-    """GSPO (arXiv:2507.18071): sequence-level importance ratio and clipping."""
-
-    name: Literal["gspo"]  # type: ignore[assignment]
-    importance_level: Literal["sequence", "token"] = Field(
-        "sequence", description="sequence: GSPO; token: GSPO-token"
-    )
-    clip_ratio_low: float = Field(3e-4, ge=0)
-    clip_ratio_high: float = Field(4e-4, ge=0)
-    kl_loss_coef: float = Field(0.0, ge=0, description="0 loads no reference model")
-
-
 class KLControlConfig(Section):
     """The coefficient β of KL in the reward: fixed, or Ziegler's adaptive controller."""
 
@@ -821,22 +882,12 @@ class KLControlConfig(Section):
     horizon: int = Field(10000, gt=0, description="adaptive: sequences over which β adapts")
 
 
-class RewardKLAlgorithm(Section):
+class RewardKLAlgorithm(RLAlgorithm):
     """Fields shared by algorithms that may put KL in the reward (PPO, RLOO, REINFORCE++)."""
 
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(
-        3.0, gt=1, allow_inf_nan=True, description="dual-clip constant; .inf disables"
-    )
-    loss_agg_mode: AggMode = "token-mean"
-    loss_scale_factor: float | None = Field(None, gt=0)
     use_kl_in_reward: bool = True
     kl_penalty: KLType = Field("kl", description="KL estimator in the reward (k1)")
     kl_ctrl: KLControlConfig = KLControlConfig()
-    kl_loss_coef: float = Field(0.0, ge=0, description="KL as a loss as well; usually 0")
-    kl_loss_type: KLType = "low_var_kl"
-    entropy_coeff: float = 0.0
 
 
 class PPOAlgorithm(RewardKLAlgorithm):
@@ -892,10 +943,10 @@ class RayConfig(Section):
     num_gpus: int | None = Field(None, ge=0, description="GPUs of a Ray started here")
     namespace: str = "keel"
     env_vars: dict[str, str] = Field(
-        default_factory=dict, description="environment of every worker (Ray runtime_env)"
+        default_factory=dict,
+        description="environment of every worker (Ray runtime_env), e.g. NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME",
     )
-    nccl_socket_ifname: str | None = Field(None, description="NCCL_SOCKET_IFNAME of the workers")
-    gloo_socket_ifname: str | None = Field(None, description="GLOO_SOCKET_IFNAME of the workers")
 
 
 class ResourcesConfig(Section):
@@ -935,9 +986,6 @@ class ResourcesConfig(Section):
 Algorithm = Annotated[
     SFTAlgorithm
     | GRPOAlgorithm
-    | DrGRPOAlgorithm
-    | DAPOAlgorithm
-    | GSPOAlgorithm
     | PPOAlgorithm
     | RLOOAlgorithm
     | ReinforcePPAlgorithm
@@ -950,9 +998,9 @@ ALGORITHMS: dict[str, type[Section]] = {
     "grpo": GRPOAlgorithm,
     "rm": RMAlgorithm,
     "dpo": DPOAlgorithm,
-    "drgrpo": DrGRPOAlgorithm,
-    "dapo": DAPOAlgorithm,
-    "gspo": GSPOAlgorithm,
+    "drgrpo": GRPOAlgorithm,
+    "dapo": GRPOAlgorithm,
+    "gspo": GRPOAlgorithm,
     "ppo": PPOAlgorithm,
     "rloo": RLOOAlgorithm,
     "reinforce_pp": ReinforcePPAlgorithm,
@@ -976,6 +1024,16 @@ class KeelConfig(Section):
     guard: GuardConfig = GuardConfig()
     monitor: MonitorConfig = MonitorConfig()
     resources: ResourcesConfig = ResourcesConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """Old keys (keel.config.legacy) in their new place, each reported once."""
+        if not isinstance(data, dict):
+            return data
+        data, renamed = upgrade(data)
+        warn_renamed(renamed)
+        return data
 
     @model_validator(mode="after")
     def _batch_algebra(self) -> KeelConfig:

@@ -66,7 +66,9 @@ class RLController(Controller):
         self.last_batch: Batch | None = None
         # (rule, message), emitted by the run loop; first: the environment's (a python tool
         # whose sandbox has only its inner layers here)
-        self.warnings: list[tuple[str, str]] = sandbox_warnings(r.env, r.env_kwargs)
+        self.warnings: list[tuple[str, str]] = (
+            [] if r.env is None else sandbox_warnings(r.env.name, r.env.kwargs)
+        )
         self._warnings_lock = threading.Lock()
         self.weight_version = 0  # actor updates so far: the version every rollout must carry
         self.kl_coef = spec.kl_loss_coef  # the KL-loss coefficient (β of KL in the reward: kl_ctrl)

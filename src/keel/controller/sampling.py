@@ -90,7 +90,8 @@ class DynamicSampler:
         self.warned_at, self.short_steps = step, 0
         return (
             f"dynamic sampling kept {kept} of {self.target_groups} groups (train.batch_size) "
-            f"after {rounds} generation rounds (algorithm.max_num_gen_batches), so the step "
+            f"after {rounds} generation rounds (algorithm.filter_groups.max_num_gen_batches), so "
+            "the step "
             f"trained on {trained}: the other groups scored all-equal (every response right, "
             "or every response wrong)." + since + " Raise max_num_gen_batches or use a reward "
             "that varies within a group; sampling/score_mean_all is the mean reward over every "

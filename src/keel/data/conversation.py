@@ -377,7 +377,7 @@ def encode_conversations(
         if isinstance(ex, Conversation):
             turns: Sequence[dict[str, Any]] = ex.turns
         elif ex.response is None:
-            raise DataError(f"{ex.source}: SFT needs a target response (data.response_key)")
+            raise DataError(f"{ex.source}: SFT needs a target response (data.columns.response)")
         else:
             turns = ({"role": "assistant", "content": ex.response},)
         try:

@@ -77,7 +77,7 @@ def template_renders_tools(tokenizer: Any) -> bool:
 
 def warn_ignored_tools(tokenizer: Any, examples: Sequence[Any], chat: bool) -> str | None:
     """The warning (also issued as a ToolsIgnoredWarning; call it once per dataset) when an
-    example has tool definitions (data.tools_key / data.tools) that its prompt will not show:
+    example has tool definitions (data.columns.tools / data.tools) that its prompt will not show:
     text prompts without data.apply_chat_template, or a chat template that renders the same
     text with and without `tools`. None when every example's tools are shown, or none has any."""
     first = next((ex for ex in examples if getattr(ex, "tools", None)), None)
@@ -90,7 +90,7 @@ def warn_ignored_tools(tokenizer: Any, examples: Sequence[Any], chat: bool) -> s
     else:
         return None
     message = (
-        f"{first.source}: rows have tool definitions (data.tools_key / data.tools) that the "
+        f"{first.source}: rows have tool definitions (data.columns.tools / data.tools) that the "
         f"model never sees: {reason}; use a chat template with tool support, or describe the "
         "tools in the prompt"
     )
@@ -238,7 +238,7 @@ def encode_sft(
     turn_end = turn_end_id(tokenizer)
     for ex in examples:
         if ex.response is None:
-            raise DataError(f"{ex.source}: SFT needs a target response (data.response_key)")
+            raise DataError(f"{ex.source}: SFT needs a target response (data.columns.response)")
         ids = tokenizer(ex.response, add_special_tokens=False)["input_ids"]
         end = turn_end if chat or isinstance(ex.prompt, list) else tokenizer.eos_token_id
         responses.append([*ids, end])

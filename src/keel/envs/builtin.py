@@ -80,7 +80,7 @@ class ToolEnvironment:
 
     A turn with tool calls (in `tool_format`: `hermes` `<tool_call>` blocks, `llama3_json`,
     `mistral` `[TOOL_CALLS]`, or a ToolCallFormat; a run passes the format data.tool_format
-    names, `auto` read from the tokenizer's chat template, unless rollout.env_kwargs sets
+    names, `auto` read from the tokenizer's chat template, unless rollout.env.kwargs sets
     one: run_tool_format) is run: each call (at most `max_calls_per_turn`; more are
     errors) concurrently with a time-out of `timeout_s`, and the results come back as one
     `tool` message each, in call order (a malformed call, an unknown tool, a tool's error or a
@@ -106,7 +106,7 @@ class ToolEnvironment:
             try:
                 tool_format = tool_call_format_for(None, tool_format)
             except ValueError as exc:
-                raise ValueError(f"rollout.env_kwargs.tool_format: {exc}") from None
+                raise ValueError(f"rollout.env.kwargs.tool_format: {exc}") from None
         self.format = tool_format
 
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -147,13 +147,13 @@ def run_tool_format(
     env: str | None, env_kwargs: Mapping[str, Any], tokenizer: Any, tool_format: str
 ) -> dict[str, Any]:
     """The kwargs a run builds its environment with: for builtin:tools, `tool_format` resolved
-    to a ToolCallFormat (rollout.env_kwargs.tool_format when set, else data.tool_format;
+    to a ToolCallFormat (rollout.env.kwargs.tool_format when set, else data.tool_format;
     `auto` reads the tokenizer's chat template, keel.data.tool_calls.tool_call_format_for);
     other environments' kwargs as given."""
     kwargs = dict(env_kwargs)
     name = kwargs.get("tool_format", tool_format)
     if env in TOOLS_ENV and isinstance(name, str):
-        key = "rollout.env_kwargs.tool_format" if "tool_format" in kwargs else "data.tool_format"
+        key = "rollout.env.kwargs.tool_format" if "tool_format" in kwargs else "data.tool_format"
         try:
             kwargs["tool_format"] = tool_call_format_for(tokenizer, name)
         except ValueError as exc:

@@ -1,6 +1,6 @@
 """`rollout.env`: the environment a run's episodes are played in, named as `builtin:NAME`,
 `package.module:Class` or `path/to/file.py:Class` (a class or any callable that returns an
-`Environment`), built once per episode with `rollout.env_kwargs`.
+`Environment`), built once per episode with `rollout.env.kwargs`.
 
 `check_environment` is the start-up check that `keel config validate`, `keel train` (before
 the run directory exists) and `keel eval` run: the class is resolved and its keyword arguments
@@ -21,7 +21,7 @@ from keel.rewards.loading import load_file_module, load_module
 
 EnvFactory = Callable[[], Environment]
 TOOL_ENV = "builtin:tools"  # the environment whose `tools` keyword check_environment builds
-TOOLS_FIELD = "rollout.env_kwargs.tools"
+TOOLS_FIELD = "rollout.env.kwargs.tools"
 
 
 class EnvLoadError(ValueError):
@@ -72,7 +72,7 @@ def load_environment(
 ) -> EnvFactory:
     """A zero-argument factory of fresh environments. `builtins`: the `builtin:` names. The
     kwargs are checked against the class's signature here, so a misspelt one fails at start-up
-    naming rollout.env_kwargs."""
+    naming rollout.env.kwargs."""
     cls = resolve_environment(spec, builtins)
     try:
         signature = inspect.signature(cls)
@@ -84,7 +84,7 @@ def load_environment(
         except TypeError as exc:
             takes = ", ".join(signature.parameters) or "no arguments"
             raise EnvLoadError(
-                f"rollout.env_kwargs do not fit {spec}: {exc} (it takes {takes})"
+                f"rollout.env.kwargs do not fit {spec}: {exc} (it takes {takes})"
             ) from None
     return functools.partial(cls, **kwargs)
 
@@ -94,12 +94,12 @@ def check_environment(
     kwargs: Mapping[str, Any],
     builtins: Mapping[str, Callable[..., Environment]] | None = None,
 ) -> list[str]:
-    """Check `rollout.env` and `rollout.env_kwargs` without playing an episode: resolve the
+    """Check `rollout.env` and `rollout.env.kwargs` without playing an episode: resolve the
     class, bind the kwargs to its signature and, for `builtin:tools`, build each tool of
     `tools` (the given list, else the class's default) once. The environment is not
     constructed. Returns the tools' names (empty for other environments). Every failure is an
-    EnvLoadError naming the field (`rollout.env`, `rollout.env_kwargs`,
-    `rollout.env_kwargs.tools[i]`) and the file or name. `builtins` defaults to
+    EnvLoadError naming the field (`rollout.env`, `rollout.env.kwargs`,
+    `rollout.env.kwargs.tools[i]`) and the file or name. `builtins` defaults to
     keel.envs.builtin.ENVIRONMENTS."""
     if builtins is None:
         from keel.envs.builtin import ENVIRONMENTS

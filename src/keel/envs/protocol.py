@@ -3,7 +3,7 @@
 An episode starts from a dataset example. `reset(example)` gives the conversation's opening
 (None: the example's own prompt). Then the policy answers, `step(response)` judges the answer
 and says what the policy sees next, and so on until the environment says `done` or the episode
-runs out of turns (`rollout.max_turns`) or tokens (`rollout.max_episode_tokens`).
+runs out of turns (`rollout.env.max_turns`) or tokens (`rollout.env.max_episode_tokens`).
 `keel.envs.episodes.EpisodeRunner` plays the episodes on a `keel.rollout.RolloutEngine`.
 """
 
@@ -20,7 +20,8 @@ Message = dict[str, Any]
 # (rendered by the tokenizer's chat template, the assistant's next turn opened after them).
 Observation = str | list[Message]
 
-# Why an episode ended: the environment said done, rollout.max_turns, rollout.max_episode_tokens.
+# Why an episode ended: the environment said done, rollout.env.max_turns or
+# rollout.env.max_episode_tokens.
 TERMINATIONS = ("done", "max_turns", "budget")
 
 
@@ -31,7 +32,7 @@ class StepResult:
     observation: what the policy sees before its next turn (ignored when done; None: nothing,
     the policy's next turn follows its last one directly).
     reward: this turn's reward; an episode's rewards add up as Σ_k γ^k r_k (γ:
-    rollout.turn_discount) on top of the reward function's score of the final response.
+    rollout.env.turn_discount) on top of the reward function's score of the final response.
     info: free-form; Keel counts `tool_calls` and `tool_errors` (ints) into the episode's
     metrics (episode/tool_calls_mean, …)."""
 
@@ -44,7 +45,7 @@ class StepResult:
 @runtime_checkable
 class Environment(Protocol):
     """One episode's environment (the runner builds one per episode from `rollout.env` with
-    `rollout.env_kwargs`). The rows of a group share their example; `reset` must give them the
+    `rollout.env.kwargs`). The rows of a group share their example; `reset` must give them the
     same opening (derive it from the example, not from a private random draw), so that they
     share one prompt.
 

@@ -12,15 +12,13 @@ from typing import Any
 from keel.algo.spec import AlgorithmSpec
 from keel.config.loading import ConfigError
 from keel.config.schema import (
-    DAPOAlgorithm,
     DPOAlgorithm,
-    DrGRPOAlgorithm,
     GRPOAlgorithm,
-    GSPOAlgorithm,
     KeelConfig,
     PPOAlgorithm,
     ReinforcePPAlgorithm,
     RewardKLAlgorithm,
+    RLAlgorithm,
     RLOOAlgorithm,
     RMAlgorithm,
     SFTAlgorithm,
@@ -33,29 +31,47 @@ def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
     )
 
 
-def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm, **changes: Any) -> AlgorithmSpec:
-    """GRPO and the family built on it (Dr.GRPO, DAPO, GSPO override parts through `changes`)."""
+def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm) -> AlgorithmSpec:
+    """GRPO and its presets (drgrpo, dapo, gspo: keel.config.schema.GRPO_PRESETS): the preset
+    set the defaults; dynamic sampling and the overlong pieces apply to any of them."""
     roles = {"actor", "rollout", "reward"}
     if algo.kl_loss_coef > 0:
         roles.add("reference")
-    fields = dict(
-        _ppo_clip_fields(cfg, algo, roles),
+    fields = _ppo_clip_fields(cfg, algo, roles)
+    if algo.name == "drgrpo" and algo.loss_scale_factor is None:
+        # K must stay constant over training: the generation budget unless set (multi-turn: the
+        # policy's tokens over the whole episode, rollout.response_budget()).
+        fields["loss_scale_factor"] = cfg.rollout.response_budget()
+    budget = cfg.rollout.response_budget()  # max_new_tokens; multi-turn: every turn's
+    buffer = algo.overlong_buffer
+    if buffer is not None and buffer.len > budget:
+        what = "rollout.max_new_tokens" if cfg.rollout.env is None else "the episode's budget"
+        raise ConfigError(
+            f"algorithm.overlong_buffer.len ({buffer.len}) must not exceed {what} ({budget}): "
+            "the punishment starts at that budget − overlong_buffer.len"
+        )
+    groups = algo.filter_groups
+    return AlgorithmSpec(
+        **fields,
         advantage="grpo",
         advantage_kwargs={"norm_adv_by_std": algo.norm_adv_by_std, "adv_epsilon": algo.adv_epsilon},
+        dynamic_sampling=groups is not None,
+        max_num_gen_batches=0 if groups is None else groups.max_num_gen_batches,
+        overlong_filter=algo.overlong_filter,
+        overlong_buffer_len=0 if buffer is None else buffer.len,
+        overlong_penalty_factor=1.0 if buffer is None else buffer.penalty_factor,
     )
-    return AlgorithmSpec(**{**fields, **changes})
 
 
-def _ppo_clip_fields(
-    cfg: KeelConfig, algo: GRPOAlgorithm | RewardKLAlgorithm, roles: set[str]
-) -> dict[str, Any]:
-    """The spec fields every online algorithm with the PPO-clip actor loss shares."""
+def _ppo_clip_fields(cfg: KeelConfig, algo: RLAlgorithm, roles: set[str]) -> dict[str, Any]:
+    """The spec fields every online algorithm shares (algorithm.policy_loss and the loss
+    terms)."""
     return dict(
         name=algo.name,
         stage="rl",
         roles=frozenset(roles),
         loss_agg_mode=algo.loss_agg_mode,
-        policy_loss="vanilla",
+        policy_loss=algo.policy_loss.loss_mode,
         policy_loss_kwargs=_clip_kwargs(algo),
         loss_scale_factor=algo.loss_scale_factor,
         kl_loss_coef=algo.kl_loss_coef,
@@ -66,44 +82,13 @@ def _ppo_clip_fields(
     )
 
 
-def _clip_kwargs(algo: GRPOAlgorithm | RewardKLAlgorithm) -> dict[str, float]:
-    return {
-        "clip_ratio_low": algo.clip_ratio_low,
-        "clip_ratio_high": algo.clip_ratio_high,
-        "clip_ratio_c": algo.clip_ratio_c,
-    }
-
-
-def _drgrpo(cfg: KeelConfig, algo: DrGRPOAlgorithm) -> AlgorithmSpec:
-    # K must stay constant over training: the generation budget unless set (multi-turn: the
-    # policy's tokens over the whole episode, rollout.response_budget()).
-    budget = cfg.rollout.response_budget()
-    return _grpo(cfg, algo, loss_scale_factor=algo.loss_scale_factor or budget)
-
-
-def _dapo(cfg: KeelConfig, algo: DAPOAlgorithm) -> AlgorithmSpec:
-    budget = cfg.rollout.response_budget()  # max_new_tokens; multi-turn: every turn's
-    if algo.overlong_buffer_len > budget:
-        what = "rollout.max_new_tokens" if cfg.rollout.max_turns == 1 else "the episode's budget"
-        raise ConfigError(
-            f"algorithm.overlong_buffer_len ({algo.overlong_buffer_len}) must not exceed "
-            f"{what} ({budget}): the punishment starts at that budget − overlong_buffer_len"
-        )
-    return _grpo(
-        cfg,
-        algo,
-        dynamic_sampling=algo.dynamic_sampling,
-        max_num_gen_batches=algo.max_num_gen_batches,
-        overlong_filter=algo.overlong_filter,
-        overlong_buffer_len=algo.overlong_buffer_len,
-        overlong_penalty_factor=algo.overlong_penalty_factor,
-    )
-
-
-def _gspo(cfg: KeelConfig, algo: GSPOAlgorithm) -> AlgorithmSpec:
-    loss = "gspo" if algo.importance_level == "sequence" else "gspo_token"
-    kwargs = {"clip_ratio_low": algo.clip_ratio_low, "clip_ratio_high": algo.clip_ratio_high}
-    return _grpo(cfg, algo, policy_loss=loss, policy_loss_kwargs=kwargs)
+def _clip_kwargs(algo: RLAlgorithm) -> dict[str, float]:
+    """The policy loss's clip ratios (the dual-clip constant for PPO-clip, `vanilla`, only)."""
+    loss = algo.policy_loss
+    kwargs = {"clip_ratio_low": loss.clip_ratio_low, "clip_ratio_high": loss.clip_ratio_high}
+    if loss.loss_mode == "vanilla":
+        kwargs["clip_ratio_c"] = loss.clip_ratio_c
+    return kwargs
 
 
 def _reward_kl_spec(
@@ -179,9 +164,6 @@ def _dpo(cfg: KeelConfig, algo: DPOAlgorithm) -> AlgorithmSpec:
 RECIPES: dict[type, Callable[[KeelConfig, Any], AlgorithmSpec]] = {
     SFTAlgorithm: _sft,
     GRPOAlgorithm: _grpo,
-    DrGRPOAlgorithm: _drgrpo,
-    DAPOAlgorithm: _dapo,
-    GSPOAlgorithm: _gspo,
     PPOAlgorithm: _ppo,
     RLOOAlgorithm: _rloo,
     ReinforcePPAlgorithm: _reinforce_pp,

@@ -91,7 +91,7 @@ def numeric_match(
     = `.5` = `1/2`; `50%` = `0.5` and `50`). strict=True also requires the response to be
     nothing but one number literal (whitespace aside)."""
     if answer is None:
-        raise ValueError("numeric_match needs a reference answer (data.answer_key)")
+        raise ValueError("numeric_match needs a reference answer (data.columns.answer)")
     gold = _reference_numbers(answer)
     if strict and not is_lone_number(response):
         return 0.0
@@ -122,7 +122,7 @@ def math_equivalent(prompt: str, response: str, answer: str | None, **_: object)
     (≤ 100 characters) read whole as one expression (`x^2`, `2x`). An expression is compared
     as a value: `37+45` is equivalent to `82`."""
     if answer is None:
-        raise ValueError("math needs a reference answer (data.answer_key)")
+        raise ValueError("math needs a reference answer (data.columns.answer)")
     gold = _reference_expressions(answer)
     final = final_answer(response)
     if final is not None:
@@ -145,7 +145,7 @@ def math_equivalent(prompt: str, response: str, answer: str | None, **_: object)
 def exact_match(prompt: str, response: str, answer: str | None, **_: object) -> float:
     """1.0 if the response equals the answer after stripping surrounding whitespace."""
     if answer is None:
-        raise ValueError("exact_match needs a reference answer (data.answer_key)")
+        raise ValueError("exact_match needs a reference answer (data.columns.answer)")
     return float(response.strip() == str(answer).strip())
 
 

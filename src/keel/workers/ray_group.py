@@ -46,13 +46,9 @@ CLOSE_TIMEOUT_S = 60  # for the workers to close their engines before their acto
 
 
 def worker_env(ray_cfg: RayConfig) -> dict[str, str]:
-    """Environment of every worker process: Keel's and HF's variables of this process, the
-    socket interfaces, then `resources.ray.env_vars` (which win)."""
+    """Environment of every worker process: Keel's and HF's variables of this process, then
+    `resources.ray.env_vars` (which win; the socket interfaces NCCL_SOCKET_IFNAME …)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
-    if ray_cfg.nccl_socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = ray_cfg.nccl_socket_ifname
-    if ray_cfg.gloo_socket_ifname:
-        env["GLOO_SOCKET_IFNAME"] = ray_cfg.gloo_socket_ifname
     return {**env, **ray_cfg.env_vars}
 
 
@@ -105,7 +101,7 @@ class RoleHost:
         resources.device as they load: with auto, the GPU Ray gave this worker, if any (its
         CUDA_VISIBLE_DEVICES names it; `join` made it the current device)."""
         seed_everything(self.seed)
-        scorer = reward_scorer(cfg.reward, cfg.data.answer_key) if "reward" in roles else None
+        scorer = reward_scorer(cfg.reward, cfg.data.columns.answer) if "reward" in roles else None
         shard = shard_fsdp2 if fsdp and self.world > 1 else None
         inputs = worker_inputs(cfg, spec)  # this rank's own: its device, its tokenizer
         self.workers = build_workers(inputs, roles, scorer, world=self.world, shard=shard)
@@ -199,7 +195,7 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
             for role in roles_here:
                 groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None, unit)
         local = [n for n in names if n not in groups]
-        scorer = reward_scorer(cfg.reward, cfg.data.answer_key) if "reward" in local else None
+        scorer = reward_scorer(cfg.reward, cfg.data.columns.answer) if "reward" in local else None
         for name, worker in build_workers(inputs, local, scorer).items():
             groups[name] = LocalWorkerGroup(name, [worker])
     except BaseException:

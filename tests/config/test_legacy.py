@@ -1,0 +1,172 @@
+"""Old config keys: mapped to their new place before validation, each reported once."""
+
+import copy
+import typing
+import warnings
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from keel.config import ConfigError, KeelConfig, load_config, validate
+from keel.config.legacy import MOVES, SHAPED, RenamedKeyWarning, upgrade
+from keel.config.loading import read_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LEGACY = sorted((Path(__file__).parent / "legacy_examples").glob("*.yaml"))
+BASE = {"models": {"actor": "builtin:tiny"}, "algorithm": {"name": "grpo"}}
+
+
+def renamed_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, RenamedKeyWarning)]
+
+
+def put(tree: dict, dotted: str, value) -> dict:
+    *parents, last = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return tree
+
+
+# A value for each old key of MOVES that its new key accepts.
+OLD_VALUES = {
+    "rollout.env_kwargs": {"tools": ["calculator"]},
+    "rollout.max_turns": 2,
+    "rollout.max_episode_tokens": 40,
+    "rollout.turn_discount": 0.9,
+    "rollout.env_workers": 2,
+    "algorithm.clip_ratio_low": 0.1,
+    "algorithm.clip_ratio_high": 0.3,
+    "algorithm.clip_ratio_c": 5.0,
+    "reward.http.batch_size": 16,
+    "reward.model.batch_size": 16,
+    "resources.ray.nccl_socket_ifname": "eth0",
+    "resources.ray.gloo_socket_ifname": "eth1",
+}
+
+
+@pytest.mark.parametrize(("old", "new"), MOVES, ids=[old for old, _ in MOVES])
+def test_every_old_key_moves_to_its_new_key_with_one_warning_naming_it(old, new):
+    raw = {**copy.deepcopy(BASE), "rollout": {"env": {"name": "builtin:tools"}}}
+    put(raw, old, OLD_VALUES.get(old, "field"))
+    with pytest.warns(RenamedKeyWarning) as record:
+        cfg = validate(raw, source="run.yaml")
+    messages = renamed_warnings(record)
+    assert messages == [f"run.yaml: {old} is now {new}; the old key is read until Keel 0.3.0 "
+                        "(docs/config.md, Renamed keys)"]  # fmt: skip
+    node = cfg.model_dump()
+    for part in new.split("."):
+        node = node[part]
+    assert node == OLD_VALUES.get(old, "field")
+
+
+@pytest.mark.parametrize(("old", "new"), MOVES[:3], ids=[old for old, _ in MOVES[:3]])
+def test_an_old_key_beside_its_new_form_is_an_error_naming_both(old, new):
+    raw = {**copy.deepcopy(BASE), "rollout": {"env": {"name": "builtin:tools"}}}
+    put(put(raw, old, OLD_VALUES[old]), new, {"tools": []} if "kwargs" in new else 7)
+    with pytest.raises(ConfigError, match=f"{old} \\(the old key\\) and {new}"):
+        validate(raw, source="run.yaml")
+
+
+def test_the_reshaped_keys_map_to_the_same_config():
+    old = {"models": {"actor": "builtin:tiny"},
+           "algorithm": {"name": "dapo", "dynamic_sampling": True, "max_num_gen_batches": 2,
+                         "overlong_buffer_len": 3, "overlong_penalty_factor": 0.5},
+           "rollout": {"env": "builtin:guess_number", "max_turns": 3}}  # fmt: skip
+    new = {"models": {"actor": "builtin:tiny"},
+           "algorithm": {"name": "dapo", "filter_groups": {"max_num_gen_batches": 2},
+                         "overlong_buffer": {"len": 3, "penalty_factor": 0.5}},
+           "rollout": {"env": {"name": "builtin:guess_number", "max_turns": 3}}}  # fmt: skip
+    with pytest.warns(RenamedKeyWarning) as record:
+        assert validate(old) == validate(new)
+    assert len(renamed_warnings(record)) == 6
+    assert all(key.split(":")[0].split(" ")[0] for key, _ in SHAPED)
+    off = {**BASE, "algorithm": {"name": "dapo", "dynamic_sampling": False,
+                                 "overlong_buffer_len": 0}}  # fmt: skip
+    with pytest.warns(RenamedKeyWarning):
+        algo = validate(off).algorithm
+    assert algo.filter_groups is None and algo.overlong_buffer is None
+    gspo = {**BASE, "algorithm": {"name": "gspo", "importance_level": "token"}}
+    with pytest.warns(RenamedKeyWarning, match="algorithm.policy_loss.loss_mode"):
+        assert validate(gspo).algorithm.policy_loss.loss_mode == "gspo_token"
+
+
+def test_old_episode_keys_without_an_environment():
+    with pytest.raises(ConfigError, match=r"rollout\.env_kwargs is set but rollout\.env is not"):
+        validate({**BASE, "rollout": {"env_kwargs": {"a": 1}}})
+    # rollout.env: null (keel generate --no-env on a saved config): they apply to nothing
+    with pytest.warns(RenamedKeyWarning):
+        cfg = validate({**BASE, "rollout": {"env": None, "max_turns": 3, "env_kwargs": {}}})
+    assert cfg.rollout.env is None and cfg.rollout.response_budget() == 16
+
+
+def test_model_validate_in_python_maps_and_warns_too():
+    with pytest.warns(RenamedKeyWarning, match="data.prompt_key is now data.columns.prompt"):
+        cfg = KeelConfig.model_validate({**BASE, "data": {"prompt_key": "question"}})
+    assert cfg.data.columns.prompt == "question"
+
+
+def test_set_overrides_of_old_keys_are_mapped(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\n")
+    with pytest.warns(RenamedKeyWarning, match="algorithm.clip_ratio_high is now"):
+        cfg = load_config(path, ["algorithm.clip_ratio_high=0.3"], environ={})
+    assert cfg.algorithm.policy_loss.clip_ratio_high == 0.3
+
+
+def test_a_config_in_the_new_form_gives_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate({**BASE, "rollout": {"env": {"name": "builtin:tools"}}})
+    raw = {**BASE, "data": {"columns": {"prompt": "q"}}}
+    assert upgrade(raw) == (raw, [])
+
+
+@pytest.mark.parametrize("old", LEGACY, ids=lambda p: p.name)
+def test_a_legacy_example_loads_with_its_warnings_and_equals_the_new_example(old):
+    new = ROOT / "examples" / old.name
+    with pytest.warns(RenamedKeyWarning) as record:
+        from_old = validate(read_yaml(old), source=old.name)
+    assert renamed_warnings(record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_new = validate(read_yaml(new), source=new.name)
+    assert from_old.model_dump() == from_new.model_dump()
+
+
+def test_every_example_is_in_the_new_form():
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        assert upgrade(read_yaml(path))[1] == [], path.name
+
+
+# ------------------------------------------------------------------ the number of keys
+def leaf_paths() -> set[str]:
+    """Every leaf key path of KeelConfig (sections walked through unions and lists)."""
+
+    def models_in(ann) -> list[type[pydantic.BaseModel]]:
+        out, stack = [], [ann]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and issubclass(t, pydantic.BaseModel):
+                out.append(t)
+            stack.extend(typing.get_args(t))
+        return out
+
+    leaves: set[str] = set()
+
+    def walk(model: type[pydantic.BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            sections = models_in(field.annotation)
+            for section in sections:
+                walk(section, f"{prefix}{name}.")
+            if not sections:
+                leaves.add(prefix + name)
+
+    walk(KeelConfig, "")
+    return leaves
+
+
+def test_the_config_has_fewer_than_181_leaf_keys():
+    assert len(leaf_paths()) < 181, len(leaf_paths())
