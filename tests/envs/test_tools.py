@@ -14,10 +14,8 @@ from keel.envs import tools as tools_module
 from keel.envs.tools import (
     BUILTIN_TOOLS,
     CalculatorTool,
-    PythonTool,
     Tool,
     ToolCall,
-    ToolError,
     build_tools,
     format_tool_call,
     has_tool_call_syntax,
