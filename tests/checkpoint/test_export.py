@@ -1,4 +1,4 @@
-"""What a finished run exports (keel.checkpoint.export, keel.controller.runner.save_policy): a
+"""What a finished run exports (keel.checkpoint.export, keel.controller.keeping.save_policy): a
 LoRA run's RUN_DIR/adapter, a peft folder beside the merged RUN_DIR/model."""
 
 import json

@@ -25,7 +25,7 @@ from keel.checkpoint import (
 from keel.checkpoint.state import read_latest
 from keel.config import validate
 from keel.controller import run_training
-from keel.controller.runner import RunDirError
+from keel.controller.resume import RunDirError
 from keel.guard import read_events
 from keel.recipes import build_spec
 from keel.workers.build import build_workers, worker_inputs

@@ -187,9 +187,9 @@ def test_every_user_error_class_is_named_where_it_is_defined():
     them: each entry must name a real exception class of that module."""
     import importlib
 
-    from keel.cli.main import RUNNER, USER_ERRORS
+    from keel.cli.main import OUTCOME, USER_ERRORS
 
-    for module, name in [*USER_ERRORS, (RUNNER, "RunPreempted"), (RUNNER, "RunStopped")]:
+    for module, name in [*USER_ERRORS, (OUTCOME, "RunPreempted"), (OUTCOME, "RunStopped")]:
         cls = getattr(importlib.import_module(module), name)
         assert issubclass(cls, Exception) and cls.__module__ == module, (module, name)
 

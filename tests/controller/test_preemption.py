@@ -161,8 +161,8 @@ def test_kill_9_at_random_moments(tmp_path, tiny_dir, tiny_grpo, seed):
 def test_sigint_mid_step_finishes_the_step_then_checkpoints(tiny_grpo, monkeypatch):
     """A real SIGINT to this process in the middle of step 2 (Ctrl-C): the step completes, a
     checkpoint of step 2 is written, RunPreempted names the signal."""
+    from keel.controller.outcome import RunPreempted
     from keel.controller.rl import RLController
-    from keel.controller.runner import RunPreempted
 
     original = RLController.step
 
@@ -187,7 +187,7 @@ def test_a_real_ctrl_c_while_the_reward_runs_still_preempts(tiny_grpo):
     """Reward calls run on worker threads; a real SIGINT that arrives during one (here sent by
     the reward itself, on the first call of step 2) still reaches the main thread's handler:
     the step finishes and the run is preempted, not failed as a reward error."""
-    from keel.controller.runner import RunPreempted
+    from keel.controller.outcome import RunPreempted
 
     faults = ROOT / "tests" / "guard" / "fault_rewards.py"
     first_call_of_step_2 = 8 + 16  # eval_size 8 at step 0, then 4 prompts x 4 samples a step

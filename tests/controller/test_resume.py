@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from keel.checkpoint import list_checkpoints
 from keel.config.loading import load_config
 from keel.controller import run_training
-from keel.controller.runner import RunPreempted
+from keel.controller.outcome import RunPreempted
 from keel.guard import read_events
 from keel.monitor import read_metrics
 
@@ -101,7 +101,7 @@ def check_exact_resume(path: Path, tmp_path: Path, tiny_dir: Path, extra: list[s
 
 
 def test_resume_rules_for_a_finished_or_changed_run(tiny_grpo):
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
     run_training(cfg)
@@ -248,7 +248,7 @@ def test_torn_last_lines_are_set_aside_on_resume(tiny_grpo):
 
 
 def test_a_refused_config_change_touches_nothing(tiny_grpo):
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
     run_training(cfg)
@@ -262,7 +262,7 @@ def test_a_refused_config_change_touches_nothing(tiny_grpo):
 
 
 def test_train_steps_below_the_newest_checkpoint_is_refused(tiny_grpo):
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     cfg = tiny_grpo("train.steps=4", "checkpoint.save_steps=1")
     with pytest.raises(RunPreempted):
@@ -277,7 +277,7 @@ def test_train_steps_below_the_newest_checkpoint_is_refused(tiny_grpo):
 def test_a_run_without_a_checkpoint_restarts_with_the_same_config(tiny_grpo):
     """A run that ends (or is killed) before any checkpoint restarts at step 0 when the same
     command runs again; a changed config or a finished run is still refused."""
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     cfg = tiny_grpo("train.steps=1", "checkpoint.save_steps=0")  # no checkpoint
     run_training(cfg)
@@ -372,7 +372,7 @@ def test_a_refused_rerun_does_not_touch_run_dir(tiny_grpo):
     """The run-directory checks used to create and remove a probe file in RUN_DIR before
     refusing, which changed its modification time."""
     from keel.config.loading import dump_config
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     run_dir = Path(tiny_grpo().run_dir)
     run_dir.mkdir()
@@ -387,7 +387,7 @@ def test_a_refused_rerun_does_not_touch_run_dir(tiny_grpo):
 
 def test_resume_never_on_a_run_with_checkpoints_says_what_it_holds(tiny_grpo):
     """--resume never in a RUN_DIR with checkpoints used to say "no checkpoint to resume from"."""
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
     with pytest.raises(RunPreempted):
@@ -463,7 +463,7 @@ def test_a_rerun_of_a_finished_run_says_so_and_touches_nothing(tiny_grpo):
     """The same command again after the run finished (e.g. a Kubernetes Job retrying a pod
     killed right after the export) is not an error: it says the run is finished. A changed
     config is still refused."""
-    from keel.controller.runner import RunDirError
+    from keel.controller.resume import RunDirError
 
     cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1")
     first = run_training(cfg)
@@ -482,19 +482,19 @@ def test_a_run_killed_before_its_export_is_not_taken_for_finished(tiny_grpo, mon
     """Continued past an earlier finish (train.steps raised), killed after its last checkpoint
     but before the new export: model/ still holds the old policy, so the run is not finished;
     the rerun exports the policy of the last step."""
-    import keel.controller.runner as runner
+    import keel.controller.keeping as keeping
 
     run_training(tiny_grpo("train.steps=2", "checkpoint.save_steps=1"))
     longer = tiny_grpo("train.steps=3", "checkpoint.save_steps=1")
-    real = runner.save_policy
+    real = keeping.save_policy
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # as if killed here
 
-    monkeypatch.setattr(runner, "save_policy", killed)
+    monkeypatch.setattr(keeping, "save_policy", killed)
     with pytest.raises(KeyboardInterrupt):
         run_training(longer)
-    monkeypatch.setattr(runner, "save_policy", real)
+    monkeypatch.setattr(keeping, "save_policy", real)
     run_dir = Path(longer.run_dir)
     result = run_training(longer)
     assert not result.finished and result.resumed_from == 3

@@ -14,7 +14,7 @@ import torch
 from keel.checkpoint import list_checkpoints, validate_checkpoint
 from keel.checkpoint.state import read_latest
 from keel.controller import run_training
-from keel.controller.runner import RunStopped
+from keel.controller.outcome import RunStopped
 from keel.engine.update import GradientStep
 from keel.guard import read_events
 from keel.monitor import read_metrics

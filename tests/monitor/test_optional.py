@@ -17,7 +17,7 @@ from keel.config import validate
 from keel.config.loading import ConfigError
 from keel.config.schema import MlflowConfig, WandbConfig
 from keel.controller import run_training
-from keel.controller.runner import RunPreempted
+from keel.controller.outcome import RunPreempted
 from keel.monitor import read_metrics
 from keel.monitor.optional import (
     EXPORT_RECORD,

@@ -108,7 +108,7 @@ def test_https_and_a_graceful_drain_on_sigterm(tiny_dir, tmp_path):
 
 def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, tmp_path):
     from keel.controller import run_training
-    from keel.controller.runner import RunPreempted
+    from keel.controller.outcome import RunPreempted
 
     cfg = tiny_grpo("train.steps=2", "checkpoint.save_steps=1", "checkpoint.keep=3")
     with pytest.raises(RunPreempted):

@@ -190,7 +190,7 @@ def test_a_lora_actor_on_fsdp2_ranks_trains_and_resumes_as_on_replicated_ranks(
     ones; its checkpoint (the adapter gathered from the shards, with the optimizer) resumes a
     stopped run; the export and the weight pushes are the merged plain weights."""
     from keel.config.schema import LoraConfig
-    from keel.controller.runner import RunPreempted
+    from keel.controller.outcome import RunPreempted
 
     replicated_dir, sharded_dir = tmp_path / "replicated", tmp_path / "sharded"
     replicated = tiny_grpo(tiny_dir, replicated_dir, **ray_groups(fsdp=False))

@@ -204,7 +204,7 @@ USER_ERRORS = (
     ("keel.monitor.prometheus", "ExporterError"), ("keel.report.runs", "ReportError"),
     ("keel.rewards.scoring", "RewardError"), ("keel.rewards.loading", "RewardLoadError"),
 )  # fmt: skip
-RUNNER = "keel.controller.runner"  # RunPreempted (exit 75), RunStopped (exit 3)
+OUTCOME = "keel.controller.outcome"  # RunPreempted (exit 75), RunStopped (exit 3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("keel: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if _is_instance(exc, RUNNER, "RunPreempted"):
+        if _is_instance(exc, OUTCOME, "RunPreempted"):
             print(f"keel: {exc}", file=sys.stderr)
             return EXIT_PREEMPTED
-        if _is_instance(exc, RUNNER, "RunStopped"):
+        if _is_instance(exc, OUTCOME, "RunStopped"):
             print(f"keel: stopped: {exc}", file=sys.stderr)
             return EXIT_GUARD_STOP
         if args.debug:

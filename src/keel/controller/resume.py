@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -188,6 +189,26 @@ def _restart_plan(
         raise _holds_a_run(run_dir, found, skipped)
     check_config(saved, config_text, f"cannot restart the run in {run_dir}")
     return ResumePlan([], restart=True, reset_guard=reset_guard, skipped=skipped)
+
+
+def restart_plan(run_dir: Path) -> tuple[ResumePlan | None, bool]:
+    """After a lost worker: resume from the newest checkpoint, or start over without one; the
+    plan and whether RUN_DIR's files are overwritten."""
+    skipped: list[str] = []
+    found = resume_candidates(run_dir / "checkpoints", skipped)
+    return (ResumePlan([c.path for c in found], skipped=skipped), False) if found else (None, True)
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Create RUN_DIR; with `overwrite`, first delete every file a run writes (RUN_FILES)."""
+    if overwrite:
+        for name in RUN_FILES:
+            p = run_dir / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def check_steps(step: int, steps: int, where: str) -> None:

@@ -22,7 +22,10 @@ from keel.types import Batch, concat_rollouts, merge_meta
 
 
 class WorkerLostError(RuntimeError):
-    """A worker of a group died (its process or node is gone); the group is unusable."""
+    """A worker of a group died (its process or node is gone); the group is unusable.
+    step: the training step it was lost in (set by the run loop; None: not during a step)."""
+
+    step: int | None = None
 
 
 class WorkerGroup(Protocol):
