@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from keel.data.errors import DataError
 from keel.data.examples import Example
-from keel.data.files import DataError
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from keel.data.encoding import assemble, encode_prompts, stop_ids, turn_end_id
+from keel.data.errors import DataError
 from keel.data.examples import Example
-from keel.data.files import DataError
 from keel.data.tool_calls import FORMATS, HERMES, ToolCall, ToolCallFormat, call_from_object
 from keel.types import Batch
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from keel.data.errors import DataError
 from keel.data.examples import Example
-from keel.data.files import DataError
 from keel.types import Batch
 
 _PROBE_TOOL = {

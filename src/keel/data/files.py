@@ -8,11 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from keel.config.paths import missing_hint
+from keel.data.errors import DataError  # also keel.data.files.DataError, as before
 from keel.data.examples import Example
-
-
-class DataError(ValueError):
-    """A dataset that cannot be read; the message names the file and the line or row."""
 
 
 def load_examples(

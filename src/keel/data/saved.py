@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from keel.data.files import DataError
+from keel.data.errors import DataError
 
 # The split a DatasetDict folder gives for each use, in order of preference.
 SPLITS = {"train": ("train",), "eval": ("validation", "test", "eval")}
