@@ -10,12 +10,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 # A prompt as a batch row holds it: text, or chat messages ({"role", "content", …}).
 Prompt = str | list[dict[str, Any]]
+# The tokenizer Keel's code holds: an HF tokenizer (keel.models.load_tokenizer's; the built-in
+# character tokenizer is one too). Named by its string, so that importing it imports nothing.
+Tokenizer: TypeAlias = "PreTrainedTokenizerBase"
 
 
 class BatchMeta(TypedDict, total=False):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from keel.algo import loss_denominators
+from keel.types import Tokenizer
 
 
 def world_size() -> int:
@@ -147,7 +148,7 @@ def load_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, state: dic
     set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
-def save_hf_folder(model: Any, tokenizer: Any, path: str | Path) -> None:
+def save_hf_folder(model: Any, tokenizer: Tokenizer, path: str | Path) -> None:
     """An HF folder (safetensors + tokenizer) of the full weights, written by rank 0 only."""
     state = full_state_dict(model) if is_sharded(model) else None
     if rank() == 0:

@@ -24,12 +24,9 @@ from transformers import (
 
 from keel.config.paths import missing_hint
 from keel.models.factory import create_tiny_model
+from keel.types import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
-
-# The tokenizer Keel's code holds: what `load_tokenizer` returns, an HF tokenizer (the built-in
-# character tokenizer is one too).
-Tokenizer = PreTrainedTokenizerBase
 
 # Any one of these means "a tokenizer lives here" (fast json, config, sentencepiece, BPE vocab).
 _TOKENIZER_FILES = (

@@ -15,7 +15,7 @@ from keel.models.eos import eos_token_ids
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
-from keel.types import Batch
+from keel.types import Batch, Tokenizer
 
 
 class HFRolloutEngine:
@@ -36,7 +36,7 @@ class HFRolloutEngine:
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         chat: bool = False,
         max_prompt_length: int = 64,

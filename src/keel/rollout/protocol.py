@@ -10,15 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from keel.data.examples import Example
-from keel.types import Batch
-
-if TYPE_CHECKING:
-    from keel.models.loading import Tokenizer
+from keel.types import Batch, Tokenizer
 
 # Why a response ended: its first EOS token ("stop") or the max_new_tokens budget ("length").
 FINISH_REASONS = ("stop", "length")

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 
 from keel.data.encoding import assemble, encode_prompts
 from keel.data.examples import Example
 from keel.rollout.protocol import Completions, SamplingParams
-from keel.types import Batch
-
-if TYPE_CHECKING:
-    from keel.models.loading import Tokenizer
+from keel.types import Batch, Tokenizer
 
 
 class PromptEncoding(Protocol):

@@ -40,7 +40,7 @@ from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
 from keel.rollout.protocol import Completions, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
-from keel.types import Batch
+from keel.types import Batch, Tokenizer
 
 if TYPE_CHECKING:
     from keel.config.schema import RolloutConfig
@@ -179,7 +179,7 @@ def transformers_classes_kept(model_path: Path) -> Iterator[None]:
 
 
 def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
-    """With rollout.vllm.enforce_eager, vLLM's small torch.compile'd helpers (the log-prob
+    """Without rollout.compile (vLLM's enforce_eager), vLLM's small torch.compile'd helpers (the log-prob
     gather of its sampler) run eagerly: compiling them costs ≈ 4.5 s at the first generate of
     every run on a CPU core, for a kernel that takes microseconds here."""
     return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
@@ -197,7 +197,7 @@ def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
         "model": str(inputs.model_path),
         "dtype": inputs.dtype,
         "skip_tokenizer_init": True,  # Keel tokenizes and decodes
-        "enforce_eager": cfg.enforce_eager,
+        "enforce_eager": rollout.compile is not True,  # rollout.compile: null or false
         "logprobs_mode": "raw_logprobs",  # of logits / T: see set_logit_temperature
         "enable_prefix_caching": True,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
@@ -221,7 +221,7 @@ class VLLMRolloutEngine:
     def __init__(
         self,
         llm: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         eos_ids: Sequence[int],
         chat: bool = False,
@@ -233,7 +233,7 @@ class VLLMRolloutEngine:
     ):
         self.llm = llm
         self.on_gpu = on_gpu  # sleep/wake free memory on GPUs only
-        self.eager = eager  # rollout.vllm.enforce_eager
+        self.eager = eager  # vLLM's enforce_eager: rollout.compile is not true
         self.tokenizer = tokenizer
         self.chat = chat
         self.max_prompt_length = max_prompt_length
@@ -271,7 +271,7 @@ class VLLMRolloutEngine:
             truncation=inputs.truncation,
             max_model_len=model_len,
             on_gpu=inputs.device.type == "cuda",
-            eager=rollout.vllm.enforce_eager,
+            eager=rollout.compile is not True,
         )
 
     def generate(
