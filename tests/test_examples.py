@@ -30,7 +30,7 @@ EXAMPLE_OVERRIDES: dict[str, list[str]] = {
         "models.actor=builtin:tiny",
         "train.batch_size=4",
         "train.mini_batch_size=32",
-        "rollout.max_turns=2",
+        "rollout.env.max_turns=2",
     ],
     "grpo_calculator_tiny.yaml": [
         "models.actor=builtin:tiny",

@@ -55,6 +55,7 @@ SHAPED: tuple[tuple[str, str], ...] = (
     ("algorithm.max_num_gen_batches", "algorithm.filter_groups.max_num_gen_batches"),
     ("algorithm.overlong_buffer_len", "algorithm.overlong_buffer.len (0: null)"),
     ("algorithm.overlong_penalty_factor", "algorithm.overlong_buffer.penalty_factor"),
+    ("rollout.vllm.enforce_eager", "rollout.compile (its negation; with the vllm engine)"),
 )  # fmt: skip
 _ENV_KEYS = ("env_kwargs", "max_turns", "max_episode_tokens", "turn_discount", "env_workers")
 
@@ -75,6 +76,7 @@ def upgrade(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
     rollout = out.get("rollout")
     if isinstance(rollout, dict):
         renamed += _rollout_env(rollout)
+        renamed += _enforce_eager(rollout)
     algorithm = out.get("algorithm")
     if isinstance(algorithm, dict):
         renamed += _algorithm(algorithm)
@@ -94,6 +96,55 @@ def upgrade(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
         out["guard"], pairs = legacy_guard(guard)
         renamed += pairs
     return out, renamed
+
+
+def override(
+    tree: Mapping[str, Any], dotted: str, value: Any
+) -> tuple[str, Any, list[tuple[str, str]]]:
+    """(new dotted key, new value, [(old key, new key)]) of one `--set` / KEEL__ override
+    `dotted=value` about to be set in `tree` (a config already in the new form), so that an
+    old key given on the command line overrides its new form in the file. Keys this cannot map
+    alone (the guard's pairs, episode keys of a config without rollout.env) come back as they
+    are: `upgrade` maps them with the whole config."""
+    parts = dotted.split(".")
+    if dotted == "rollout.env" and isinstance(value, str):
+        return "rollout.env.name", value, [(dotted, "rollout.env.name")]
+    episode_key = parts[0] == "rollout" and len(parts) >= 2 and parts[1] in _ENV_KEYS
+    if episode_key and not isinstance(_get(tree, "rollout.env"), Mapping):
+        return dotted, value, []
+    if dotted == "rollout.vllm.enforce_eager":
+        if _get(tree, "rollout.engine") != "vllm":
+            return dotted, value, []  # nothing to set: upgrade leaves it out
+        return "rollout.compile", not value, [(dotted, "rollout.compile")]
+    if dotted == "algorithm.importance_level":
+        mode = {"sequence": "gspo", "token": "gspo_token"}.get(value, value)
+        return (
+            "algorithm.policy_loss.loss_mode",
+            mode,
+            [(dotted, "algorithm.policy_loss.loss_mode")],
+        )
+    if dotted == "algorithm.dynamic_sampling":
+        current = _get(tree, "algorithm.filter_groups")
+        on = current if isinstance(current, Mapping) else {}
+        return (
+            "algorithm.filter_groups",
+            on if value else None,
+            [(dotted, "algorithm.filter_groups")],
+        )
+    if dotted == "algorithm.max_num_gen_batches":
+        new = "algorithm.filter_groups.max_num_gen_batches"
+        return new, value, [(dotted, new)]
+    if dotted == "algorithm.overlong_buffer_len":
+        new = "algorithm.overlong_buffer.len"
+        return (new if value else "algorithm.overlong_buffer"), (value or None), [(dotted, new)]
+    if dotted == "algorithm.overlong_penalty_factor":
+        new = "algorithm.overlong_buffer.penalty_factor"
+        return new, value, [(dotted, new)]
+    for old, new in MOVES:
+        if dotted == old or dotted.startswith(old + "."):
+            moved = new + dotted[len(old) :]
+            return moved, value, [(old, new)]
+    return dotted, value, []
 
 
 def warn_renamed(renamed: list[tuple[str, str]], source: str = "config") -> None:
@@ -146,6 +197,18 @@ _ENV_NEW = {
     "turn_discount": "turn_discount",
     "env_workers": "workers",
 }
+
+
+def _enforce_eager(rollout: dict[str, Any]) -> list[tuple[str, str]]:
+    """rollout.vllm.enforce_eager → rollout.compile (its negation) with the vllm engine; with
+    the hf engine it did nothing (hf reads rollout.compile), so it is left out."""
+    vllm = rollout.get("vllm")
+    if not isinstance(vllm, dict) or "enforce_eager" not in vllm:
+        return []
+    eager = vllm.pop("enforce_eager")
+    if rollout.get("engine") == "vllm":
+        rollout["compile"] = not eager  # rollout.compile did nothing with vllm before
+    return [("rollout.vllm.enforce_eager", "rollout.compile")]
 
 
 def _algorithm(algo: dict[str, Any]) -> list[tuple[str, str]]:

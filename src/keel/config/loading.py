@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from keel.config.legacy import upgrade, warn_renamed
+from keel.config.legacy import override, upgrade, warn_renamed
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import ALGORITHMS, KeelConfig
 
@@ -39,7 +39,7 @@ def load_config(
     """Load, override and validate the config in `path`; its input paths are resolved against
     the file's folder (keel.config.paths)."""
     path = Path(path)
-    raw = read_yaml(path)
+    raw = upgrade_file(read_yaml(path), str(path))
     env = os.environ if environ is None else environ
     for key, value in env_overrides(env):
         set_path(raw, key, value, source=f"environment variable {ENV_PREFIX}…")
@@ -47,6 +47,18 @@ def load_config(
         key, value = parse_override(item)
         set_path(raw, key, value, source=f"--set {item}")
     return resolve_input_paths(validate(raw, source=str(path)), path.parent)
+
+
+def upgrade_file(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """`raw` (read from `source`) with its old keys in their new place (keel.config.legacy),
+    one RenamedKeyWarning naming `source` for each; before the overrides, so that an
+    override of an old key and the file's new key are one setting."""
+    try:
+        raw, renamed = upgrade(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: invalid config (1 problem)\n  {exc}") from None
+    warn_renamed(renamed, source)
+    return raw
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -117,7 +129,10 @@ def _parse_scalar(text: str) -> Any:
 
 
 def set_path(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
-    """Set tree[a][b]… = value for dotted 'a.b…', creating sections as needed."""
+    """Set tree[a][b]… = value for dotted 'a.b…', creating sections as needed. An old key
+    (keel.config.legacy) is set at its new place, with a RenamedKeyWarning naming `source`."""
+    dotted, value, renamed = override(tree, dotted.strip("."), value)
+    warn_renamed(renamed, source)
     parts = [p for p in dotted.split(".") if p]
     if not parts:
         raise ConfigError(f"{source}: empty key")
@@ -137,11 +152,7 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> KeelConfig:
     """KeelConfig from a plain dict; a ConfigError lists every problem with its key path. Old
     keys (keel.config.legacy) are mapped to their new place, each with one RenamedKeyWarning
     naming `source`."""
-    try:
-        raw, renamed = upgrade(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: invalid config (1 problem)\n  {exc}") from None
-    warn_renamed(renamed, source)
+    raw = upgrade_file(raw, source)
     try:
         return KeelConfig.model_validate(raw)
     except ValidationError as exc:

@@ -357,9 +357,6 @@ class VLLMConfig(Section):
     max_model_len: int | None = Field(
         None, ge=1, description="longest prompt + response; null: the model's context length"
     )
-    enforce_eager: bool = Field(
-        True, description="no CUDA graphs / torch.compile: fast start-up, slower decoding"
-    )
     kv_cache_space_gb: float = Field(
         1.0, gt=0, description="KV-cache memory on CPU, in GiB (vLLM's kv_cache_memory_bytes)"
     )
@@ -420,7 +417,10 @@ class RolloutConfig(Section):
         "needs) instead of Keel's reserved one; null: on CUDA only",
     )
     compile: bool | None = Field(
-        None, description="torch.compile the decode step (static cache only); null: on CUDA"
+        None,
+        description="compiled decoding: hf torch.compiles the decode step (static cache only); "
+        "vllm uses CUDA graphs and torch.compile (vLLM's enforce_eager off: slower start-up, "
+        "faster decoding); null: hf on CUDA, vllm off",
     )
     tis_cap: float | None = Field(
         None,

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from keel.checkpoint.policy import PolicySource
-from keel.config.loading import env_overrides, parse_override, read_yaml, set_path, validate
+from keel.config.loading import (
+    env_overrides,
+    parse_override,
+    read_yaml,
+    set_path,
+    upgrade_file,
+    validate,
+)
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig, ModelsConfig
 from keel.controller.assembly import (
@@ -57,7 +64,7 @@ def policy_config(
     paths are relative to the working directory."""
     path = source.run_dir / RUN_CONFIG if source.run_dir is not None else None
     if path is not None and path.is_file():
-        raw, name = read_yaml(path), str(path)
+        raw, name = upgrade_file(read_yaml(path), str(path)), str(path)
     else:
         raw, name = {"algorithm": {"name": "grpo"}}, DEFAULTS
     for key, value in env_overrides(os.environ if environ is None else environ):

@@ -179,9 +179,9 @@ def transformers_classes_kept(model_path: Path) -> Iterator[None]:
 
 
 def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
-    """Without rollout.compile (vLLM's enforce_eager), vLLM's small torch.compile'd helpers (the log-prob
-    gather of its sampler) run eagerly: compiling them costs ≈ 4.5 s at the first generate of
-    every run on a CPU core, for a kernel that takes microseconds here."""
+    """Without rollout.compile (vLLM's enforce_eager), vLLM's small torch.compile'd helpers (the
+    log-prob gather of its sampler) run eagerly: compiling them costs ≈ 4.5 s at the first
+    generate of every run on a CPU core, for a kernel that takes microseconds here."""
     return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
 
 
