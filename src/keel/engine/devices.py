@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any
 
 import torch
 
@@ -73,6 +72,6 @@ def trained_weights_dtype(dtype: str, pure_low_precision: bool) -> str:
     return dtype
 
 
-def place(model: torch.nn.Module, device: torch.device) -> Any:
+def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """`model` moved to `device` (a no-op when it is already there)."""
     return model if model_device(model) == device else model.to(device)

@@ -122,7 +122,9 @@ def load_full_state_dict(
     return set_model_state_dict(model, {**state}, options=options)  # a dict of its value type
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+def optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """The optimizer's state; for FSDP2 the full (unsharded) one, keyed by parameter name."""
     if not is_sharded(model):
         return optimizer.state_dict()
@@ -135,7 +137,9 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, An
     return get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def load_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, state: dict) -> None:
+def load_optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     if not is_sharded(model):
         optimizer.load_state_dict(state)
         return

@@ -34,7 +34,7 @@ class GradientStep:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
         grad_clip: float | None,
         *,
         compute_dtype: torch.dtype | None = None,
