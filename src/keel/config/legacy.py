@@ -48,7 +48,7 @@ MOVES: tuple[tuple[str, str], ...] = (
 )
 # The old keys mapped by a function (docs/config.md lists them with MOVES).
 SHAPED: tuple[tuple[str, str], ...] = (
-    ("rollout.env: NAME (a string)", "rollout.env.name"),
+    ("rollout.env (a string: the environment's name)", "rollout.env.name"),
     ("algorithm.importance_level", "algorithm.policy_loss.loss_mode (sequence: gspo, token: "
      "gspo_token)"),
     ("algorithm.dynamic_sampling", "algorithm.filter_groups (false: null)"),
