@@ -4,7 +4,7 @@ aware sharding, row order restored, group offsets, rollout layouts, the weight p
 import torch
 
 from keel.types import Batch
-from keel.workers.group import LocalWorkerGroup, WeightPush, shard_index
+from keel.workers.group import LocalWorkerGroup, WeightPush, WorkerGroup, shard_index
 
 
 class Echo:
@@ -120,3 +120,11 @@ def test_preference_pairs_stay_on_one_rank_and_per_row_tensors_come_back_in_orde
     batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
     group = LocalWorkerGroup("actor", [Scorer(), Scorer()], row_block=4, row_unit=2)
     assert group.call("score", batch).tolist() == [10.0 * i for i in range(8)]
+
+
+def test_local_and_ray_groups_are_worker_groups():
+    from keel.workers.ray_group import RayWorkerGroup  # imports ray, starts nothing
+
+    assert isinstance(LocalWorkerGroup("actor", [Echo(0)]), WorkerGroup)
+    assert isinstance(RayWorkerGroup("actor", hosts=[]), WorkerGroup)
+    assert not isinstance(Echo(0), WorkerGroup)

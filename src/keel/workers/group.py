@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,10 +28,24 @@ class WorkerLostError(RuntimeError):
     step: int | None = None
 
 
+@runtime_checkable
 class WorkerGroup(Protocol):
-    role: str
-    world_size: int
-    in_process: bool  # the workers run in this process (their random state is this process's)
+    """The ranks of one role, as the controller sees them (`LocalWorkerGroup` in this process,
+    `keel.workers.ray_group.RayWorkerGroup` over Ray actors).
+
+    role: the role's name; world_size: its number of ranks; in_process: the workers run in
+    this process (their random state is this process's).
+    call(method, rows, **kw): `rows` (a Batch or a list) sharded over the ranks, the results
+    gathered (module docstring); call_all: every rank with the same arguments, one result per
+    rank; apply_all(fn, **kw): fn(worker, **kw) on every rank (a module-level function). A
+    worker that died raises `WorkerLostError`."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def in_process(self) -> bool: ...
 
     def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any: ...
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]: ...
