@@ -1,9 +1,11 @@
 """The typed run configuration: one pydantic section per component, unknown keys rejected.
 
-The algorithm section is a union keyed on `algorithm.name`. Cross-field checks (batch algebra)
-live in `keel.config.derived` and run before any model loads. Every number must be finite
-(NaN and ±inf are errors naming the key), except `clip_ratio_c`, where `.inf` disables the
-dual clip.
+The algorithm section is a union keyed on `algorithm.name`; drgrpo, dapo and gspo are presets
+of GRPO (GRPO_PRESETS). Old keys are mapped to their new place before validation
+(keel.config.legacy). Cross-field checks (batch algebra) live in `keel.config.derived` (which
+imports this module for types only) and run before any model loads. Every number must be finite
+(NaN and ±inf are errors naming the key), except `algorithm.policy_loss.clip_ratio_c`, where
+`.inf` disables the dual clip.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from keel.config.derived import check_batch_algebra, check_logits_chunks, check_lora
 from keel.config.legacy import upgrade, warn_renamed
 
 AggMode = Literal[
@@ -1037,22 +1040,16 @@ class KeelConfig(Section):
 
     @model_validator(mode="after")
     def _batch_algebra(self) -> KeelConfig:
-        from keel.config.derived import check_batch_algebra
-
         check_batch_algebra(self)
         return self
 
     @model_validator(mode="after")
     def _lora_applies(self) -> KeelConfig:
-        from keel.config.derived import check_lora
-
         check_lora(self)
         return self
 
     @model_validator(mode="after")
     def _logits_chunks_apply(self) -> KeelConfig:
-        from keel.config.derived import check_logits_chunks
-
         check_logits_chunks(self)
         return self
 
