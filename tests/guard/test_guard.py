@@ -26,7 +26,7 @@ def test_collapse_trips_within_the_window():
     assert guard.metrics() == {"guard/state": 2.0, "guard/trips": 2.0}
 
 
-def test_absolute_drop_and_auto_stop_threshold():
+def test_an_absolute_drop_and_a_floor_on_the_rolling_mean_that_stops():
     rule = GuardRule(metric="reward/mean", window=1, max_drop=0.3)
     guard = Guard(GuardConfig(rules=[rule]))
     assert feed(guard, [0.9, 0.7, 0.5]) == ["ok", "ok", "warn"]
