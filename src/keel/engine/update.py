@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from keel.types import Batch
 
 # A micro-batch's loss and its metrics (floats, or 0-d tensors on any device: they are summed
 # on the device and read back once per update, not once per metric).
-MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
+MicroLoss = Callable[[Batch], tuple[torch.Tensor, Mapping[str, float | torch.Tensor]]]
 
 
 class GradientStep:
