@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from keel.rewards import RewardError, RewardScorer, WeightedPart, WeightedRewardScorer
+from keel.rewards import RewardError, RewardScorer, Scorer, WeightedPart, WeightedRewardScorer
 from keel.rewards.verifiers import numeric_match
 
 
@@ -71,3 +71,8 @@ def test_pickles_for_ray_workers():
     both = pickle.loads(pickle.dumps(scorer([("length", 1.0, length)])))
     assert both.score_parts(["p"], ["abc"], [None])[2] == {"reward/length": 3.0}
     assert both.hung_calls() == 0 and both.pop_warnings() == []
+
+
+def test_both_scorers_are_scorers():
+    assert isinstance(scorer([("length", 1.0, length)]), Scorer)
+    assert isinstance(RewardScorer(length), Scorer)

@@ -2,7 +2,7 @@
 
 from keel.rewards.answers import final_answer
 from keel.rewards.loading import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
-from keel.rewards.scoring import BatchRewardScorer, RewardError, RewardScorer
+from keel.rewards.scoring import BatchRewardScorer, RewardError, RewardScorer, Scorer
 from keel.rewards.verifiers import exact_match, math_equivalent, numeric_match
 from keel.rewards.weighted import WeightedPart, WeightedRewardScorer
 
@@ -12,6 +12,7 @@ __all__ = [
     "RewardError",
     "RewardLoadError",
     "RewardScorer",
+    "Scorer",
     "WeightedPart",
     "WeightedRewardScorer",
     "exact_match",

@@ -34,10 +34,30 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: scores are float32 tensors
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """What the reward role asks of a scorer (`RewardScorer` and its subclasses,
+    `keel.rewards.weighted.WeightedRewardScorer`): one score per row with the number of rows
+    that fell back, the same with each part's mean (`reward/<name>`), the warnings since the
+    last call as (rule, message), and the timed-out calls still running."""
+
+    def score(
+        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+    ) -> tuple[list[float], int]: ...
+
+    def score_parts(
+        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+    ) -> tuple[list[float], int, dict[str, float]]: ...
+
+    def pop_warnings(self) -> list[tuple[str, str]]: ...
+
+    def hung_calls(self) -> int: ...
 
 
 class RewardError(RuntimeError):
