@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,9 @@ from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import Cache
 
 
 class HFRolloutEngine:
@@ -106,7 +109,7 @@ class HFRolloutEngine:
     def close(self) -> None:
         """Nothing to release (the model belongs to the worker that built it)."""
 
-    def _empty_cache(self, prompt: int, new_tokens: int) -> Any:
+    def _empty_cache(self, prompt: int, new_tokens: int) -> Cache:
         """The KV cache of one `generate` call: transformers' static cache with `static_cache`
         (what compiled decoding needs), as long as the longest call so far, as transformers
         sizes its own, so that a compiled decode step keeps its shapes from call to call; else
@@ -177,8 +180,12 @@ class HFRolloutEngine:
 
 @torch.no_grad()
 def shared_prefill(
-    model: Any, input_ids: torch.Tensor, attention: torch.Tensor, n: int, cache: Any = None
-) -> Any:
+    model: Any,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    n: int,
+    cache: Cache | None = None,
+) -> Cache | None:
     """Fill `cache` (an empty reserved or static cache; None: a new reserved one) with every
     row's prompt but its last token, by one forward pass per distinct prompt repeated for its
     `n` adjacent rows: `generate` then runs only the last prompt token and the new ones.

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
@@ -95,7 +96,7 @@ class ReservedLayer(DynamicLayer):
 RESERVED_NEW_TOKENS = 1024
 
 
-def reserved_cache(config: Any, capacity: int) -> DynamicCache:
+def reserved_cache(config: PreTrainedConfig, capacity: int) -> DynamicCache:
     """A `DynamicCache` for `config`'s model whose full-attention layers are `ReservedLayer`s of
     `capacity` positions (sliding-window and other layer kinds are kept as transformers makes
     them). capacity: prompt length + max_new_tokens."""
