@@ -72,7 +72,7 @@ def test_generate_plays_the_environment_and_no_env_answers_one_turn(generate, ti
 
 def test_a_wrong_environment_is_one_clear_line(generate, tiny_dir, env):
     proc = generate(tiny_dir, *env, "--set", "rollout.env_kwargs.txt=x")
-    assert_clean_error(proc, "rollout.env_kwargs do not fit", "Again", "'txt'", "takes text")
+    assert_clean_error(proc, "rollout.env.kwargs do not fit", "Again", "'txt'", "takes text")
 
 
 def test_an_environment_that_cannot_start_on_a_bare_prompt_is_one_clear_line(generate, tiny_dir):
