@@ -158,7 +158,9 @@ def _unused(cfg: KeelConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
 def _data(d: DataConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
     out: list[tuple[list[str], str]] = []
     if plan.pairs:
-        out.append((["data.columns.response", "data.columns.messages"], "preference pairs have none"))
+        out.append(
+            (["data.columns.response", "data.columns.messages"], "preference pairs have none")
+        )
     else:
         out.append((["data.columns.chosen", "data.columns.rejected"], "for preference pairs only"))
         if plan.stage != "sft":
