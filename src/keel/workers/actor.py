@@ -89,6 +89,7 @@ class ActorWorker(TrainableWorker):
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
+                assert mini.response_mask is not None, "the batch has no response_mask"
                 num_tokens, num_seqs = global_denominators(mini.response_mask)
                 loss_fn = partial(
                     self._policy_loss,
@@ -103,11 +104,13 @@ class ActorWorker(TrainableWorker):
 
     def _policy_loss(
         self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
         denominators (docs/algorithms.md §3 'Full verl actor loss'). The entropy has no autograd
         graph when c_H is 0 (it is only a diagnostic then). Metrics stay on the device."""
         mask = micro.response_mask
+        assert mask is not None and micro.advantages is not None, "no response_mask/advantages"
+        assert spec.policy_loss is not None, f"algorithm {spec.name!r} has no policy loss"
         logprobs, entropy = response_forward(
             self.model,
             micro,
@@ -118,6 +121,7 @@ class ActorWorker(TrainableWorker):
             share_prompts=self.share_prompts,
             logits_chunk=self.logits_chunk,
         )
+        assert entropy is not None  # with_entropy
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         weights = self._tis_weights(micro, old, spec.tis_cap)
         agg = partial(
@@ -150,6 +154,7 @@ class ActorWorker(TrainableWorker):
             "ppo_kl": pg.ppo_kl.detach() * share,
         }
         if spec.kl_loss_coef > 0:  # a reference model exists
+            assert micro.ref_logprobs is not None, "kl_loss_coef > 0 needs ref_logprobs"
             kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
             loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
@@ -170,6 +175,7 @@ class ActorWorker(TrainableWorker):
                 "rollout.tis_cap is set but the batch has no rollout_logprobs: the rollout "
                 "engine returned no log-probs (rollout.return_logprobs)"
             )
+        assert micro.response_mask is not None
         return truncated_is_weights(old, micro.rollout_logprobs, micro.response_mask, cap)
 
     def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
@@ -177,9 +183,11 @@ class ActorWorker(TrainableWorker):
         width = self.budget_width(batch)
         history = []
         for mini in batch.split(self.mini_batch_size):
+            assert mini.response_mask is not None, "the batch has no response_mask"
             num_tokens, num_seqs = global_denominators(mini.response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
+                assert micro.response_mask is not None
                 logprobs, _ = response_forward(
                     self.model, micro, dtype=self.dtype, logits_chunk=self.logits_chunk
                 )

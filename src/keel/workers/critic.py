@@ -41,6 +41,7 @@ class CriticWorker(TrainableWorker):
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
+                assert mini.response_mask is not None, "the batch has no response_mask"
                 num_tokens, num_seqs = global_denominators(mini.response_mask)
 
                 def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
@@ -51,8 +52,11 @@ class CriticWorker(TrainableWorker):
 
     def _value_loss(
         self, micro: Batch, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = micro.response_mask
+        assert mask is not None and micro.values is not None and micro.returns is not None, (
+            "the critic's batch needs response_mask, values (old) and returns"
+        )
         values = value_forward(
             self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
         )

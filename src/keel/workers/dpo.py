@@ -27,6 +27,9 @@ class DPOWorker(ActorWorker):
             num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
+                mask, ref_logprobs = micro.response_mask, micro.ref_logprobs
+                assert mask is not None and ref_logprobs is not None, "pairs need ref_logprobs"
+                assert spec.preference_loss is not None, f"{spec.name!r} has no preference loss"
                 logps = response_forward(
                     self.model,
                     micro,
@@ -34,9 +37,9 @@ class DPOWorker(ActorWorker):
                     share_prompts=self.share_prompts,
                     logits_chunk=self.logits_chunk,
                 )[0]
-                logps = sequence_logps(logps, micro.response_mask)
-                ref = sequence_logps(micro.ref_logprobs, micro.response_mask)
-                lengths = micro.response_mask.sum(dim=1)
+                logps = sequence_logps(logps, mask)
+                ref = sequence_logps(ref_logprobs, mask)
+                lengths = mask.sum(dim=1)
                 out = dpo_loss(
                     logps[0::2], logps[1::2], ref[0::2], ref[1::2],
                     loss_type=spec.preference_loss, num_pairs=num_pairs,
@@ -56,17 +59,15 @@ class DPOWorker(ActorWorker):
         """Policy sequence log-probs [B] of every row (eval mode, no grad)."""
         self.model.eval()
         micros = self.micro_batches(batch, pairs=True)
-        parts = [
-            sequence_logps(
-                response_forward(
-                    self.model,
-                    micro,
-                    dtype=self.dtype,
-                    share_prompts=self.share_prompts,
-                    logits_chunk=self.logits_chunk,
-                )[0],
-                micro.response_mask,
-            ).cpu()
-            for micro in micros
-        ]
+        parts = []
+        for micro in micros:
+            assert micro.response_mask is not None
+            logps = response_forward(
+                self.model,
+                micro,
+                dtype=self.dtype,
+                share_prompts=self.share_prompts,
+                logits_chunk=self.logits_chunk,
+            )[0]
+            parts.append(sequence_logps(logps, micro.response_mask).cpu())
         return micros.merge(parts)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from keel.envs.episodes import with_episode_returns
-from keel.rewards.scoring import RewardScorer
-from keel.rewards.weighted import WeightedRewardScorer
+from keel.rewards.scoring import Scorer
 from keel.types import Batch
 
 
 class RewardWorker:
-    def __init__(self, scorer: RewardScorer | WeightedRewardScorer):
+    def __init__(self, scorer: Scorer):
         self.scorer = scorer
 
     def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:

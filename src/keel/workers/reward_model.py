@@ -17,8 +17,7 @@ from keel.data.preference import encode_scored
 from keel.engine.distributed import global_count
 from keel.engine.forward import head_forward
 from keel.envs.episodes import with_episode_returns
-from keel.rewards.scoring import RewardScorer
-from keel.rewards.weighted import WeightedRewardScorer
+from keel.rewards.scoring import Scorer
 from keel.types import Batch
 from keel.workers.trainable import TrainableWorker
 
@@ -74,7 +73,7 @@ class ModelRewardWorker:
         model: Any,
         tokenizer: Any,
         *,
-        rule: RewardScorer | WeightedRewardScorer | None,
+        rule: Scorer | None,
         weight: float = 1.0,
         fn_weight: float = 0.0,
         normalize: bool = False,
