@@ -157,8 +157,8 @@ def test_a_default_run_resumes_after_a_crash(tmp_path, tiny_dir, monkeypatch):
 def test_a_checkpoint_config_from_before_new_keys_and_resolved_paths_still_matches(
     tiny_grpo, tmp_path, monkeypatch
 ):
-    """config.yaml of an older run: no data.messages_key, a data path relative to the working
-    directory. Resuming it with today's config (the same run) sees no change."""
+    """config.yaml of an older run: no data.columns.messages, a data path relative to the
+    working directory. Resuming it with today's config (the same run) sees no change."""
     import yaml
 
     from keel.config.loading import dump_config
@@ -168,11 +168,11 @@ def test_a_checkpoint_config_from_before_new_keys_and_resolved_paths_still_match
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     current = tiny_grpo(f"data.train={tmp_path / 'train.jsonl'}")
     old = yaml.safe_load(dump_config(current))
-    del old["data"]["messages_key"]
+    del old["data"]["columns"]["messages"]
     old["data"]["train"] = "train.jsonl"
     assert config_changes(yaml.safe_dump(old), dump_config(current)) == []
-    old["data"]["prompt_key"] = "question"
-    assert config_changes(yaml.safe_dump(old), dump_config(current)) == ["data.prompt_key"]
+    old["data"]["columns"]["prompt"] = "question"
+    assert config_changes(yaml.safe_dump(old), dump_config(current)) == ["data.columns.prompt"]
 
 
 def corrupt(path: Path) -> None:
