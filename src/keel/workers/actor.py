@@ -23,7 +23,7 @@ from keel.engine.distributed import (
 )
 from keel.engine.forward import micro_batched_logprobs, response_forward
 from keel.engine.update import GradientStep
-from keel.types import Batch
+from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
 
 
@@ -37,7 +37,7 @@ class ActorWorker(TrainableWorker):
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         step: GradientStep,
         *,
         temperature: float,

@@ -18,7 +18,7 @@ from keel.engine.distributed import global_count
 from keel.engine.forward import head_forward
 from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import Scorer
-from keel.types import Batch
+from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker
 
 
@@ -71,7 +71,7 @@ class ModelRewardWorker:
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         rule: Scorer | None,
         weight: float = 1.0,

@@ -4,7 +4,7 @@ stamped with a weight version."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from keel.data.examples import Example
 from keel.envs.episodes import EpisodeRunner
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
+
+if TYPE_CHECKING:
+    from keel.workers.actor import ActorWorker
 
 
 class RolloutWorker:
@@ -24,7 +27,10 @@ class RolloutWorker:
     row from the engine itself."""
 
     def __init__(
-        self, engine: RolloutEngine, weights_from: Any = None, episodes: EpisodeRunner | None = None
+        self,
+        engine: RolloutEngine,
+        weights_from: ActorWorker | None = None,
+        episodes: EpisodeRunner | None = None,
     ):
         self.engine = engine
         self.weights_from = weights_from

@@ -33,7 +33,7 @@ from keel.models.lora import (
     save_adapter,
     save_merged,
 )
-from keel.types import Batch
+from keel.types import Batch, Tokenizer
 
 
 class TrainableWorker:
@@ -45,7 +45,7 @@ class TrainableWorker:
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         step: GradientStep,
         *,
         mini_batch_size: int,
