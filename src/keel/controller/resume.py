@@ -20,7 +20,6 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -306,7 +305,7 @@ def config_changes(saved_yaml: str, current_yaml: str) -> list[str]:
     ]
 
 
-def as_read_today(saved_yaml: str) -> Any:
+def as_read_today(saved_yaml: str) -> object:
     """A checkpoint's config as the current schema reads it: keys added since it was written
     take their defaults, and relative input paths (written before paths were resolved at load)
     resolve by today's rule from the working directory. As written if it no longer validates."""
@@ -325,10 +324,10 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
     if not isinstance(tree, dict):
         return {prefix[:-1]: tree}
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for k, v in tree.items():
         out.update(_flatten(v, f"{prefix}{k}."))
     return out
