@@ -7,7 +7,7 @@ numbers, with `state_dict`/`load_state_dict` for checkpoints.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 
 class FixedKLController:
@@ -19,10 +19,10 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing changes."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.value = float(state["value"])
 
 
@@ -45,10 +45,10 @@ class AdaptiveKLController:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.value = float(state["value"])
         self.target = float(state["target"])
         self.horizon = int(state["horizon"])
