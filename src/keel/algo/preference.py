@@ -8,7 +8,7 @@ micro-batch and sum the micro-batch losses to get the mini-batch mean (micro-bat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypedDict, get_args
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,15 @@ from keel.algo.masked import masked_sum
 
 DPOLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "ipo_mean", "hinge"]
 DPO_LOSSES: tuple[DPOLossName, ...] = get_args(DPOLossName)
+
+
+class DPOLossOptions(TypedDict, total=False):
+    """dpo_loss's options that the algorithm sets (AlgorithmSpec.preference_loss_kwargs)."""
+
+    beta: float
+    label_smoothing: float
+
+
 # Losses on per-token mean log-probs: dpo_loss divides every sequence log-prob by its length.
 LENGTH_AVERAGED_LOSSES = frozenset({"ipo_mean"})
 

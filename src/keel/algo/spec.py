@@ -13,7 +13,7 @@ from keel.algo.advantages import AdvantageName
 from keel.algo.aggregation import AggMode
 from keel.algo.kl import KLEstimatorName
 from keel.algo.policy_loss import PolicyLossName
-from keel.algo.preference import DPOLossName
+from keel.algo.preference import DPOLossName, DPOLossOptions
 
 
 @dataclass(frozen=True)
@@ -54,16 +54,16 @@ class AlgorithmSpec:
     roles: frozenset[str]
     loss_agg_mode: AggMode
     advantage: AdvantageName | None = None
-    advantage_kwargs: dict[str, Any] = field(default_factory=dict)
+    advantage_kwargs: dict[str, float | bool] = field(default_factory=dict)
     policy_loss: PolicyLossName | None = None
-    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy_loss_kwargs: dict[str, float] = field(default_factory=dict)
     loss_scale_factor: float | None = None
     kl_loss_coef: float = 0.0
     kl_loss_type: KLEstimatorName = "low_var_kl"
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
     preference_loss: DPOLossName | None = None
-    preference_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    preference_loss_kwargs: DPOLossOptions = field(default_factory=DPOLossOptions)
     precompute_ref_logps: bool = False
     eval_generate: bool = False
     kl_penalty: KLEstimatorName | None = None
