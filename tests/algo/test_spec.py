@@ -1,7 +1,7 @@
 """AlgorithmSpec's choices (keel.algo.spec): each `Literal` name type lists exactly the keys of
 the registry it indexes, and the config offers exactly those choices."""
 
-from typing import get_args
+from typing import get_args, get_type_hints
 
 from keel.algo import (
     ADVANTAGE_ESTIMATORS,
@@ -13,6 +13,7 @@ from keel.algo import (
     KLEstimatorName,
     PolicyLossName,
 )
+from keel.algo.kl_control import KLControlOptions
 from keel.algo.preference import DPO_LOSSES, DPOLossName
 from keel.config import schema
 
@@ -31,3 +32,8 @@ def test_the_config_offers_the_same_choices():
     assert get_args(schema.AggMode) == get_args(AggMode)
     assert get_args(schema.KLType) == get_args(KLEstimatorName)
     assert get_args(schema.DPOLossType) == get_args(DPOLossName)
+    kl_ctrl = schema.KLControlConfig.model_fields
+    assert get_type_hints(KLControlOptions).keys() == kl_ctrl.keys()
+    assert get_args(get_type_hints(KLControlOptions)["type"]) == get_args(
+        kl_ctrl["type"].annotation
+    )

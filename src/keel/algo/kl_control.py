@@ -8,6 +8,7 @@ numbers, with `state_dict`/`load_state_dict` for checkpoints.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal, TypedDict
 
 
 class FixedKLController:
@@ -55,6 +56,15 @@ class AdaptiveKLController:
 
 
 KLController = FixedKLController | AdaptiveKLController
+
+
+class KLControlOptions(TypedDict, total=False):
+    """build_kl_controller's arguments (AlgorithmSpec.kl_ctrl)."""
+
+    type: Literal["fixed", "adaptive"]
+    kl_coef: float
+    target_kl: float
+    horizon: int
 
 
 def build_kl_controller(

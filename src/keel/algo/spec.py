@@ -7,11 +7,12 @@ section or branches on its name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from keel.algo.advantages import AdvantageName
 from keel.algo.aggregation import AggMode
 from keel.algo.kl import KLEstimatorName
+from keel.algo.kl_control import KLControlOptions
 from keel.algo.policy_loss import PolicyLossName
 from keel.algo.preference import DPOLossName, DPOLossOptions
 
@@ -67,7 +68,7 @@ class AlgorithmSpec:
     precompute_ref_logps: bool = False
     eval_generate: bool = False
     kl_penalty: KLEstimatorName | None = None
-    kl_ctrl: dict[str, Any] = field(default_factory=dict)
+    kl_ctrl: KLControlOptions = field(default_factory=KLControlOptions)
     cliprange_value: float | None = None
     critic_warmup_steps: int = 0
     dynamic_sampling: bool = False
