@@ -23,6 +23,7 @@ from keel.data.saved import choose_split
 from keel.models import ModelLoadError, resolve_model_path
 from keel.models.loading import context_length
 from keel.rewards import RewardScorer, WeightedRewardScorer
+from keel.rewards.scoring import Scorer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
     ROLES,
@@ -266,7 +267,7 @@ def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
     return reward_scorer(cfg.reward, cfg.data.columns.answer)
 
 
-def assemble_roles(plan: RunPlan, scorer: RewardScorer) -> Roles:
+def assemble_roles(plan: RunPlan, scorer: Scorer) -> Roles:
     """The run's roles on `resources.backend`: in this process, or as Ray actors."""
     if plan.config.resources.backend == "ray":
         from keel.workers.ray_group import build_ray_roles  # the one module importing Ray
@@ -275,13 +276,13 @@ def assemble_roles(plan: RunPlan, scorer: RewardScorer) -> Roles:
     return local_roles(plan.workers, scorer)
 
 
-def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: RewardScorer) -> Roles:
+def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: Scorer) -> Roles:
     """The local roles of `cfg` run as `spec`, from their own WorkerInputs (for tests and
     benches that build roles without a run; `keel train` builds them from its run plan)."""
     return local_roles(worker_inputs(cfg, spec), scorer)
 
 
-def local_roles(inputs: WorkerInputs, scorer: RewardScorer) -> Roles:
+def local_roles(inputs: WorkerInputs, scorer: Scorer) -> Roles:
     """Load the models and wire the role workers (local, in-process)."""
     workers = build_workers(inputs, ROLES, scorer)
     groups = {name: LocalWorkerGroup(name, [w]) for name, w in workers.items()}

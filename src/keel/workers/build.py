@@ -55,6 +55,7 @@ from keel.rewards import (
     load_reward_fn,
 )
 from keel.rewards.remote import RemoteRewardScorer
+from keel.rewards.scoring import Scorer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import RolloutEngine
 from keel.workers.actor import ActorWorker
@@ -277,7 +278,7 @@ def _no_shard(model: torch.nn.Module, compute_dtype: torch.dtype | None) -> torc
 def build_workers(
     inputs: WorkerInputs,
     names: Collection[str],
-    scorer: RewardScorer | None,
+    scorer: Scorer | None,
     *,
     world: int = 1,
     shard: Shard | None = None,
@@ -446,11 +447,13 @@ def episode_runner(
 
 
 def reward_worker(
-    mp: ModelPlan, reward: RewardConfig, data: DataConfig, scorer: RewardScorer | None
+    mp: ModelPlan, reward: RewardConfig, data: DataConfig, scorer: Scorer | None
 ) -> Any:
     """The rule-reward worker, or with models.reward the reward-model worker (reward.model)."""
     if scorer is None:
-        raise ValueError("the reward role needs its RewardScorer (keel.workers.build.reward_scorer)")
+        raise ValueError(
+            "the reward role needs its RewardScorer (keel.workers.build.reward_scorer)"
+        )
     if mp.reward is None:
         return RewardWorker(scorer)
     if mp.device is None:
