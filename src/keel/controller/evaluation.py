@@ -122,6 +122,7 @@ def evaluate_examples(
 def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
     """The scored rows of `batch` (one per example, in order) as predictions."""
     assert batch.scores is not None and batch.responses is not None
+    assert batch.response_mask is not None
     lengths = batch.response_mask.sum(dim=1).long().tolist()
     reasons = batch.finish_reasons or [""] * len(batch)
     episodes = batch.episodes or [None] * len(batch)
@@ -159,8 +160,9 @@ def evaluate(
     """The eval/* metrics of `evaluate_examples` (training logs these); `warn(rule, message)`
     is told the reward scorer's warnings."""
     done = evaluate_examples(rollout, reward, examples, eval_cfg, rollout_cfg)
-    for rule, message in done.warnings if warn is not None else ():
-        warn(rule, message)
+    if warn is not None:
+        for rule, message in done.warnings:
+            warn(rule, message)
     return done.metrics
 
 

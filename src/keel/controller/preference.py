@@ -55,6 +55,7 @@ class PairController(Controller):
 
     def finish(self, start: float, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         elapsed = time.perf_counter() - start
+        assert batch.attention_mask is not None and batch.response_mask is not None
         lengths = batch.response_mask.sum(dim=1)
         return {
             **metrics,
@@ -117,10 +118,11 @@ class DPOController(PairController):
     def _reference_rows(self, pairs: list[PreferencePair]) -> dict[int, torch.Tensor]:
         """Per pair i, the reference's token log-probs of its two rows (padding trimmed)."""
         cache: dict[int, torch.Tensor] = {}
+        reference = self.roles.reference
+        assert reference is not None
         for s in range(0, len(pairs), EVAL_CHUNK):
-            batch = self.roles.reference.call(
-                "compute_ref_logprobs", self.encode(pairs[s : s + EVAL_CHUNK])
-            )
+            batch = reference.call("compute_ref_logprobs", self.encode(pairs[s : s + EVAL_CHUNK]))
+            assert batch.response_mask is not None and batch.ref_logprobs is not None
             width = int(batch.response_mask.sum(dim=1).max())
             for j in range(len(batch) // 2):
                 cache[s + j] = batch.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
@@ -128,7 +130,9 @@ class DPOController(PairController):
 
     def _with_reference(self, batch: Batch, ids: list[int], cache: dict[int, torch.Tensor]):
         if not cache:
+            assert self.roles.reference is not None
             return self.roles.reference.call("compute_ref_logprobs", batch)
+        assert batch.response_mask is not None
         ref = torch.zeros_like(batch.response_mask)
         for j, i in enumerate(ids):
             rows = cache[i][:, : ref.shape[1]]
@@ -156,9 +160,11 @@ class DPOController(PairController):
             batch = self.encode([self.eval_pairs[i] for i in ids])
             batch = self._with_reference(batch, ids, self.eval_ref)
             policy.append(self.roles.actor.call("sequence_logps", batch))
+            assert batch.response_mask is not None and batch.ref_logprobs is not None
             ref.append(sequence_logps(batch.ref_logprobs, batch.response_mask))
             lengths.append(batch.response_mask.sum(dim=1))
         p, r, n = torch.cat(policy), torch.cat(ref), torch.cat(lengths)
+        assert self.spec.preference_loss is not None
         out = dpo_loss(
             p[0::2], p[1::2], r[0::2], r[1::2],
             loss_type=self.spec.preference_loss, **self.spec.preference_loss_kwargs,

@@ -35,7 +35,7 @@ from keel.envs.builtin import sandbox_warnings
 from keel.envs.episodes import episode_metrics
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
-from keel.types import Batch
+from keel.types import Batch, BatchMeta
 
 
 class RLController(Controller):
@@ -150,6 +150,7 @@ class RLController(Controller):
             metrics.update(self.rollouts.push(roles.push_weights))
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
+        assert batch.attention_mask is not None
         return {
             **metrics,
             **self.timer.pop(),
@@ -172,13 +173,15 @@ class RLController(Controller):
     def generate(self, timer: StageTimer) -> Batch:
         """The next train.batch_size prompts, rollout.n responses each, scored."""
         examples = self.prompts.next_batch()
+        rollout, reward = self.roles.rollout, self.roles.reward
+        assert rollout is not None and reward is not None, "RL needs the rollout and reward roles"
         with timer("rollout"):
-            batch = self.roles.rollout.call(
+            batch = rollout.call(
                 "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
             )
         self.groups_seen += len(examples)
         with timer("reward"):
-            batch = self.roles.reward.call("score", batch)
+            batch = reward.call("score", batch)
         for rule, message in batch.meta.pop("reward_warnings", ()):
             self.warn(rule, message)
         return batch
@@ -202,6 +205,7 @@ class RLController(Controller):
         """Soft overlong punishment added to the scores (when spec.overlong_buffer_len > 0)."""
         if not self.spec.overlong_buffer_len:
             return batch, {}
+        assert batch.response_mask is not None and batch.scores is not None
         penalty = overlong_penalty(
             batch.response_mask.sum(dim=1),  # the policy's tokens (an episode's: every turn's)
             max_length=self.cfg.rollout.response_budget(),
@@ -215,8 +219,12 @@ class RLController(Controller):
         """Token rewards (score on the last valid token, −β·k with KL in the reward), then the
         spec's advantage estimator. β is read before the KL controller's update."""
         mask, metrics = batch.response_mask, {}
+        assert mask is not None and batch.scores is not None and batch.group_ids is not None
+        assert self.spec.advantage is not None, f"{self.spec.name!r} has no advantage estimator"
         kl, beta = None, 0.0
-        if self.kl_ctrl is not None:
+        if self.kl_ctrl is not None:  # built when spec.kl_penalty is set
+            assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+            assert self.spec.kl_penalty is not None
             kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_penalty)
             beta, current = self.kl_ctrl.value * self.kl_scale, batch_mean_kl(kl, mask)
             self.kl_ctrl.update(current, n_steps=len(batch))
@@ -254,6 +262,7 @@ class RLController(Controller):
         """Each rank's random state, for rollout workers in processes of their own (Ray);
         None in this process, whose random state the checkpoint holds anyway."""
         group = self.roles.rollout
+        assert group is not None
         return None if group.in_process else group.call_all("rng_state")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,17 +276,19 @@ class RLController(Controller):
         if self.sampler is not None and state.get("sampler") is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.rollouts.load_state_dict(state.get("rollouts_ahead", []))
-        states = state.get("rollout_rng")
-        if states is not None and not self.roles.rollout.in_process:
-            self.roles.rollout.call("load_rng_state", states)
+        states, rollout = state.get("rollout_rng"), self.roles.rollout
+        assert rollout is not None
+        if states is not None and not rollout.in_process:
+            rollout.call("load_rng_state", states)
 
 
-def batch_eos_ids(meta: dict[str, Any]) -> list[int]:
+def batch_eos_ids(meta: BatchMeta) -> list[int]:
     """The EOS ids a batch was generated with: meta["eos_token_ids"] (a list, set by the rollout
     engine), else the single meta["eos_token_id"] of older producers, else none."""
     ids = meta.get("eos_token_ids")
     if ids is None:
-        ids = [] if meta.get("eos_token_id") is None else [meta["eos_token_id"]]
+        one = meta.get("eos_token_id")
+        ids = [] if one is None else [one]
     return [int(i) for i in ids]
 
 
@@ -287,6 +298,7 @@ def truncated_rows(batch: Batch) -> torch.Tensor:
     eos = batch_eos_ids(batch.meta)
     if not eos:
         return torch.zeros(len(batch), dtype=torch.bool)
+    assert batch.response_mask is not None and batch.input_ids is not None
     last_index = last_valid_index(batch.response_mask)  # the policy's last token (holes: an
     last = batch.input_ids[:, -batch.response_length :].gather(  # episode's last turn)
         1, last_index.clamp(min=0)[:, None]
@@ -297,6 +309,7 @@ def truncated_rows(batch: Batch) -> torch.Tensor:
 def mask_truncated(batch: Batch) -> tuple[Batch, float]:
     """Overlong filtering: truncated rows get response mask 0; (batch, fraction masked)."""
     cut = truncated_rows(batch)
+    assert batch.response_mask is not None
     mask = torch.where(cut[:, None], torch.zeros(()), batch.response_mask)
     return batch.replace(response_mask=mask), cut.float().mean().item()
 
@@ -304,7 +317,9 @@ def mask_truncated(batch: Batch) -> tuple[Batch, float]:
 def batch_metrics(batch: Batch, tis_cap: float | None = None) -> dict[str, float]:
     """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch; the
     TIS diagnostics when `tis_cap` (the spec's) is set."""
-    scores, mask = batch.scores, batch.response_mask
+    scores, mask, advantages = batch.scores, batch.response_mask, batch.advantages
+    assert scores is not None and mask is not None and advantages is not None
+    assert batch.group_ids is not None
     lengths = mask.sum(dim=1)
     truncated = truncated_rows(batch).float()
     _, group_std, group_size = group_statistics(scores, batch.group_ids)
@@ -320,8 +335,8 @@ def batch_metrics(batch: Batch, tis_cap: float | None = None) -> dict[str, float
         "response/length_mean": lengths.float().mean().item(),
         "response/length_max": lengths.max().item(),
         "response/clip_ratio": truncated.mean().item(),
-        "advantage/mean": masked_mean(batch.advantages, mask).item(),
-        "advantage/abs_mean": masked_mean(batch.advantages.abs(), mask).item(),
+        "advantage/mean": masked_mean(advantages, mask).item(),
+        "advantage/abs_mean": masked_mean(advantages.abs(), mask).item(),
     }
     if batch.values is not None and batch.returns is not None:  # how well V_old predicted
         ev = masked_explained_variance(batch.values, batch.returns, mask)  # the fresh returns

@@ -68,6 +68,7 @@ class SFTController(Controller):
         with self.timer("update"):
             metrics = self.roles.actor.call("sft_update", batch, spec=self.spec)
         elapsed = time.perf_counter() - start
+        assert batch.attention_mask is not None and batch.response_mask is not None
         return {
             **metrics,
             **self.timer.pop(),
