@@ -197,7 +197,7 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
 USER_ERRORS = (
     ("keel.checkpoint.policy", "PolicyNotFound"), ("keel.checkpoint.state", "CheckpointError"),
     ("keel.config.loading", "ConfigError"),
-    ("keel.controller.resume", "RunDirError"), ("keel.data.files", "DataError"),
+    ("keel.controller.resume", "RunDirError"), ("keel.data.errors", "DataError"),
     ("keel.envs.loading", "EnvLoadError"), ("keel.envs.episodes", "ResetError"),
     ("keel.guard.decisions", "GuardStateError"), ("keel.models.loading", "ModelLoadError"),
     ("keel.monitor.optional", "MissingPackageError"),
