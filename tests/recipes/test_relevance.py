@@ -20,35 +20,43 @@ def unused(**raw) -> dict[str, str]:
 def test_sft_uses_the_rollout_only_to_evaluate_and_has_no_reward_to_watch():
     sft = unused(algorithm={"name": "sft"})
     for key in ("rollout.n", "rollout.temperature", "train.ppo_epochs", "monitor.samples",
-                "guard.monitor_metric", "guard.max_drop_frac", "models.reference"):  # fmt: skip
+                "guard.rules", "models.reference"):  # fmt: skip
         assert key in sft, key
     for key in ("rollout.max_new_tokens", "rollout.top_p", "reward", "eval.temperature",
-                "guard.nonfinite_action", "data.response_key"):  # fmt: skip
+                "guard.nonfinite", "data.columns.response"):  # fmt: skip
         assert key not in sft, key
-    assert "logs no reward/mean" in sft["guard.monitor_metric"]
-    watched = unused(algorithm={"name": "sft"}, guard={"monitor_metric": "eval/accuracy"})
-    assert "guard.monitor_metric" not in watched
+    assert "logs no reward/mean" in sft["guard.rules"]
+    accuracy = {"metric": "eval/accuracy", "max_drop": 0.1}
+    watched = unused(algorithm={"name": "sft"}, guard={"rules": [accuracy]})
+    assert not [key for key in watched if key.startswith("guard")]
+    mixed = unused(
+        algorithm={"name": "sft"}, guard={"rules": [accuracy, {"metric": "reward/mean", "min": 0}]}
+    )
+    assert "logs no reward/mean" in mixed["guard.rules[1]"] and "guard.rules" not in mixed
 
 
 def test_rl_uses_sampling_and_the_guard_and_pair_stages_without_generation_use_neither():
     grpo = unused(algorithm={"name": "grpo", "kl_loss_coef": 0.0})
-    assert not {"rollout.n", "train.ppo_epochs", "guard.monitor_metric", "reward"} & set(grpo)
-    assert {"models.reference", "data.response_key", "data.chosen_key"} <= set(grpo)
+    assert not {"rollout.n", "train.ppo_epochs", "guard.rules", "reward"} & set(grpo)
+    assert {"models.reference", "data.columns.response", "data.columns.chosen"} <= set(grpo)
     assert "models.reference" not in unused(algorithm={"name": "grpo", "kl_loss_coef": 0.1})
     dpo = unused(algorithm={"name": "dpo"}, data={"train": "builtin:preference"})
-    assert {"rollout", "reward", "eval.temperature", "data.response_key"} <= set(dpo)
+    assert {"rollout", "reward", "eval.temperature", "data.columns.response"} <= set(dpo)
     assert "models.reference" not in dpo and "data.arithmetic" not in dpo
     generating = unused(algorithm={"name": "dpo", "eval_generate": True})
     assert "rollout" not in generating and "rollout.n" in generating
 
 
 def test_the_drift_guard_needs_the_engines_logprobs_in_an_rl_run():
-    grpo = unused(algorithm={"name": "grpo"})
-    assert "rollout.return_logprobs" in grpo["guard.drift_kl_max"] and "guard.drift_action" in grpo
-    logged = unused(algorithm={"name": "grpo"}, rollout={"return_logprobs": True})
-    assert "guard.drift_kl_max" not in logged and "rollout.tis_cap" not in logged
-    sft = unused(algorithm={"name": "sft"}, rollout={"return_logprobs": True, "tis_cap": 2.0})
-    assert "guard.drift_kl_max" in sft and "rollout.tis_cap" in sft
+    rules = {"rules": [{"metric": "reward/mean", "window": 10, "max_drop_frac": 0.5},
+                       {"metric": "rollout/logprob_kl", "max": 0.01}]}  # fmt: skip
+    grpo = unused(algorithm={"name": "grpo"}, guard=rules)
+    assert "rollout.return_logprobs" in grpo["guard.rules[1]"] and "guard.rules[0]" not in grpo
+    logged = unused(algorithm={"name": "grpo"}, rollout={"return_logprobs": True}, guard=rules)
+    assert "guard.rules[1]" not in logged and "rollout.tis_cap" not in logged
+    sft = unused(algorithm={"name": "sft"}, rollout={"return_logprobs": True, "tis_cap": 2.0},
+                 guard=rules)  # fmt: skip
+    assert "guard.rules[0]" in sft and "guard.rules[1]" in sft and "rollout.tis_cap" in sft
 
 
 def test_a_token_budget_replaces_the_micro_batch_size():
@@ -71,7 +79,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "env",  # evaluation plays episodes too when it is set
     }
     assert "#   rollout.vllm: options of the vLLM engine; rollout.engine is hf" in out
-    assert "monitor_metric" not in shown["guard"] and "samples" not in shown["monitor"]
+    assert "rules" not in shown["guard"] and "samples" not in shown["monitor"]
     assert "ppo_epochs" not in shown["train"] and "reference" not in shown["models"]
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
     assert (
@@ -81,11 +89,12 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert "# derived" in out
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0
     grpo = yaml.safe_load(capsys.readouterr().out)
-    assert grpo["rollout"]["n"] == 8 and grpo["guard"]["monitor_metric"] == "reward/mean"
+    assert grpo["rollout"]["n"] == 8 and grpo["guard"]["rules"][0]["metric"] == "reward/mean"
 
 
-def test_episode_settings_apply_only_with_an_environment():
+def test_episode_settings_live_in_the_environment_section():
+    # rollout.env holds them, so without an environment there is none to report
     plain = unused(algorithm={"name": "grpo"})
-    assert "rollout.env" not in plain and "rollout.env is null" in plain["rollout.max_turns"]
-    episodes = unused(algorithm={"name": "grpo"}, rollout={"env": "builtin:guess_number"})
-    assert not {"rollout.max_turns", "rollout.env_kwargs", "rollout.turn_discount"} & set(episodes)
+    assert not [key for key in plain if key.startswith("rollout.env")]
+    episodes = unused(algorithm={"name": "grpo"}, rollout={"env": {"name": "builtin:guess_number"}})
+    assert not [key for key in episodes if key.startswith("rollout.env")]
