@@ -39,7 +39,7 @@ from keel.engine.devices import resolve_device
 from keel.engine.seeding import seed_everything
 from keel.models import ModelLoadError, load_tokenizer
 from keel.models.loading import context_length
-from keel.rewards import RewardScorer
+from keel.rewards import Scorer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import ModelPlan, resolve_models, reward_worker, rollout_worker
 from keel.workers.group import WorkerGroup
@@ -165,7 +165,7 @@ def prepare_eval(cfg: KeelConfig, limit: int | None = None) -> EvalJob:
     """Load and check, in the order that fails cheapest: the reward function, the held-out
     examples (the first `limit` of them), the prompt lengths, the context length; then the
     policy and the reward role."""
-    scorer: RewardScorer = build_reward(cfg)
+    scorer: Scorer = build_reward(cfg)
     bad_rows: list[str] = []
     examples = load_eval_examples(cfg, bad_rows)
     if limit is not None:
