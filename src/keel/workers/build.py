@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -494,7 +494,8 @@ def frozen_reward_model(
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = load_reward_model(
         path,
-        pad_token_id=tokenizer.pad_token_id,
+        # one token id (load_tokenizer sets the pad token; transformers' type is a union)
+        pad_token_id=cast(int, tokenizer.pad_token_id),
         dtype=dtype,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
