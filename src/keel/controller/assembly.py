@@ -24,6 +24,7 @@ from keel.models import ModelLoadError, resolve_model_path
 from keel.models.loading import context_length
 from keel.rewards import RewardScorer, WeightedRewardScorer
 from keel.rewards.scoring import Scorer
+from keel.types import Tokenizer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
     ROLES,
@@ -157,7 +158,7 @@ def _load_sources(
     return Datasets(train=load(d.train, 0), eval=load(eval_source, 1) if eval_source else [])
 
 
-def fit_prompt_lengths(tokenizer: Any, data: Datasets, cfg: DataConfig) -> Datasets:
+def fit_prompt_lengths(tokenizer: Tokenizer, data: Datasets, cfg: DataConfig) -> Datasets:
     """The datasets with every prompt measured against data.max_prompt_length before training
     starts, as data.truncation says: `error` raises a DataError naming the first example that
     is too long (file:line or row); `left` keeps them (encoding keeps their last
@@ -208,7 +209,7 @@ def _describe(found: list[tuple[Any, int]]) -> list[str]:
     return [f"{ex.source} ({n} tokens)" for ex, n in found]
 
 
-def prompt_lengths(tokenizer: Any, examples: list[Any], cfg: DataConfig) -> list[int]:
+def prompt_lengths(tokenizer: Tokenizer, examples: list[Any], cfg: DataConfig) -> list[int]:
     """Token count of every example's rendered prompt (in chunks of 1024), no limit applied."""
     lengths: list[int] = []
     for start in range(0, len(examples), 1024):

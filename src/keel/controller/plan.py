@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import BatchPlan
 from keel.config.schema import KeelConfig, ResourcesConfig
 from keel.recipes.relevance import StagePlan, role_names
+from keel.types import Tokenizer
 from keel.workers.build import ModelPlan, WorkerInputs, worker_inputs
 
 
@@ -45,7 +45,7 @@ class RunPlan:
         return self.workers.models
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         """The actor's tokenizer (the one every worker of this process shares)."""
         return self.workers.models.tokenizer
 

@@ -40,6 +40,7 @@ from keel.engine.seeding import seed_everything
 from keel.models import ModelLoadError, load_tokenizer
 from keel.models.loading import context_length
 from keel.rewards import Scorer
+from keel.types import Tokenizer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import ModelPlan, resolve_models, reward_worker, rollout_worker
 from keel.workers.group import WorkerGroup
@@ -107,7 +108,7 @@ def check_fits(cfg: KeelConfig, max_new_tokens: int) -> None:
         )
 
 
-def policy_tokenizer(cfg: KeelConfig) -> Any:
+def policy_tokenizer(cfg: KeelConfig) -> Tokenizer:
     """The policy's tokenizer; a ModelLoadError when data.apply_chat_template is on and it has
     no chat template."""
     tokenizer = load_tokenizer(cfg.models.actor)
@@ -119,7 +120,7 @@ def policy_tokenizer(cfg: KeelConfig) -> Any:
     return tokenizer
 
 
-def build_rollout(cfg: KeelConfig, tokenizer: Any = None) -> WorkerGroup:
+def build_rollout(cfg: KeelConfig, tokenizer: Tokenizer | None = None) -> WorkerGroup:
     """A rollout worker group on the engine rollout.engine names, with its own frozen copy of
     models.actor on resources.device (in models.dtype) and the data section's prompt options
     (chat template, max_prompt_length, truncation)."""
@@ -128,7 +129,7 @@ def build_rollout(cfg: KeelConfig, tokenizer: Any = None) -> WorkerGroup:
     return LocalWorkerGroup("rollout", [rollout_worker(models, cfg.rollout, cfg.data, None)])
 
 
-def policy_models(models: ModelsConfig, device: str, role: str, tokenizer: Any) -> ModelPlan:
+def policy_models(models: ModelsConfig, device: str, role: str, tokenizer: Tokenizer) -> ModelPlan:
     """The models of `role` (rollout or reward) resolved as a run resolves them, on the
     resources.device `device`, with the policy's `tokenizer` (already loaded)."""
     return resolve_models(models, (role,), resolve_device(device), tokenizer=tokenizer)

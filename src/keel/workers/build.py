@@ -58,6 +58,7 @@ from keel.rewards.remote import RemoteRewardScorer
 from keel.rewards.scoring import Scorer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import RolloutEngine
+from keel.types import Tokenizer
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
 from keel.workers.dpo import DPOWorker
@@ -91,7 +92,7 @@ class ModelPlan:
     reference: Path | None
     critic: Path | None
     reward: Path | None
-    tokenizer: Any
+    tokenizer: Tokenizer
     device: torch.device | None
     dtype: str
     trained_dtype: str
@@ -100,7 +101,7 @@ class ModelPlan:
     trust_remote_code: bool
     lora: LoraConfig | None
 
-    def placed(self, model: torch.nn.Module) -> Any:
+    def placed(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` on this plan's device."""
         if self.device is None:
             raise ValueError("no device was resolved for this process (it builds no workers)")
@@ -112,7 +113,7 @@ def resolve_models(
     roles: Collection[str],
     device: torch.device | None,
     *,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> ModelPlan:
     """The ModelPlan of the models section for the algorithm's `roles`: folders resolved (a hub
     id through the cache, models.revision pinned), the actor's tokenizer loaded (unless given).
@@ -164,7 +165,7 @@ def worker_inputs(
     spec: AlgorithmSpec,
     *,
     device: bool = True,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> WorkerInputs:
     """The WorkerInputs of `cfg` run as `spec` (the run plan's, and each Ray rank's own: its
     device is its own). device: False leaves the device unresolved (no worker is built here)."""
@@ -193,7 +194,7 @@ class Roles:
     rollout: WorkerGroup | None  # None where nothing generates (rm)
     reward: WorkerGroup | None
     reference: WorkerGroup | None
-    tokenizer: Any
+    tokenizer: Tokenizer
     critic: WorkerGroup | None = None
     # separate rollout workers: pushes the actor's weights to them ({} metrics when colocated)
     push_weights: Callable[[], dict[str, float]] = lambda: {}
@@ -254,7 +255,7 @@ def _fn_scorer(
     return RewardScorer(fn, name=name, **policy)
 
 
-def roles_from_groups(tokenizer: Any, groups: dict[str, Any], **hooks: Any) -> Roles:
+def roles_from_groups(tokenizer: Tokenizer, groups: dict[str, Any], **hooks: Any) -> Roles:
     """`Roles` over the role groups by name (absent roles are None); hooks: push_weights, close."""
     return Roles(
         actor=groups["actor"],
@@ -419,7 +420,7 @@ def rollout_worker(
 
 
 def episode_runner(
-    r: RolloutConfig, data: DataConfig, engine: RolloutEngine, tokenizer: Any
+    r: RolloutConfig, data: DataConfig, engine: RolloutEngine, tokenizer: Tokenizer
 ) -> EpisodeRunner | None:
     """With rollout.env: the runner that plays its episodes on `engine`; else None."""
     env = r.env
@@ -448,7 +449,7 @@ def episode_runner(
 
 def reward_worker(
     mp: ModelPlan, reward: RewardConfig, data: DataConfig, scorer: Scorer | None
-) -> Any:
+) -> RewardWorker | ModelRewardWorker:
     """The rule-reward worker, or with models.reward the reward-model worker (reward.model)."""
     if scorer is None:
         raise ValueError(
@@ -527,7 +528,9 @@ def _gradient_step(
     return GradientStep(model, optimizer, scheduler, t.grad_clip, compute_dtype=compute)
 
 
-def reward_model_trainer(inputs: WorkerInputs, world: int, shard: Shard | None) -> Any:
+def reward_model_trainer(
+    inputs: WorkerInputs, world: int, shard: Shard | None
+) -> RewardModelTrainer:
     """rm stage: the trained model (role actor) is a scalar-head classifier on models.actor."""
     mp, t = inputs.models, inputs.train
     mini, micro = rank_batch_sizes(inputs.batch, world)
