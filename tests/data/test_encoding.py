@@ -224,7 +224,7 @@ def test_tools_reach_a_chat_template_that_renders_them():
 def test_tools_a_template_cannot_show_are_a_warning(tok):
     rows = [Example("1+2="), Example("2+2=", source="data.jsonl:2", tools=[LOOKUP])]
     assert not template_renders_tools(tok)
-    with pytest.warns(ToolsIgnoredWarning, match=r"data\.jsonl:2: .*data\.tools_key"):
+    with pytest.warns(ToolsIgnoredWarning, match=r"data\.jsonl:2: .*data\.columns\.tools"):
         message = warn_ignored_tools(tok, rows, chat=True)
     assert "renders the same text with and without tools" in message
     chatml = bpe_tokenizer(add_bos=False, template=CHATML_WITH_TOOLS)
