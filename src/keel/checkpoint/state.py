@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -49,7 +49,10 @@ TRAINER_STATE = "trainer_state.pt"
 PAUSE_ENV = "KEEL_TEST_SAVE_PAUSE_S"  # test-only: sleep inside a save so a kill can land there
 
 
+@runtime_checkable
 class Stateful(Protocol):
+    """What a checkpoint holds of a component: its state, and loading it back."""
+
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 

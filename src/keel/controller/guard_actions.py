@@ -24,6 +24,7 @@ from keel.controller.protocol import Controller
 from keel.guard import GUARD_STATE, EventLog, Guard, GuardDecisions, Verdict, write_decisions
 from keel.workers.build import Roles
 from keel.workers.group import WorkerGroup
+from keel.workers.trainable import ScalesLR
 
 __all__ = ["GuardActions", "Levers", "set_lr_scale"]
 
@@ -178,6 +179,5 @@ class GuardActions:
 def set_lr_scale(worker: object, scale: float) -> None:
     """On each worker of a trainable group (apply_all): scale its LR, where it has an
     optimizer."""
-    set_scale = getattr(worker, "set_lr_scale", None)
-    if set_scale is not None:
-        set_scale(scale)
+    if isinstance(worker, ScalesLR):
+        worker.set_lr_scale(scale)

@@ -195,4 +195,4 @@ def trainable_roles(roles: Roles) -> dict[str, WorkerGroup]:
 
 def has_state(worker: object) -> bool:
     """On each worker of a group (apply_all): whether it has a state to checkpoint."""
-    return hasattr(worker, "state_dict")
+    return isinstance(worker, Stateful)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -34,6 +34,13 @@ from keel.models.lora import (
     save_merged,
 )
 from keel.types import Batch, Tokenizer
+
+
+@runtime_checkable
+class ScalesLR(Protocol):
+    """A worker with an optimizer whose learning rate the guard can scale after a rollback."""
+
+    def set_lr_scale(self, scale: float) -> None: ...
 
 
 class TrainableWorker:
