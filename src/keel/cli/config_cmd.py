@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from keel.config import batch_plan, load_config
+from keel.config.loading import config_tree
 from keel.recipes import build_spec
 from keel.recipes.relevance import stage_plan
 
@@ -48,7 +49,7 @@ def show(path: Path, overrides: Sequence[str]) -> int:
     spec = build_spec(cfg)
     plan = batch_plan(cfg)
     unused = stage_plan(cfg, spec).unused
-    tree = cfg.model_dump(mode="json")
+    tree = config_tree(cfg)
     for keys, _ in unused:
         for key in keys:
             _drop(tree, key.split("."))

@@ -210,6 +210,15 @@ def _section_of(ann: Any) -> type[BaseModel] | None:
     return None
 
 
+def config_tree(cfg: KeelConfig) -> dict[str, Any]:
+    """The resolved config as plain data, in the schema's order except that `algorithm.name`
+    comes first in its section (the RL algorithms declare their shared fields before it)."""
+    tree = cfg.model_dump(mode="json")
+    algorithm = tree["algorithm"]
+    tree["algorithm"] = {"name": algorithm.pop("name"), **algorithm}
+    return tree
+
+
 def dump_config(cfg: KeelConfig) -> str:
     """The resolved config as YAML (what RUN_DIR/config.yaml holds)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(config_tree(cfg), sort_keys=False)
