@@ -15,7 +15,7 @@ from keel.algo import (
 )
 from keel.algo.kl_control import KLControlOptions
 from keel.algo.preference import DPO_LOSSES, DPOLossName
-from keel.config import schema
+from keel.config import algorithms
 
 
 def test_the_name_types_list_the_registry_keys_in_order():
@@ -27,12 +27,12 @@ def test_the_name_types_list_the_registry_keys_in_order():
 
 
 def test_the_config_offers_the_same_choices():
-    loss_mode = schema.PolicyLossConfig.model_fields["loss_mode"].annotation
+    loss_mode = algorithms.PolicyLossConfig.model_fields["loss_mode"].annotation
     assert get_args(loss_mode) == get_args(PolicyLossName)
-    assert get_args(schema.AggMode) == get_args(AggMode)
-    assert get_args(schema.KLType) == get_args(KLEstimatorName)
-    assert get_args(schema.DPOLossType) == get_args(DPOLossName)
-    kl_ctrl = schema.KLControlConfig.model_fields
+    assert get_args(algorithms.AggMode) == get_args(AggMode)
+    assert get_args(algorithms.KLType) == get_args(KLEstimatorName)
+    assert get_args(algorithms.DPOLossType) == get_args(DPOLossName)
+    kl_ctrl = algorithms.KLControlConfig.model_fields
     assert get_type_hints(KLControlOptions).keys() == kl_ctrl.keys()
     assert get_args(get_type_hints(KLControlOptions)["type"]) == get_args(
         kl_ctrl["type"].annotation

@@ -19,9 +19,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from keel.config.algorithms import ALGORITHMS
 from keel.config.legacy import override, upgrade, warn_renamed
 from keel.config.paths import resolve_input_paths
-from keel.config.schema import ALGORITHMS, KeelConfig
+from keel.config.schema import KeelConfig
 
 ENV_PREFIX = "KEEL__"
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

@@ -10,11 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from keel.algo.spec import AlgorithmSpec
-from keel.config.loading import ConfigError
-from keel.config.schema import (
+from keel.config.algorithms import (
     DPOAlgorithm,
     GRPOAlgorithm,
-    KeelConfig,
     PPOAlgorithm,
     ReinforcePPAlgorithm,
     RewardKLAlgorithm,
@@ -23,6 +21,8 @@ from keel.config.schema import (
     RMAlgorithm,
     SFTAlgorithm,
 )
+from keel.config.loading import ConfigError
+from keel.config.schema import KeelConfig
 
 
 def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
@@ -32,7 +32,7 @@ def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
 
 
 def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm) -> AlgorithmSpec:
-    """GRPO and its presets (drgrpo, dapo, gspo: keel.config.schema.GRPO_PRESETS): the preset
+    """GRPO and its presets (drgrpo, dapo, gspo: keel.config.algorithms.GRPO_PRESETS): the preset
     set the defaults; dynamic sampling and the overlong pieces apply to any of them."""
     roles = {"actor", "rollout", "reward"}
     if algo.kl_loss_coef > 0:

@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from keel.config.loading import ConfigError, parse_override, read_yaml, set_path
-from keel.config.schema import RolloutConfig, Section
+from keel.config.schema import RolloutConfig
+from keel.config.section import Section
 
 API_KEY_ENV = "KEEL_API_KEY"
 
