@@ -30,14 +30,7 @@ class DPOWorker(ActorWorker):
                 mask, ref_logprobs = micro.response_mask, micro.ref_logprobs
                 assert mask is not None and ref_logprobs is not None, "pairs need ref_logprobs"
                 assert spec.preference_loss is not None, f"{spec.name!r} has no preference loss"
-                logps = response_forward(
-                    self.model,
-                    micro,
-                    dtype=self.dtype,
-                    share_prompts=self.share_prompts,
-                    logits_chunk=self.logits_chunk,
-                )[0]
-                logps = sequence_logps(logps, mask)
+                logps = self._policy_sequence_logps(micro, mask)
                 ref = sequence_logps(ref_logprobs, mask)
                 lengths = mask.sum(dim=1)
                 out = dpo_loss(
@@ -62,12 +55,16 @@ class DPOWorker(ActorWorker):
         parts = []
         for micro in micros:
             assert micro.response_mask is not None
-            logps = response_forward(
-                self.model,
-                micro,
-                dtype=self.dtype,
-                share_prompts=self.share_prompts,
-                logits_chunk=self.logits_chunk,
-            )[0]
-            parts.append(sequence_logps(logps, micro.response_mask).cpu())
+            parts.append(self._policy_sequence_logps(micro, micro.response_mask).cpu())
         return micros.merge(parts)
+
+    def _policy_sequence_logps(self, micro: Batch, mask: torch.Tensor) -> torch.Tensor:
+        """The policy's sequence log-probs [B] of `micro`'s rows: Σ over `mask` [B, R]."""
+        logps = response_forward(
+            self.model,
+            micro,
+            dtype=self.dtype,
+            share_prompts=self.share_prompts,
+            logits_chunk=self.logits_chunk,
+        )[0]
+        return sequence_logps(logps, mask)
