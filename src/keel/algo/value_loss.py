@@ -35,7 +35,10 @@ def clipped_value_loss(
     if cliprange_value is None:
         clipped = unclipped
     else:
-        v_hat = v_old + torch.clamp(v - v_old, -cliprange_value, cliprange_value)
+        # clip(V_new, V_old − ε_v, V_old + ε_v) as a clamp of V_new itself: inside the range
+        # V̂ is V_new exactly (V_old + (V_new − V_old) can round 1 ulp off it, and then
+        # `clipped > unclipped` counted an unclipped token as clipped by rounding)
+        v_hat = torch.clamp(v, v_old - cliprange_value, v_old + cliprange_value)
         clipped = (v_hat - ret) ** 2
     per_token = torch.maximum(unclipped, clipped)
     loss = 0.5 * agg_loss(
