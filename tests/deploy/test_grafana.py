@@ -7,7 +7,13 @@ import re
 import yaml
 
 from keel.monitor import read_metrics
-from keel.monitor.prom_names import WELL_KNOWN, exported_names, prom_metric
+from keel.monitor.prom_names import (
+    WELL_KNOWN,
+    WORKER_LABELS,
+    WORKER_NAMES,
+    exported_names,
+    prom_metric,
+)
 from keel.serve.app import GENERATION_PATHS, KNOWN_PATHS
 from tests.deploy.tools import GRAFANA, METRIC, dashboard, queries, sections, serving_series
 
@@ -81,7 +87,7 @@ def test_every_metric_family_has_a_panel():
     wanted = {m.name for m in WELL_KNOWN.values()} | {
         "keel_step", "keel_last_step_timestamp_seconds", "keel_process_resident_memory_bytes",
         "keel_gpu_memory_allocated_bytes", "keel_gpu_utilization_ratio",
-        "keel_timing_rollout_seconds",
+        "keel_timing_rollout_seconds", *WORKER_NAMES,
     }  # fmt: skip
     assert wanted <= queried, wanted - queried
     # every family keel serve registers, through any of its series, in a panel of the row
@@ -93,3 +99,16 @@ def test_every_metric_family_has_a_panel():
     families = {family for family, _ in series.values()}
     shown = {series[n][0] for n in in_panels}
     assert families == shown, families - shown
+
+
+def test_worker_panels_read_the_workers_series_by_their_labels():
+    """The Ray workers' device series (keel_worker_*) have panels of their own, whose legends
+    name only labels those series carry (role, rank, node beside run and algorithm)."""
+    worker_targets = [
+        t for p in sections(dashboard())["training"] for t in p["targets"]
+        if any(n.startswith("keel_worker_") for n in METRIC.findall(t["expr"]))
+    ]  # fmt: skip
+    assert {n for t in worker_targets for n in METRIC.findall(t["expr"])} == set(WORKER_NAMES)
+    for target in worker_targets:
+        legend = set(re.findall(r"{{(\w+)}}", target["legendFormat"]))
+        assert {"role", "rank", "node"} <= legend <= set(WORKER_LABELS), target["legendFormat"]

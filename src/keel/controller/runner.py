@@ -239,6 +239,7 @@ class TrainingLoop:
             metrics.setdefault(key, value)  # push at resume, then the step's push)
         self.pending = {}
         self.monitor.log(step, metrics)
+        self.monitor.log_devices(step, self.roles.device_readings)  # the exporter's, if on
 
     def resume(self, plan: ResumePlan, notes: list[str]) -> int:
         """Restore the loop as `plan` says (keel.controller.restore); the step it resumes at."""

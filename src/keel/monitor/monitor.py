@@ -1,16 +1,26 @@
-"""The Monitor fans each step's metrics out to its sinks; StageTimer times named stages."""
+"""The Monitor fans each step's metrics out to its sinks (and the workers' device readings to
+the sinks that take them); StageTimer times named stages."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
+
+from keel.monitor.devices import DeviceReading
 
 
 class Sink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeviceSink(Protocol):
+    """A sink that also takes the workers' device readings of each step (the exporter)."""
+
+    def log_devices(self, step: int, readings: Sequence[DeviceReading]) -> None: ...
 
 
 class Monitor:
@@ -23,6 +33,15 @@ class Monitor:
         clean = {k: _to_float(v) for k, v in metrics.items()}
         for sink in self.sinks:
             sink.log(step, clean)
+
+    def log_devices(self, step: int, read: Callable[[], Sequence[DeviceReading]]) -> None:
+        """`read()` (the workers' readings; a call to every Ray worker) only when a sink takes
+        them, so a run without the exporter asks its workers nothing."""
+        takers = [s for s in self.sinks if isinstance(s, DeviceSink)]
+        if takers:
+            readings = read()
+            for sink in takers:
+                sink.log_devices(step, readings)
 
     def close(self) -> None:
         for sink in self.sinks:

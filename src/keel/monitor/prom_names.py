@@ -7,7 +7,8 @@ Rules, applied to every key, known or not (so metrics added later are exported t
   - a key ending in `_s` is in seconds and its name ends in `_seconds`, `_ms` is converted to
     seconds the same way, `_bytes` stays;
   - keys whose area is a role (ROLE_AREAS) carry the label `role`; every metric carries `run`
-    and `algorithm`; there are no other labels.
+    and `algorithm`; there are no other labels (but on the workers' device series, WORKER_SERIES,
+    which carry role, rank and node).
 Counters (`_total`) come from the table only: "increment" keys add their value each step,
 "cumulative" keys are running totals and the counter follows them.
 """
@@ -85,7 +86,32 @@ GPU_NAMES = (
     "keel_gpu_memory_reserved_bytes",
     "keel_gpu_utilization_ratio",
 )
-FIXED_NAMES = (STEP, LAST_STEP_TIME, RUN_INFO, *PROCESS_NAMES, *GPU_NAMES)
+# The device metrics each Ray worker reports (keel.monitor.devices.DeviceReading's fields →
+# series), labelled by role, rank and node beside run and algorithm. The CUDA series appear
+# only for workers that hold a GPU, utilisation only where NVML is installed.
+WORKER_LABELS = (*BASE_LABELS, "role", "rank", "node")
+WORKER_SERIES: dict[str, tuple[str, str]] = {
+    "rss_bytes": ("keel_worker_resident_memory_bytes", "resident memory of a worker process"),
+    "max_rss_bytes": (
+        "keel_worker_max_resident_memory_bytes",
+        "peak resident memory of a worker process",
+    ),
+    "cuda_allocated_bytes": (
+        "keel_worker_gpu_memory_allocated_bytes",
+        "GPU memory held by a worker's tensors",
+    ),
+    "cuda_reserved_bytes": (
+        "keel_worker_gpu_memory_reserved_bytes",
+        "GPU memory a worker's caching allocator holds",
+    ),
+    "cuda_peak_allocated_bytes": (
+        "keel_worker_gpu_memory_peak_bytes",
+        "peak GPU memory held by a worker's tensors",
+    ),
+    "gpu_utilization": ("keel_worker_gpu_utilization_ratio", "worker's GPU busy fraction, 0..1"),
+}
+WORKER_NAMES = tuple(name for name, _ in WORKER_SERIES.values())
+FIXED_NAMES = (STEP, LAST_STEP_TIME, RUN_INFO, *PROCESS_NAMES, *GPU_NAMES, *WORKER_NAMES)
 # Per-stage timings take the generic name (`timing/rollout_s` → `keel_timing_rollout_seconds`).
 STAGE_KEYS = tuple(
     f"timing/{stage}_s"

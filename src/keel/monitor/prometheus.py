@@ -2,7 +2,9 @@
 
 Names and labels follow `keel.monitor.prom_names`. Process memory and CPU (and GPU memory and
 utilisation when torch sees a GPU) are read at scrape time. `/healthz` answers 200 while the
-process lives, with the step and the seconds since it was logged.
+process lives, with the step and the seconds since it was logged. On the Ray backend the
+workers' own device readings (keel.monitor.devices) come in once per step through
+`log_devices` and are served as the `keel_worker_*` series, labelled by role, rank and node.
 """
 
 from __future__ import annotations
@@ -14,18 +16,21 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from keel.monitor.devices import DeviceReading, max_rss_bytes, rss_bytes
 from keel.monitor.prom_names import (
     BASE_LABELS,
     LAST_STEP_TIME,
     RUN_INFO,
     STEP,
+    WORKER_LABELS,
+    WORKER_SERIES,
     PromMetric,
     prom_metric,
 )
@@ -55,6 +60,10 @@ class PrometheusSink:
         info = Gauge(RUN_INFO, "1 for the run being exported", BASE_LABELS, registry=self.registry)
         info.labels(**self.base).set(1)
         self.registry.register(ProcessCollector(self.base))
+        self.workers = {
+            field: Gauge(name, help, WORKER_LABELS, registry=self.registry)
+            for field, (name, help) in WORKER_SERIES.items()
+        }
         self.last_step: tuple[int, float] | None = None
         self._lock = threading.Lock()  # a scrape sees one logged step whole, never half of one
         self.server = _serve(self, host, port)
@@ -76,6 +85,19 @@ class PrometheusSink:
             self.step.labels(**self.base).set(step)
             self.last_time.labels(**self.base).set(now)
             self.last_step = (step, now)
+
+    def log_devices(self, step: int, readings: Sequence[DeviceReading]) -> None:
+        """The workers' device readings of `step`: the keel_worker_* series hold exactly these
+        (a worker gone since, e.g. before a restart, leaves no stale series behind)."""
+        with self._lock:
+            for gauge in self.workers.values():
+                gauge.clear()
+            for reading in readings:
+                labels = {**self.base, **reading.labels()}
+                for field, gauge in self.workers.items():
+                    value = getattr(reading, field)
+                    if value is not None:
+                        gauge.labels(**labels).set(value)
 
     def _export(self, key: str, value: float) -> None:
         spec = prom_metric(key)
@@ -181,11 +203,10 @@ class ProcessCollector:
 
     def collect(self) -> Iterator[Metric]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        yield self._gauge("keel_process_resident_memory_bytes", "resident memory", _rss_bytes())
+        yield self._gauge("keel_process_resident_memory_bytes", "resident memory", rss_bytes())
         yield self._gauge(
-            "keel_process_max_resident_memory_bytes", "peak resident memory",
-            usage.ru_maxrss * 1024.0,
-        )  # fmt: skip
+            "keel_process_max_resident_memory_bytes", "peak resident memory", max_rss_bytes()
+        )
         cpu = CounterMetricFamily("keel_process_cpu_seconds", "CPU time", labels=self.names)
         cpu.add_metric(self.values, usage.ru_utime + usage.ru_stime)
         yield cpu
@@ -215,10 +236,3 @@ class ProcessCollector:
         g = GaugeMetricFamily(name, help, labels=self.names)
         g.add_metric(self.values, float(value))
         return g
-
-
-def _rss_bytes() -> float:
-    import os
-
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -46,6 +46,7 @@ from keel.models import (
     resolve_model_path,
 )
 from keel.models.lora import wrap_lora
+from keel.monitor.devices import DeviceReading
 from keel.recipes.relevance import ROLES, StagePlan, role_names, stage_plan
 from keel.rewards import (
     BatchRewardScorer,
@@ -199,6 +200,8 @@ class Roles:
     # separate rollout workers: pushes the actor's weights to them ({} metrics when colocated)
     push_weights: Callable[[], dict[str, float]] = lambda: {}
     close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
+    # the device readings of the Ray workers ([] when every role runs in this process)
+    device_readings: Callable[[], list[DeviceReading]] = lambda: []
 
 
 def reward_scorer(r: RewardConfig, answer_key: str) -> RewardScorer | WeightedRewardScorer:

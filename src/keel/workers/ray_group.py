@@ -29,6 +29,7 @@ from keel.config.schema import KeelConfig, RayConfig, WorkerGroupConfig
 from keel.engine.distributed import shard_fsdp2
 from keel.engine.seeding import seed_everything
 from keel.models import resolve_model_path
+from keel.monitor.devices import DeviceReading, read_device
 from keel.workers.build import (
     Roles,
     WorkerInputs,
@@ -43,6 +44,7 @@ FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_TH
 TRAINED = ("actor", "critic")
 PG_TIMEOUT_S = 120
 CLOSE_TIMEOUT_S = 60  # for the workers to close their engines before their actors are killed
+DEVICE_TIMEOUT_S = 10  # for the hosts' device readings at the end of a step
 
 
 def worker_env(ray_cfg: RayConfig) -> dict[str, str]:
@@ -117,6 +119,11 @@ class RoleHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def device_metrics(self) -> DeviceReading:
+        """This worker process's device reading (RSS; CUDA memory and utilisation on a GPU),
+        labelled with the roles it hosts, its rank and its node."""
+        return read_device("+".join(sorted(self.workers)), self.rank)
 
     def close(self) -> None:
         """Close the workers that hold an engine (a rollout worker's vLLM engine: its memory,
@@ -206,7 +213,26 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
         groups,
         push_weights=weight_push(groups["actor"], groups.get("rollout")),
         close=lambda: release(hosts_all, pgs),
+        device_readings=lambda: device_readings(hosts_all),
     )
+
+
+def device_readings(hosts: list[Any]) -> list[DeviceReading]:
+    """Every host's device reading, asked between steps (when nothing runs on the hosts). A
+    host that does not answer within DEVICE_TIMEOUT_S, or died, is left out: the metrics never
+    stop or fail the run (a dead worker fails the next step's call)."""
+    refs = []
+    for h in hosts:
+        with contextlib.suppress(Exception):  # already gone
+            refs.append(h.device_metrics.remote())
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEVICE_TIMEOUT_S)
+    out = []
+    for ref in ready:
+        with contextlib.suppress(Exception):  # the host died answering
+            out.append(ray.get(ref))
+    return out
 
 
 def place_group(
