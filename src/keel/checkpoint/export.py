@@ -33,14 +33,32 @@ def step_of(name: str) -> int | None:
 def publish_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp)` on a fresh temporary sibling of `target`, fsync its files, then move it
     into place. A crash while writing leaves `target` as it was (old content or absent)."""
+    tmp = begin_folder(target)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return finish_folder(tmp, target)
+
+
+def begin_folder(target: str | Path) -> Path:
+    """A fresh, empty temporary sibling of `target` to write into (`.tmp-NAME-PID`): the first
+    half of `publish_folder`, for a writer that fills it later (a background checkpoint)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def finish_folder(tmp: Path, target: str | Path) -> Path:
+    """The second half of `publish_folder`: fsync every file under `tmp`, then move it to
+    `target` (replacing an old one). On failure `tmp` is deleted and `target` is as it was."""
+    target = Path(target)
     try:
-        write(tmp)
         for path in tmp.rglob("*"):
             if path.is_file():
                 with path.open("rb") as fh:

@@ -13,6 +13,10 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step_NNNNNN/`):
                            ("files") and SHA-256 digest ("sha256")
     COMPLETE               the completion marker, written last
 
+A sharded checkpoint (checkpoint.format sharded: keel.checkpoint.writer) has the same files but
+each trainable role's folder holds its DCP shards and trainer_state.pt (keel.checkpoint.sharded);
+meta.json then also records "format": "sharded".
+
 A checkpoint is written into a temporary sibling folder, fsync'd and renamed into place, and only
 then is `checkpoints/latest` (a text file naming the folder) replaced atomically.
 """
@@ -41,11 +45,16 @@ from keel.checkpoint.export import (
     step_of,
     write_text_atomically,
 )
+from keel.checkpoint.sharded import (
+    TRAINER_STATE,
+    WHOLE_STATE,
+    is_sharded_folder,
+    load_role_sharded,
+)
 from keel.engine.distributed import rank
 
 MARKER = "COMPLETE"
 LATEST = "latest"
-TRAINER_STATE = "trainer_state.pt"
 PAUSE_ENV = "KEEL_TEST_SAVE_PAUSE_S"  # test-only: sleep inside a save so a kill can land there
 
 
@@ -66,7 +75,7 @@ class CheckpointSaveError(CheckpointError):
 
 
 # What a failed write raises: OSError, torch.save's RuntimeError, safetensors' own error.
-_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -100,30 +109,44 @@ def save_checkpoint(
     def write(tmp: Path) -> None:
         for name, group in roles.items():
             group.apply_all(save_role, folder=tmp / name)
-        for name, component in components.items():
-            torch.save(component.state_dict(), tmp / f"{name}.pt")
-        torch.save(capture_rng(), tmp / "rng.pt")
-        (tmp / "config.yaml").write_text(config_text)
-        _test_pause()
-        meta["files"], meta["sha256"] = file_records(tmp)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        (tmp / MARKER).write_text("")
+        write_components(tmp, components, config_text)
+        seal_folder(tmp, meta)
 
     try:
         path = publish_folder(root / step_folder_name(step), write)
         write_latest(root, path.name)
-    except _WRITE_ERRORS as exc:
+    except WRITE_ERRORS as exc:
         raise CheckpointSaveError(f"saving step {step} under {root} failed: {exc}") from exc
     return info_of(path)
+
+
+def write_components(tmp: Path, components: Mapping[str, Stateful], config_text: str) -> None:
+    """Into a checkpoint being written: each component's state, the RNG states, the config."""
+    for name, component in components.items():
+        torch.save(component.state_dict(), tmp / f"{name}.pt")
+    torch.save(capture_rng(), tmp / "rng.pt")
+    (tmp / "config.yaml").write_text(config_text)
+
+
+def seal_folder(tmp: Path, meta: dict[str, Any]) -> None:
+    """The last writes of a checkpoint, once every other file is complete: meta.json with every
+    file's size and SHA-256, then the completion marker."""
+    _test_pause()
+    meta["files"], meta["sha256"] = file_records(tmp)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    (tmp / MARKER).write_text("")
 
 
 def load_checkpoint(
     path: str | Path, *, roles: Mapping[str, Any], components: Mapping[str, Stateful]
 ) -> CheckpointInfo:
-    """Load every role, component and the RNG states from a complete checkpoint.
+    """Load every role, component and the RNG states from a complete checkpoint, full-state or
+    sharded (each role folder says which: keel.checkpoint.sharded; its ranks read their own
+    shards, in whatever world size the group has now).
 
     Raises CheckpointError naming the folder and the problem; nothing is loaded then, because
-    all files are read (and checked) before any state is changed."""
+    all files are read (and checked: sizes and SHA-256 digests, DCP's shards included) before
+    any state is changed."""
     path = Path(path)
     info = validate_checkpoint(path)
     try:
@@ -133,7 +156,10 @@ def load_checkpoint(
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from exc
     for name, group in roles.items():
-        group.apply_all(load_role, state=role_states[name])
+        if is_sharded_folder(path / name):
+            group.apply_all(load_role_sharded, folder=path / name, state=role_states[name])
+        else:
+            group.apply_all(load_role, state=role_states[name])
     for name, component in components.items():
         component.load_state_dict(states[name])
     restore_rng(rng)
@@ -292,7 +318,7 @@ def save_role(worker: Any, folder: Path) -> None:
         state = {k: v for k, v in state.items() if k != "model"}
         name = TRAINER_STATE
     else:
-        name = "state.pt"
+        name = WHOLE_STATE
     if first:
         torch.save(state, folder / name)
 
@@ -302,9 +328,13 @@ def load_role(worker: Any, state: dict[str, Any]) -> None:
 
 
 def _read_role(folder: Path) -> dict[str, Any]:
+    """What the driver reads of a role folder: the whole state (state.pt; an HF folder and
+    trainer_state.pt), or a sharded folder's trainer_state.pt (its ranks read the shards)."""
     if not (folder / TRAINER_STATE).is_file():
-        return _torch_load(folder / "state.pt")
+        return _torch_load(folder / WHOLE_STATE)
     state = _torch_load(folder / TRAINER_STATE)
+    if is_sharded_folder(folder):
+        return state
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(file))

@@ -464,8 +464,8 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Full-state checkpoints (weights, optimizer, scheduler, RNG, data position, controller and
-    guard state, config) under RUN_DIR/checkpoints, published atomically."""
+    """Checkpoints of the whole run state (weights, optimizer, scheduler, RNG, data position,
+    controller and guard state, config) under RUN_DIR/checkpoints, published atomically."""
 
     save_steps: int = Field(
         50, ge=0, description="save every N steps and at the last; 0: none during the run"
@@ -480,6 +480,22 @@ class CheckpointConfig(Section):
     upload_wait_s: float = Field(
         120.0, ge=0, description="at the end of the run, wait this long for pending uploads"
     )
+    format: Literal["full", "sharded"] = Field(
+        "full",
+        description="full: rank 0 gathers and writes HF folders; sharded: every rank writes its "
+        "own torch.distributed.checkpoint shards (resumable on another number of ranks)",
+    )
+    async_save: bool = Field(
+        False,
+        description="sharded only: stage each rank's shards in host memory and write them in "
+        "the background while training goes on (published at the next save, rollback or exit)",
+    )
+
+    @model_validator(mode="after")
+    def _async_needs_sharded(self) -> CheckpointConfig:
+        if self.async_save and self.format != "sharded":
+            raise ValueError("checkpoint.async_save needs checkpoint.format: sharded")
+        return self
 
 
 GuardAction = Literal["warn", "rollback", "stop"]
@@ -687,6 +703,19 @@ class WorkerGroupConfig(Section):
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the group's bundles"
     )
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="custom Ray resources each worker's bundle reserves, e.g. {node_b: 1} to "
+        "place the group on the node started with `ray start --resources '{\"node_b\": 1}'`",
+    )
+
+    @model_validator(mode="after")
+    def _custom_resources_only(self) -> WorkerGroupConfig:
+        for name in ("CPU", "GPU"):
+            if name in self.resources:
+                field = "cpus_per_worker" if name == "CPU" else "gpus_per_worker"
+                raise ValueError(f"resources.{name}: set {field} instead")
+        return self
 
 
 class RayConfig(Section):
@@ -719,6 +748,14 @@ class ResourcesConfig(Section):
     )
     max_restarts: int = Field(
         0, ge=0, description="ray: times a dead worker makes the run restart from a checkpoint"
+    )
+    weight_sync: Literal["auto", "collective", "object_store"] = Field(
+        "auto",
+        description="how separate rollout workers get the actor's weights: auto is collective "
+        "on Ray when the actor and the rollout are in separate groups, else object_store",
+    )
+    weight_sync_bucket_mb: float = Field(
+        256.0, gt=0, description="collective weight sync: MiB per bucket of the byte stream"
     )
 
     @model_validator(mode="after")

@@ -124,6 +124,7 @@ class GuardActions:
         """Restore the newest healthy checkpoint, lower the LR, raise the KL coefficient, skip
         the data since the checkpoint; returns the step to run next and the weight push's
         metrics (separate rollout workers)."""
+        self.keeping.wait()  # a background checkpoint in flight may be the target
         target = self.newest_healthy(step)
         cause = verdict.cause
         if target is None:

@@ -1,8 +1,11 @@
 """Keeping a run's state: when checkpoints are due, writing them, retention, uploads, and the
 final export of the policy (and the critic).
 
-A checkpoint holds the trainable roles' rank-0 state and the components' (the controller's data
-position and counters, the guard's observations), keel.checkpoint.state."""
+A checkpoint holds the trainable roles' state and the components' (the controller's data
+position and counters, the guard's observations), written by the checkpoint.format's writer
+(keel.checkpoint.writer: rank 0's gathered state, or every rank's shards, optionally in the
+background: then published by `poll` after a step, or `wait` before the next save, a load or
+rollback, the export and at exit)."""
 
 from __future__ import annotations
 
@@ -11,17 +14,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from keel.checkpoint import (
-    CheckpointInfo,
-    list_checkpoints,
-    load_checkpoint,
-    prune_step_folders,
-    publish_folder,
-    save_checkpoint,
-)
+from keel.checkpoint import CheckpointInfo, list_checkpoints, prune_step_folders, publish_folder
 from keel.checkpoint.export import ADAPTER_FOLDER, step_folder_name, write_export_record
 from keel.checkpoint.remote import BackgroundUploader
 from keel.checkpoint.state import CheckpointSaveError, Stateful
+from keel.checkpoint.writer import CheckpointStates, SaveHandle, make_writer
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig, ModelsConfig
 from keel.guard import EventLog
@@ -48,6 +45,9 @@ class Keeping:
         self.ckpt_dir = run_dir / "checkpoints"
         self.saved = 0
         c = cfg.checkpoint
+        self.writer = make_writer(self.ckpt_dir, c.format, c.async_save)
+        self.states = CheckpointStates(trainable, components, dump_config(cfg))
+        self.in_flight: tuple[SaveHandle, int] | None = None  # a background save, its count
         self.uploader = (
             BackgroundUploader(c.upload_to, dict(c.storage_options)) if c.upload_to else None
         )
@@ -58,40 +58,83 @@ class Keeping:
 
     def load(self, path: Path, components: Mapping[str, Stateful] | None = None) -> CheckpointInfo:
         """Load the checkpoint at `path` into the trainable groups and `components` (all of
-        them by default)."""
-        chosen = self.components if components is None else components
-        return load_checkpoint(path, roles=self.trainable, components=chosen)
+        them by default), after the save in flight (if any) is published."""
+        self.wait()
+        states = self.states
+        if components is not None:
+            states = CheckpointStates(self.trainable, components, self.states.config_text)
+        return self.writer.load(path, states)
 
     def save(self, step: int, metrics: dict[str, float], healthy: bool) -> bool:
-        """Write a checkpoint; on failure (a full disk…) warn, record it and keep training: the
-        previous checkpoint is untouched. Adds checkpoint/* to `metrics` on success."""
-        start = time.perf_counter()
+        """Write a checkpoint (checkpoint.async_save: start writing it); on failure (a full
+        disk…) warn, record it and keep training: the previous checkpoint is untouched. The
+        save in flight, if any, is published first. Adds checkpoint/* to `metrics`: save_s is
+        how long training waited for this save (the whole save unless it is asynchronous)."""
+        self.wait()
         count = self.saved + 1  # in meta.json too, so that a resume goes on counting
         metrics["checkpoint/count"] = float(count)
         try:
-            info = save_checkpoint(
-                self.ckpt_dir,
-                step,
-                roles=self.trainable,
-                components=self.components,
-                config_text=dump_config(self.cfg),
-                healthy=healthy,
-                metrics=metrics,
-            )
+            handle = self.writer.save(step, self.states, healthy=healthy, metrics=metrics)
         except CheckpointSaveError as exc:
             del metrics["checkpoint/count"]
             self.events.emit(step, "checkpoint", str(exc), ok=False)
             return False
+        metrics["checkpoint/save_s"] = handle.blocked_s
+        if handle.info is not None:
+            metrics["checkpoint/saved_at"] = handle.info.time
+            self._published(handle, count)
+        else:
+            self.in_flight = (handle, count)
+        return True
+
+    def poll(self) -> None:
+        """After each step: publish the save in flight once its background writes are over."""
+        if self.in_flight is not None and self.writer.done():
+            self.wait()
+
+    def wait(self) -> bool:
+        """Wait for the save in flight (checkpoint.async_save) and publish it; False when it
+        failed (recorded as an event; the previous checkpoint stays). Before the next save,
+        a load or rollback, the export at the end and at exit."""
+        if self.in_flight is None:
+            return True
+        handle, count = self.in_flight
+        self.in_flight = None
+        try:
+            self.writer.wait()
+        except CheckpointSaveError as exc:
+            self.events.emit(handle.step, "checkpoint", str(exc), ok=False)
+            return False
+        self._published(handle, count)
+        return True
+
+    def close(self) -> None:
+        """At the end of the run or a stop: the save in flight, then the uploads. A failure of
+        the first (a lost worker…) is recorded, not raised over the error that ends the run."""
+        try:
+            self.wait()
+        except Exception as exc:  # the run is ending anyway: say what became of the save
+            step = self.in_flight[0].step if self.in_flight else 0
+            self.in_flight = None
+            msg = f"the checkpoint being written was lost: {type(exc).__name__}: {exc}"
+            self.events.emit(step, "checkpoint", msg, ok=False)
+        self.finish_uploads()
+
+    def _published(self, handle: SaveHandle, count: int) -> None:
+        info = handle.info
+        assert info is not None
         self.saved = count
-        seconds = time.perf_counter() - start
-        metrics.update({"checkpoint/saved_at": info.time, "checkpoint/save_s": seconds})
+        seconds = time.perf_counter() - handle.started
+        blocked = (
+            f" (training waited {handle.blocked_s:.2f}s; the rest in the background)"
+            if self.cfg.checkpoint.async_save else ""
+        )  # fmt: skip
         self.events.emit(
-            step, "checkpoint", f"saved {info.path} in {seconds:.2f}s", ok=True,
-            path=str(info.path), healthy=healthy,
+            handle.step, "checkpoint", f"saved {info.path} in {seconds:.2f}s{blocked}", ok=True,
+            path=str(info.path), healthy=info.healthy,
         )  # fmt: skip
         self._retain()
-        self._upload(step, info)
-        return True
+        self._upload(handle.step, info)
 
     def _retain(self) -> None:
         healthy = [c for c in list_checkpoints(self.ckpt_dir, warn=False) if c.healthy]

@@ -176,7 +176,7 @@ class TrainingLoop:
 
     def close(self) -> None:
         try:
-            self.keeping.finish_uploads()
+            self.keeping.close()  # the checkpoint in flight, then the uploads
         finally:
             self.monitor.close()
             self.samples.close()
@@ -207,6 +207,7 @@ class TrainingLoop:
             saved = keeping.due(step) and keeping.save(step, metrics, verdict.healthy)
             self._log(step, metrics)
             keeping.report_uploads()
+            keeping.poll()  # publish a background checkpoint whose writes are over
             if self.samples.due(step):
                 self.samples.log(step, self.controller.last_batch)
             if step == stop_after:
@@ -214,6 +215,7 @@ class TrainingLoop:
             if preemption.signal is not None:
                 self._preempt(step, preemption.name, saved, metrics, verdict.healthy)
             step += 1
+        keeping.wait()  # the last checkpoint is published before the export
         model_dir = export_run(self.roles, self.run_dir, cfg.train.steps, cfg.models)
         return RunResult(self.run_dir, model_dir, first_eval, last_eval, cfg.train.steps, start)
 
@@ -298,6 +300,7 @@ class TrainingLoop:
         self.events.emit(step, "signal", f"{name}: stopping after step {step}", signal=name)
         if not saved:
             saved = self.keeping.save(step, metrics, healthy)
+        saved = self.keeping.wait() and saved  # a background checkpoint is on disk before exit
         where = f"checkpoint step {step}" if saved else "no checkpoint could be written"
         self.events.emit(step, "stop", f"preempted by {name}; {where}", action="preempt")
         raise RunPreempted(

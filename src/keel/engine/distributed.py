@@ -152,6 +152,44 @@ def load_optimizer_state_dict(
     set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
+def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """{"model": …, "optimizer": …}: this rank's part of the training state, as
+    torch.distributed.checkpoint (DCP) saves it. FSDP2: DTensors holding only this rank's shards
+    (nothing is gathered), the optimizer's state keyed by parameter name; an unsharded model:
+    whole tensors (replicated ranks hold the same ones and DCP writes them once). The values
+    are the live tensors, not copies."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def load_sharded_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Put `sharded_state_dict` output (as DCP loaded it, resharded to this world) back."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+
+
+_CHECKPOINT_GROUP: list[Any] = []  # [the gloo group of background checkpoint writes], once made
+
+
+def checkpoint_group() -> Any:
+    """The process group of background checkpoint writes (None in one process): a gloo group of
+    all ranks of its own, so that a write's collectives (DCP's plan and commit) never interleave
+    with the training's on the default group. Made on first use: every rank must call this at
+    the same point (the first background save)."""
+    if world_size() == 1:
+        return None
+    if not _CHECKPOINT_GROUP:
+        _CHECKPOINT_GROUP.append(dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP[0]
+
+
 def save_hf_folder(model: Any, tokenizer: Tokenizer, path: str | Path) -> None:
     """An HF folder (safetensors + tokenizer) of the full weights, written by rank 0 only."""
     state = full_state_dict(model) if is_sharded(model) else None

@@ -16,6 +16,7 @@ from keel.algo import (
     truncated_is_weights,
 )
 from keel.algo.spec import AlgorithmSpec
+from keel.engine.devices import model_device
 from keel.engine.distributed import (
     full_state_dict,
     global_denominators,
@@ -25,6 +26,7 @@ from keel.engine.forward import micro_batched_logprobs, response_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
+from keel.workers.weight_sync import BucketChannel, ChannelSpec, WeightTag
 
 
 class ActorWorker(TrainableWorker):
@@ -59,6 +61,8 @@ class ActorWorker(TrainableWorker):
         self.share_prompts = share_prompts  # train.share_prompts: one pass per distinct prompt
         self.logits_chunk = logits_chunk  # train.logits_chunk_tokens: the LM head in chunks
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
+        self.weight_lineage = 0  # checkpoint loads into this worker (keel.workers.weight_sync)
+        self.weight_channel: BucketChannel | None = None  # rank 0's end of a collective sync
 
     # ---------------------------------------------------------------- inference
     @torch.no_grad()
@@ -206,16 +210,44 @@ class ActorWorker(TrainableWorker):
             history.append(self.step.apply(self.micro_batches(mini), loss_fn))
         return mean_prefixed(history, "actor/")
 
-    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
-        """(full weights on rank 0, None elsewhere; the weight version): pushed to separate
-        rollout workers after each update. A LoRA model sends its merged weights, named as in
-        the plain model the rollout holds."""
+    # ------------------------------------------------------------ weight sync
+    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int, int]:
+        """(full weights on rank 0, None elsewhere; the weight version; the lineage): pushed to
+        separate rollout workers after each update (keel.workers.weight_sync). Every rank
+        calls it (FSDP2 gathers). A LoRA model sends its merged weights, named as in the plain
+        model the rollout holds."""
         state = merged_weights(self.model) if self.adapter_only else full_state_dict(self.model)
-        return (state if rank() == 0 else None), self.weight_version
+        return (state if rank() == 0 else None), self.weight_version, self.weight_lineage
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "weight_version": self.weight_version}
+    def weight_device(self) -> str:
+        """The device type the weights are trained on (cuda: the sync may use NCCL)."""
+        return model_device(self.model).type
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def open_weight_sync(self, spec: ChannelSpec) -> None:
+        """Rank 0 joins the collective weight sync as its sync rank 0 (hosting its store)."""
+        if rank() == 0:
+            self.weight_channel = BucketChannel(spec, 0)
+
+    def send_weights(self, dtype: str, bucket_bytes: int) -> dict[str, float]:
+        """Export (every rank) and broadcast from rank 0 in `dtype`, in buckets of
+        `bucket_bytes`; rank 0's result holds the bytes and buckets sent ({} elsewhere)."""
+        state, version, lineage = self.export_weights()
+        if state is None:
+            return {}
+        if self.weight_channel is None:
+            raise RuntimeError("send_weights before open_weight_sync on the actor's rank 0")
+        tag = WeightTag(lineage, version)
+        return self.weight_channel.send(state, tag, getattr(torch, dtype), bucket_bytes)
+
+    def close_weight_sync(self) -> None:
+        if self.weight_channel is not None:
+            self.weight_channel.close()
+            self.weight_channel = None
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {**super().trainer_state(), "weight_version": self.weight_version}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        super().load_trainer_state(state)
         self.weight_version = int(state.get("weight_version", 0))
+        self.weight_lineage += 1  # loaded weights are newer than any pushed before (rollback)

@@ -125,9 +125,16 @@ class TrainableWorker:
         """model, optimizer and scheduler states and the guard's LR scale (torch.save-able).
         FSDP2: full (unsharded) states, gathered by every rank. LoRA: the adapter's weights."""
         weights = adapter_weights if self.adapter_only else full_state_dict
-        state = {
+        return {
             "model": weights(self.model),
             "optimizer": optimizer_state_dict(self.model, self.step.optimizer),
+            **self.trainer_state(),
+        }
+
+    def trainer_state(self) -> dict[str, Any]:
+        """`state_dict()` without the model and the optimizer: the scheduler, the LR scale (and
+        float16's loss scale). A sharded checkpoint saves this beside the DCP shards."""
+        state: dict[str, Any] = {
             "scheduler": self.step.scheduler.state_dict(),
             "lr_scale": self.lr_scale,
         }
@@ -146,6 +153,10 @@ class TrainableWorker:
             if untied or unexpected:
                 raise ValueError(f"weights do not match: missing {untied}, unexpected {unexpected}")
         load_optimizer_state_dict(self.model, self.step.optimizer, state["optimizer"])
+        self.load_trainer_state(state)
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore `trainer_state()` output (extra keys, e.g. the model's, are ignored)."""
         self.step.scheduler.load_state_dict(state["scheduler"])
         if self.step.scaler is not None and "grad_scaler" in state:
             self.step.scaler.load_state_dict(state["grad_scaler"])
