@@ -1,5 +1,5 @@
 """`keel` command line: train, eval, generate, config validate/show, demo, report, model
-create-tiny, serve.
+create-tiny, serve, plan.
 
 Bad input (config, data, model folder, reward function, run directory) prints one line
 `keel: error: …` and exits with status 2; `--debug` shows the traceback instead.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from keel.cli.plan_cmd import add_plan_parser
 from keel.cli.serve_cmd import add_serve_parser
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
     add_serve_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -283,6 +285,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from keel.cli.report_cmd import report
 
         return report(args.run_dirs, args.out)
+    if args.command == "plan":
+        from keel.cli.plan_cmd import plan
+
+        return plan(args.config, args.set, gpus=args.gpus, gpu_memory=args.gpu_memory)
     if args.command == "serve":
         from keel.cli.serve_cmd import serve
 

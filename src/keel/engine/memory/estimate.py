@@ -95,9 +95,9 @@ def activation_bytes(
     Without checkpointing: t × Σ_layers (bytes per token of the layer, see
     `layer_activation_bytes_per_token`) + the final norm + the attention mask (rows ×
     seq_len² bytes, one bool per pair, built once). With gradient checkpointing (each decoder
-    layer recomputed in the backward, transformers' non-reentrant checkpoint): every layer keeps only its input,
-    t × h × 4 (the residual stream is float32 under autocast), plus one layer's activations
-    while it is recomputed.
+    layer recomputed in the backward, transformers' non-reentrant checkpoint): every layer
+    keeps only its input, t × h × 4 (the residual stream is float32 under autocast), plus one
+    layer's activations while it is recomputed.
 
     This is Korthikanti et al. 2022's per-layer estimate (sbh(34 + 5as/h) for GPT with 16-bit
     activations and dropout) redone for what Keel runs: a Llama-style layer (RMSNorm in float32,

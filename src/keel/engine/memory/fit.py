@@ -31,6 +31,7 @@ from keel.engine.memory.estimate import (
 from keel.engine.memory.shapes import ModelShape
 
 TRAINED = ("actor", "critic")
+ROLES = ("actor", "critic", "reference", "reward", "rollout")  # the order plans list them
 GiB = 1 << 30
 
 
@@ -73,12 +74,19 @@ class PlanInputs:
     gradient_checkpointing: bool = False
     logits_chunk_tokens: int | None = None
     eager_attention: bool = False
-    generate_rows: int = 1
+    generate_prompts: int = 1  # prompts per generate call (rollout.batch_size)
+    rollout_n: int = 1
     rollout_engine: str = "hf"
     vllm_memory_fraction: float = 0.5
     rollout_copy: bool = False
     gpu_memory: int = 80 * GiB
+    backend: str = "local"
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def generate_rows(self) -> int:
+        """Sequences of one generate call: prompts × rollout.n."""
+        return self.generate_prompts * self.rollout_n
 
     @property
     def compute_bytes(self) -> int:
@@ -331,8 +339,9 @@ def _actor_group(inputs: PlanInputs) -> int:
 def advise(inputs: PlanInputs) -> list[Advice]:
     """The levers, each alone, then together, with the peak after each; [] when it fits.
     Tried: gradient checkpointing, logits_chunk_tokens (not with FSDP: not built yet), halving
-    the micro-batch (down to 1 row), LoRA (r 16, all-linear) on the actor, and FSDP over more
-    GPUs in the actor's group (2, 4, … 512: the fewest that fit)."""
+    the micro-batch (down to 1 row), halving rollout.batch_size (the KV cache), LoRA (r 16,
+    all-linear) on the actor, and FSDP in the actor's group over its GPUs or more (2, 4, …
+    512: the fewest that fit)."""
     if plan_memory(inputs).fits:
         return []
     out: list[Advice] = []
@@ -356,6 +365,15 @@ def advise(inputs: PlanInputs) -> list[Advice]:
             break
     if best is not None:
         levers.append(best)
+    prompts, best = inputs.generate_prompts, None
+    while "rollout" in inputs.roles and inputs.rollout_engine == "hf" and prompts > 1:
+        prompts //= 2
+        candidate = replace(inputs, generate_prompts=prompts)
+        best = ((f"rollout.batch_size={prompts}",), candidate)
+        if plan_memory(candidate).fits:
+            break
+    if best is not None:
+        levers.append(best)
     if inputs.lora is None and "actor" in inputs.roles and inputs.roles["actor"].trained:
         levers.append(
             (
@@ -375,21 +393,18 @@ def advise(inputs: PlanInputs) -> list[Advice]:
         plan = plan_memory(together)
         out.append(Advice(tuple(settings_all), plan.peak, plan.fits))
     i = _actor_group(inputs)
-    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):
-        if n <= inputs.groups[i].workers:
+    now = inputs.groups[i]
+    for n in (now.workers, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if n < now.workers or (n == now.workers and (now.fsdp or n == 1)):
             continue
         groups = list(inputs.groups)
         groups[i] = replace(groups[i], workers=n, fsdp=True)
         candidate = replace(inputs, groups=tuple(groups), logits_chunk_tokens=None)
         plan = plan_memory(candidate)
         if plan.fits or n == 512:
-            out.append(
-                Advice(
-                    (f"resources.groups[{i}].workers={n}", f"resources.groups[{i}].fsdp=true"),
-                    plan.peak,
-                    plan.fits,
-                )
-            )
+            ray = ("resources.backend=ray",) if inputs.backend == "local" else ()
+            sets = (f"resources.groups[{i}].workers={n}", f"resources.groups[{i}].fsdp=true")
+            out.append(Advice(ray + sets, plan.peak, plan.fits))
             break
     return out
 
@@ -400,6 +415,8 @@ def _merge(base: PlanInputs, changed: PlanInputs) -> PlanInputs:
     for name in ("gradient_checkpointing", "logits_chunk_tokens", "lora"):
         if getattr(changed, name) != getattr(base, name) and getattr(changed, name):
             updates[name] = getattr(changed, name)
+    if changed.generate_prompts < base.generate_prompts:
+        updates["generate_prompts"] = changed.generate_prompts
     if changed.micro_batch_size < base.micro_batch_size:
         updates["micro_batch_size"] = changed.micro_batch_size
         updates["max_tokens_per_micro_batch"] = None
@@ -423,7 +440,7 @@ def plan_inputs(
     m, t, r = cfg.models, cfg.train, cfg.rollout
     plan = batch_plan(cfg)
     role_inputs: dict[str, RoleInput] = {}
-    for name in sorted(roles):
+    for name in (x for x in ROLES if x in roles):
         model = {
             "actor": m.actor,
             "rollout": m.actor,
@@ -446,7 +463,11 @@ def plan_inputs(
         )
     notes: list[str] = []
     if cfg.resources.backend == "local":
-        groups = (GroupInput("local", tuple(sorted(roles)), workers=gpus or 1, fsdp=False),)
+        groups = (
+            GroupInput(
+                "local", tuple(x for x in ROLES if x in roles), workers=gpus or 1, fsdp=False
+            ),
+        )
         if gpus and gpus > 1:
             notes.append(
                 f"--gpus {gpus} with resources.backend local: planned as one Ray group of "
@@ -490,10 +511,12 @@ def plan_inputs(
         gradient_checkpointing=t.gradient_checkpointing,
         logits_chunk_tokens=t.logits_chunk_tokens,
         eager_attention=m.attn_implementation == "eager",
-        generate_rows=(r.batch_size or t.batch_size) * r.n,
+        generate_prompts=r.batch_size or t.batch_size,
+        rollout_n=r.n,
         rollout_engine=r.engine,
         vllm_memory_fraction=r.vllm.gpu_memory_utilization,
         rollout_copy=rollout_copy,
         gpu_memory=gpu_memory,
+        backend=cfg.resources.backend,
         notes=tuple(notes),
     )

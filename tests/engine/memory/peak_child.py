@@ -1,0 +1,86 @@
+"""Run in a fresh interpreter by test_cpu_peaks.py: build one tiny Llama, run two optimizer
+updates of Keel's ActorWorker (AdamW, Keel's GradientStep) on a synthetic rollout batch, and
+print one JSON line: the parameter count and the peak resident memory above the baseline.
+
+argv[1]: a JSON object {hidden, layers, heads, intermediate, rows, prompt, response,
+checkpointing}. The baseline is ru_maxrss after the imports and a warm-up update of a
+throw-away model (which loads the kernels, thread pools and autograd machinery the measured
+update would otherwise count); the measured model is built after it, so its weights count."""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import sys
+
+import torch
+
+from keel.algo.spec import AlgorithmSpec
+from keel.engine import GradientStep, build_optimizer, build_scheduler
+from keel.models import TinyModelSpec, build_char_tokenizer, build_tiny_model
+from keel.types import Batch
+from keel.workers import ActorWorker
+
+SPEC = AlgorithmSpec(
+    name="peak", stage="rl", roles=frozenset({"actor", "rollout", "reward"}),
+    loss_agg_mode="token-mean", advantage="grpo", policy_loss="vanilla",
+    policy_loss_kwargs={"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
+    kl_loss_coef=0.0, entropy_coeff=0.0,
+)  # fmt: skip
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rollout_batch(vocab: int, rows: int, prompt: int, response: int) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    return Batch(
+        input_ids=torch.randint(3, vocab, (rows, prompt + response), generator=g),
+        attention_mask=torch.ones(rows, prompt + response, dtype=torch.long),
+        response_mask=torch.ones(rows, response),
+        advantages=torch.randn(rows, response, generator=g),
+        old_logprobs=torch.full((rows, response), -4.0),
+    )
+
+
+def updates(case: dict, steps: int = 2) -> int:
+    tok = build_char_tokenizer()
+    spec = TinyModelSpec(
+        hidden_size=case["hidden"], num_layers=case["layers"], num_heads=case["heads"],
+        num_kv_heads=case["heads"], intermediate_size=case["intermediate"],
+        max_position_embeddings=max(256, case["prompt"] + case["response"]),
+    )  # fmt: skip
+    model = build_tiny_model(tok, spec)
+    if case["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = build_optimizer(model, lr=1e-5)
+    scheduler = build_scheduler(
+        optimizer, warmup_steps=0, total_steps=10, schedule="constant", min_lr_ratio=0.0
+    )
+    actor = ActorWorker(
+        model, tok, GradientStep(model, optimizer, scheduler, grad_clip=1.0), temperature=1.0,
+        mini_batch_size=case["rows"], micro_batch_size=case["rows"],
+    )  # fmt: skip
+    batch = rollout_batch(len(tok), case["rows"], case["prompt"], case["response"])
+    for _ in range(steps):
+        metrics = actor.update(batch, SPEC)
+        assert metrics["actor/skipped"] == 0.0
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    case = json.loads(sys.argv[1])
+    warm = dict(hidden=32, layers=1, heads=2, intermediate=64, rows=2, prompt=4, response=4)
+    updates({**warm, "checkpointing": case["checkpointing"]})
+    gc.collect()
+    baseline = peak_rss()
+    params = updates(case)
+    print(json.dumps({"parameters": params, "peak": peak_rss() - baseline}))
+
+
+if __name__ == "__main__":
+    main()
