@@ -65,7 +65,7 @@ class Actor:
         self.weight_version = 0
 
     def export_weights(self):
-        return self.model.state_dict(), self.weight_version
+        return self.model.state_dict(), self.weight_version, 0  # (state, version, lineage)
 
 
 class Engine:

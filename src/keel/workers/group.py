@@ -12,13 +12,17 @@ split into consecutive pieces, and a `group_offset` keyword moves with each piec
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from keel.types import Batch, concat_rollouts, merge_meta
+from keel.workers.weight_sync import ObjectStoreSync, weight_push
+
+# the object-store weight sync under its former name (keel.workers.weight_sync)
+WeightPush = ObjectStoreSync
+__all__ = ["WeightPush", "weight_push"]  # re-exported: older imports keep working
 
 
 class WorkerLostError(RuntimeError):
@@ -161,30 +165,3 @@ def _gather(results: list[Any]) -> Any:
     if isinstance(first, list):
         return [x for r in results for x in r]
     return first if len(results) == 1 else results
-
-
-class WeightPush:
-    """After each policy update: the actor's full weights (gathered on its rank 0) into every
-    separate rollout worker, with their version. Returns the push's metrics."""
-
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup):
-        self.actor = actor
-        self.rollout = rollout
-
-    def __call__(self) -> dict[str, float]:
-        start = time.perf_counter()
-        state, version = self.actor.call_all("export_weights")[0]
-        self.rollout.call_all("load_weights", state=state, version=version)
-        return {
-            "timing/weight_push_s": time.perf_counter() - start,
-            "rollout/weight_version": float(version),
-        }
-
-
-def weight_push(actor: WorkerGroup, rollout: WorkerGroup | None) -> Callable[[], dict[str, float]]:
-    """A WeightPush when the rollout workers hold their own copy of the policy (a separate
-    group, an engine such as vLLM, asynchronous rollout), else a no-op (the engine generates
-    with the actor's module)."""
-    if rollout is None or not any(rollout.call_all("needs_weights")):
-        return lambda: {}
-    return WeightPush(actor, rollout)

@@ -38,7 +38,8 @@ from keel.workers.build import (
     roles_from_groups,
     worker_inputs,
 )
-from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch, weight_push
+from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch
+from keel.workers.weight_sync import NoSync, WeightSync, weight_sync
 
 FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TRAINED = ("actor", "critic")
@@ -189,6 +190,7 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
     groups: dict[str, Any] = {}
     hosts_all: list[Any] = []
     pgs: list[Any] = []
+    sync: WeightSync = NoSync()
     try:
         for gcfg in cfg.resources.groups:
             roles_here = [r for r in gcfg.roles if r in names]
@@ -205,14 +207,15 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
         scorer = reward_scorer(cfg.reward, cfg.data.columns.answer) if "reward" in local else None
         for name, worker in build_workers(inputs, local, scorer).items():
             groups[name] = LocalWorkerGroup(name, [worker])
+        sync = ray_weight_sync(cfg, groups)
     except BaseException:
         release(hosts_all, pgs)
         raise
     return roles_from_groups(
         inputs.models.tokenizer,
         groups,
-        push_weights=weight_push(groups["actor"], groups.get("rollout")),
-        close=lambda: release(hosts_all, pgs),
+        push_weights=sync,
+        close=lambda: release(hosts_all, pgs, sync),
         device_readings=lambda: device_readings(hosts_all),
     )
 
@@ -233,6 +236,24 @@ def device_readings(hosts: list[Any]) -> list[DeviceReading]:
         with contextlib.suppress(Exception):  # the host died answering
             out.append(ray.get(ref))
     return out
+
+
+def ray_weight_sync(cfg: KeelConfig, groups: dict[str, Any]) -> WeightSync:
+    """`resources.weight_sync` between the actor and the rollout (keel.workers.weight_sync);
+    a collective sync's store listens on the node of the actor's rank 0."""
+    actor, r = groups["actor"], cfg.resources
+
+    def rendezvous() -> tuple[str, int]:
+        return ray.get(actor.hosts[0].rendezvous.remote())
+
+    return weight_sync(
+        actor,
+        groups.get("rollout"),
+        r.weight_sync,
+        bucket_bytes=int(r.weight_sync_bucket_mb * 2**20),
+        rendezvous=rendezvous if isinstance(actor, RayWorkerGroup) else None,
+        name=uuid.uuid4().hex[:8],
+    )
 
 
 def place_group(
@@ -290,9 +311,12 @@ def with_resolved_models(cfg: KeelConfig) -> KeelConfig:
     return cfg.model_copy(update={"models": m.model_copy(update=update)})
 
 
-def release(hosts: list[Any], pgs: list[Any]) -> None:
-    """Close the hosts' workers (their rollout engines), kill the hosts and free their
-    placement groups (idempotent, dead actors are fine)."""
+def release(hosts: list[Any], pgs: list[Any], sync: WeightSync | None = None) -> None:
+    """Shut the weight sync's communicator down, close the hosts' workers (their rollout
+    engines), kill the hosts and free their placement groups (idempotent, dead actors are
+    fine)."""
+    if sync is not None:
+        sync.close()
     closing = []
     for h in hosts:
         with contextlib.suppress(Exception):  # already gone

@@ -10,9 +10,17 @@ import torch
 
 from keel.checkpoint.state import capture_rng, restore_rng
 from keel.data.examples import Example
+from keel.engine.distributed import rank
 from keel.envs.episodes import EpisodeRunner
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
+from keel.workers.weight_sync import (
+    BucketChannel,
+    ChannelSpec,
+    WeightTag,
+    check_order,
+    engine_target,
+)
 
 if TYPE_CHECKING:
     from keel.workers.actor import ActorWorker
@@ -36,6 +44,8 @@ class RolloutWorker:
         self.weights_from = weights_from
         self.episodes = episodes
         self._version = 0
+        self._lineage = 0
+        self.weight_channel: BucketChannel | None = None  # this rank's end of a collective sync
 
     @property
     def weight_version(self) -> int:
@@ -50,12 +60,46 @@ class RolloutWorker:
         batch.meta["weight_version"] = self.weight_version
         return batch
 
-    def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
-        """New policy weights (a full state dict) and their version."""
+    def load_weights(
+        self, state: dict[str, torch.Tensor] | None, version: int, lineage: int = 0
+    ) -> None:
+        """New policy weights (a full state dict) with their version and lineage
+        (keel.workers.weight_sync.WeightTag); StaleWeightsError when they are older than the
+        ones held."""
         if state is None:
             raise ValueError("load_weights got no weights (the actor's rank 0 exports them)")
-        self.engine.update_weights(state, int(version))
-        self._version = int(version)
+        tag = WeightTag(int(lineage), int(version))
+        check_order(self.weight_tag, tag, f"rollout rank {rank()}")
+        self.engine.update_weights(state, tag.version)
+        self._version, self._lineage = tag.version, tag.lineage
+
+    @property
+    def weight_tag(self) -> WeightTag:
+        """(lineage, version) of the weights held (older pushes are refused)."""
+        return WeightTag(self._lineage, self._version)
+
+    def weight_target(self) -> tuple[str, str]:
+        """(dtype, device type) of the engine's weights: what a collective push sends."""
+        return engine_target(self.engine)
+
+    def open_weight_sync(self, spec: ChannelSpec) -> None:
+        """Join the collective weight sync as sync rank 1 + this rank."""
+        self.weight_channel = BucketChannel(spec, 1 + rank())
+
+    def receive_weights(self) -> int:
+        """Receive one collective push and load it; returns its version (StaleWeightsError,
+        nothing loaded, when it is older than the weights held)."""
+        if self.weight_channel is None:
+            raise RuntimeError("receive_weights before open_weight_sync")
+        state, tag = self.weight_channel.receive(self.weight_tag)
+        self.engine.update_weights(state, tag.version)
+        self._version, self._lineage = tag.version, tag.lineage
+        return tag.version
+
+    def close_weight_sync(self) -> None:
+        if self.weight_channel is not None:
+            self.weight_channel.close()
+            self.weight_channel = None
 
     def rng_state(self) -> dict[str, Any]:
         """This process's random state (python, numpy, torch): what sampling continues from.

@@ -1,0 +1,212 @@
+"""Weight sync (keel.workers.weight_sync): the byte stream's layout, the collective channel on
+gloo between threads, both transports through one conformance test on a real local Ray
+(num_cpus=2: the actor on one worker, the rollout on two), and a GRPO run with a separate
+rollout group that trains the same over both transports.
+
+One Ray session serves the module's Ray tests (starting Ray takes ~5 s)."""
+
+import json
+import socket
+import threading
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from keel.config import validate
+from keel.workers.weight_sync import (
+    BucketChannel,
+    ChannelSpec,
+    StaleWeightsError,
+    WeightTag,
+    buckets,
+    layout,
+    overlaps,
+)
+
+BF16_RTOL = 2**-8  # round to nearest bf16: |x − bf16(x)| ≤ 2^-9 |x|
+REWARD = "tests/cli/format_reward.py:digit_fraction"
+
+
+def test_the_layout_aligns_tensors_and_buckets_cover_every_byte_once():
+    entries = [("a", (3,), torch.bfloat16), ("b", (), torch.float32), ("c", (2, 5), torch.int64)]
+    slots, total = layout(entries)
+    assert [s.offset for s in slots] == [0, 16, 32] and [s.nbytes for s in slots] == [6, 4, 80]
+    assert total == 112
+    ranges = buckets(total, 24)
+    assert ranges[0] == (0, 24) and ranges[-1] == (96, 112) and len(ranges) == 5
+    covered = {s.name: 0 for s in slots}
+    for start, end in ranges:
+        for slot, lo, hi in overlaps(slots, start, end):
+            covered[slot.name] += hi - lo
+    assert covered == {"a": 6, "b": 4, "c": 80}  # "c" spans four buckets
+    with pytest.raises(ValueError, match="weight_sync_bucket_mb"):
+        buckets(total, 0)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_channel_sends_in_the_rollout_dtype_and_refuses_an_older_push():
+    """Rank 0 and two receivers on threads (gloo): 192 bytes in buckets of 40, so tensors span
+    several; floats arrive in bfloat16, integers unchanged; an older push is refused on every
+    rank and the channel still works after it."""
+    torch.manual_seed(0)
+    state = {
+        "w": torch.randn(7, 5),
+        "b": torch.randn(3),
+        "step": torch.tensor(4),
+        "i": torch.arange(9),
+    }
+    spec = ChannelSpec("127.0.0.1", free_port(), 3, "t", "gloo", timeout_s=60)
+    held = [WeightTag(0, 0), WeightTag(0, 0)]
+    results: dict[int, list] = {0: [], 1: [], 2: []}
+
+    def sender():
+        ch = BucketChannel(spec, 0)
+        for tag in (WeightTag(0, 2), WeightTag(0, 1), WeightTag(1, 0)):
+            try:
+                results[0].append(ch.send(state, tag, torch.bfloat16, 40))
+            except StaleWeightsError as e:
+                results[0].append(e)
+        ch.close()
+
+    def receiver(r):
+        ch = BucketChannel(spec, r)
+        for _ in range(3):
+            try:
+                got, tag = ch.receive(held[r - 1])
+                held[r - 1] = tag
+                results[r].append(got)
+            except StaleWeightsError as e:
+                results[r].append(e)
+        ch.close()
+
+    threads = [threading.Thread(target=sender)] + [
+        threading.Thread(target=receiver, args=(r,)) for r in (1, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    sent = results[0]
+    assert sent[0]["weight_sync/buckets"] == 5 and isinstance(sent[1], StaleWeightsError)
+    assert "rollout rank 0 holds (lineage 0, version 2)" in str(sent[1])
+    for r in (1, 2):
+        first, refused, last = results[r]
+        assert isinstance(refused, StaleWeightsError) and "older" in str(refused)
+        for got in (first, last):
+            assert got["w"].dtype == torch.bfloat16 and got["i"].dtype == torch.int64
+            torch.testing.assert_close(got["w"].float(), state["w"], rtol=BF16_RTOL, atol=0)
+            torch.testing.assert_close(got["b"].float(), state["b"], rtol=BF16_RTOL, atol=0)
+            assert torch.equal(got["i"], state["i"]) and int(got["step"]) == 4
+    assert held == [WeightTag(1, 0), WeightTag(1, 0)]  # a rollback's lineage: newer
+
+
+# ------------------------------------------------------------------------------ on Ray
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def grpo(tiny_dir, run_dir, transport, steps=2, rollout_workers=1):
+    """4 prompts × 4 responses per step, the actor on one Ray worker, the rollout on its own
+    (bfloat16 weights, so the collective casts)."""
+    return validate({
+        "run_dir": str(run_dir), "seed": 0,
+        "models": {"actor": str(tiny_dir), "dtype": "bfloat16"},
+        "algorithm": {"name": "grpo", "kl_loss_coef": 0.0}, "reward": {"fn": REWARD},
+        "data": {"arithmetic": {"eval_size": 4}}, "rollout": {"n": 4, "max_new_tokens": 4},
+        "train": {"batch_size": 4, "mini_batch_size": 16, "micro_batch_size": 8, "lr": 1e-3,
+                  "steps": steps},
+        "eval": {"every": 0},
+        "resources": {"backend": "ray", "weight_sync": transport,
+                      "weight_sync_bucket_mb": 0.05, "groups": [
+            {"roles": ["actor"], "workers": 1, "cpus_per_worker": 0.5},
+            {"roles": ["rollout"], "workers": rollout_workers, "cpus_per_worker": 0.5},
+        ]},
+    })  # fmt: skip
+
+
+def perturb(worker, version, seed):
+    """Move the actor's weights and set its version, as an update would."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    worker.weight_version = version
+
+
+def actor_weights(worker):
+    return {k: v.detach().float().clone() for k, v in worker.model.state_dict().items()}
+
+
+def rollout_state(worker):
+    model = worker.engine.model
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    return worker.weight_tag, dtypes, {k: v.float() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_both_transports_push_equal_weights_and_refuse_older_ones(
+    ray_session, tiny_dir, tmp_path, transport
+):
+    from keel.recipes import build_spec
+    from keel.workers.build import worker_inputs
+    from keel.workers.ray_group import build_ray_roles
+
+    cfg = grpo(tiny_dir, tmp_path / "run", transport, rollout_workers=2)
+    spec = build_spec(cfg)
+    roles = build_ray_roles(cfg, spec, worker_inputs(cfg, spec))
+    try:
+        assert roles.push_weights.transport == transport
+        for version, seed in ((1, 1), (3, 2)):
+            roles.actor.apply_all(perturb, version=version, seed=seed)
+            metrics = roles.push_weights()
+            assert metrics["rollout/weight_version"] == version
+            (want,) = roles.actor.apply_all(actor_weights)
+            for tag, dtypes, got in roles.rollout.apply_all(rollout_state):
+                assert tag == WeightTag(0, version) and dtypes == {"torch.bfloat16"}
+                for k, v in want.items():
+                    torch.testing.assert_close(got[k], v, rtol=BF16_RTOL, atol=0, msg=k)
+        roles.actor.apply_all(perturb, version=2, seed=3)  # older than the 3 the rollout holds
+        with pytest.raises(StaleWeightsError, match="refused"):
+            roles.push_weights()
+        assert [t for t, _, _ in roles.rollout.apply_all(rollout_state)] == [(0, 3), (0, 3)]
+        roles.actor.apply_all(perturb, version=4, seed=4)  # the sync still works afterwards
+        assert roles.push_weights()["rollout/weight_version"] == 4
+    finally:
+        roles.close()
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.ray
+def test_grpo_with_a_collective_sync_trains_as_with_the_object_store(
+    ray_session, tiny_dir, tmp_path
+):
+    from keel.controller.runner import run_training
+
+    runs = {}
+    for transport in ("object_store", "collective"):
+        run_training(grpo(tiny_dir, tmp_path / transport, transport))
+        rows = [
+            json.loads(x) for x in (tmp_path / transport / "metrics.jsonl").read_text().splitlines()
+        ]
+        runs[transport] = (load_file(tmp_path / transport / "model" / "model.safetensors"), rows)
+    (store, store_rows), (coll, coll_rows) = runs["object_store"], runs["collective"]
+    start = load_file(tiny_dir / "model.safetensors")
+    assert max((store[k] - start[k]).abs().max().item() for k in store) > 1e-4  # it trained
+    worst = max((store[k] - coll[k]).abs().max().item() for k in store)
+    assert worst <= 1e-6, f"max |θ_collective − θ_object_store| = {worst}"
+    pg = [[r["actor/pg_loss"] for r in rows[1:]] for rows in (store_rows, coll_rows)]
+    assert pg[1] == pytest.approx(pg[0], abs=1e-6)
+    assert [r["rollout/weight_version"] for r in coll_rows[1:]] == [1.0, 2.0]
+    assert all(r["weight_sync/buckets"] > 1 for r in coll_rows[1:])
