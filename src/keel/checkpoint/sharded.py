@@ -88,9 +88,7 @@ def save_role_sharded(worker: Any, folder: Path, background: bool) -> None:
         torch.save(worker.trainer_state(), folder / TRAINER_STATE)
     state = sharded_state_dict(worker.model, worker.step.optimizer)
     writer = FileSystemWriter(folder / SHARDS)
-    alone = world_size() == 1  # one process: no collectives
-    if alone:  # DCP warns at every save of one process that it assumes one process
-        warnings.filterwarnings("ignore", _ALONE_WARNING, UserWarning)
+    alone = _alone()
     if background:
         group = checkpoint_group()
         future = async_save(state, storage_writer=writer, process_group=group, no_dist=alone)
@@ -138,6 +136,15 @@ def load_role_sharded(worker: Any, folder: Path, state: dict[str, Any]) -> None:
     live = sharded_state_dict(worker.model, worker.step.optimizer)
     copies = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), live)
     reader = FileSystemReader(folder / SHARDS)
-    dcp_load(copies, storage_reader=reader, no_dist=world_size() == 1)
+    dcp_load(copies, storage_reader=reader, no_dist=_alone())
     load_sharded_state_dict(worker.model, worker.step.optimizer, copies)
     worker.load_trainer_state(state)
+
+
+def _alone() -> bool:
+    """One process (no collectives). DCP then warns at every save and load that it assumes
+    one process: that warning is silenced."""
+    if world_size() > 1:
+        return False
+    warnings.filterwarnings("ignore", _ALONE_WARNING, UserWarning)
+    return True
