@@ -106,6 +106,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.run
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.exporter
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.worker_metrics
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.reliability
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.ray_overhead
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.micro_batching
