@@ -15,8 +15,13 @@ from keel.checkpoint.state import CheckpointSaveError, read_latest
 from keel.checkpoint.writer import CheckpointStates, FullStateWriter, ShardedWriter
 from keel.config import validate
 from keel.config.loading import ConfigError
+from keel.controller.assembly import Roles
+from keel.controller.guard_actions import GuardActions
+from keel.controller.keeping import Keeping
+from keel.guard import EventLog, Guard, Trip, Verdict, read_events
 from keel.workers.group import LocalWorkerGroup
 from tests.checkpoint.test_state import built_actor
+from tests.controller.test_guard_actions import Counting
 from tests.controller.test_resume import ROOT, check_exact_resume
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
@@ -164,3 +169,56 @@ def test_a_sharded_asynchronous_run_resumes_exactly(tmp_path: Path, tiny_dir: Pa
         ckpt = tmp_path / run / "checkpoints" / "step_000004"
         assert (ckpt / "actor" / "dcp" / ".metadata").is_file()
         assert json.loads((ckpt / "meta.json").read_text())["format"] == "sharded"
+
+
+def keeping_over(actor, cfg, run_dir: Path):
+    """The run loop's Keeping and GuardActions over a real actor (keel.controller)."""
+    group = LocalWorkerGroup("actor", [actor])
+    guard, controller = Guard(cfg.guard), Counting()
+    events = EventLog(run_dir / "events.jsonl")
+    components = {"controller": controller, "guard": guard}
+    keeping = Keeping(cfg, run_dir, {"actor": group}, components, events)
+    roles = Roles(group, None, None, None, None, push_weights=dict)
+    return keeping, GuardActions(guard, run_dir, roles, controller, keeping, events), events
+
+
+def test_a_rollback_waits_for_the_checkpoint_in_flight(trained, tiny_grpo, tmp_path):
+    """checkpoint.async_save: the step-2 checkpoint is still in flight when the guard rolls
+    back; the rollback publishes it first and restores it (the newest healthy one)."""
+    actor, batch, spec = trained
+    cfg = tiny_grpo("checkpoint.format=sharded", "checkpoint.async_save=true", "checkpoint.keep=4")
+    keeping, actions, _ = keeping_over(actor, cfg, tmp_path)
+    assert keeping.save(1, {}, healthy=True)
+    actor.update(batch, spec)
+    at_step_2 = training_state(actor)
+    assert keeping.save(2, {}, healthy=True) and keeping.in_flight is not None
+    actor.update(batch, spec)  # step 3 trains on, then the guard trips
+    verdict = Verdict("rollback", [Trip("collapse", "rollback", "reward/mean fell")])
+    assert actions.rollback(3, verdict)[0] == 3  # back to step 2: step 3 runs again
+    assert keeping.in_flight is None and keeping.saved == 2
+    restored = training_state(actor)
+    assert all(torch.equal(restored["model"][k], v) for k, v in at_step_2["model"].items())
+    kinds = [(e["event"], e["step"]) for e in read_events(tmp_path / "events.jsonl")]
+    assert ("checkpoint", 2) in kinds and ("rollback", 3) in kinds
+
+
+def test_a_failed_background_write_is_an_event_and_the_run_goes_on(trained, tiny_grpo, tmp_path):
+    actor, _, _ = trained
+    cfg = tiny_grpo("checkpoint.format=sharded", "checkpoint.async_save=true")
+    keeping, _, _ = keeping_over(actor, cfg, tmp_path)
+    assert keeping.save(1, {}, healthy=True) and keeping.wait()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        assert keeping.save(2, {}, healthy=True)  # started: the copy fits in memory
+        assert not keeping.wait()  # the background write did not
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    failed = [e for e in read_events(tmp_path / "events.jsonl") if e.get("ok") is False]
+    assert [e["step"] for e in failed] == [2] and "saving step 2" in failed[0]["message"]
+    assert keeping.saved == 1 and read_latest(keeping.ckpt_dir) == "step_000001"
+    metrics: dict[str, float] = {}
+    assert keeping.save(3, metrics, healthy=True) and keeping.wait()
+    assert metrics["checkpoint/count"] == 2.0  # the failed save is not counted
