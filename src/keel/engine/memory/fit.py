@@ -375,12 +375,7 @@ def advise(inputs: PlanInputs) -> list[Advice]:
     if best is not None:
         levers.append(best)
     if inputs.lora is None and "actor" in inputs.roles and inputs.roles["actor"].trained:
-        levers.append(
-            (
-                ("models.lora={r: 16, target_modules: all-linear}",),
-                replace(inputs, lora=(16, "all-linear")),
-            )
-        )
+        levers.append((("models.lora.r=16",), _with_lora(inputs, 16)))
     for settings, candidate in levers:
         plan = plan_memory(candidate)
         out.append(Advice(settings, plan.peak, plan.fits))
@@ -409,10 +404,20 @@ def advise(inputs: PlanInputs) -> list[Advice]:
     return out
 
 
+def _with_lora(inputs: PlanInputs, r: int) -> PlanInputs:
+    """inputs with a LoRA adapter of rank r on every linear layer of the actor; a reference of
+    the actor's own model becomes the actor's module with the adapter off (no weights)."""
+    roles = dict(inputs.roles)
+    ref, actor = roles.get("reference"), roles["actor"]
+    if ref is not None and ref.model == actor.model:
+        roles["reference"] = replace(ref, shares_actor=True)
+    return replace(inputs, lora=(r, "all-linear"), roles=roles)
+
+
 def _merge(base: PlanInputs, changed: PlanInputs) -> PlanInputs:
     """base with every field that `changed` sets differently from its own defaults applied."""
     updates: dict[str, Any] = {}
-    for name in ("gradient_checkpointing", "logits_chunk_tokens", "lora"):
+    for name in ("gradient_checkpointing", "logits_chunk_tokens", "lora", "roles"):
         if getattr(changed, name) != getattr(base, name) and getattr(changed, name):
             updates[name] = getattr(changed, name)
     if changed.generate_prompts < base.generate_prompts:

@@ -1,0 +1,54 @@
+"""`keel plan`: the real command on a config whose model is only a config.json (no weights)."""
+
+import json
+
+import pytest
+
+from keel.cli.plan_cmd import memory_size
+from tests.cli.test_errors import assert_clean_error
+from tests.engine.memory.test_estimate import LLAMA2_7B
+
+
+@pytest.fixture
+def run_7b(tmp_path):
+    """run.yaml: GRPO on a Llama-2-7B shape: a folder holding only its config.json."""
+    (tmp_path / "llama7b").mkdir()
+    (tmp_path / "llama7b" / "config.json").write_text(json.dumps(LLAMA2_7B))
+    (tmp_path / "run.yaml").write_text(
+        "models: {actor: llama7b, dtype: bfloat16}\n"
+        "algorithm: {name: grpo, kl_loss_coef: 0.001}\n"
+        "data: {train: builtin:arithmetic, max_prompt_length: 512}\n"
+        "rollout: {n: 8, max_new_tokens: 512, batch_size: 4}\n"
+        "train: {batch_size: 32, mini_batch_size: 64, micro_batch_size: 4}\n"
+    )
+    return tmp_path / "run.yaml"
+
+
+def test_a_7b_run_on_one_gpu_does_not_fit_and_the_advice_is_printed(keel, run_7b):
+    proc = keel("plan", str(run_7b), "--gpu-memory", "80GiB")
+    assert proc.returncode == 1, proc.stderr
+    out = proc.stdout
+    assert "6.74B parameters" in out
+    for column in ("weights", "grads", "optimizer", "ckpt off/on", "logits", "KV cache"):
+        assert column in out
+    assert "does not fit: peak" in out
+    assert "--set models.lora.r=16" in out
+    assert "--set resources.backend=ray" in out and "(fits)" in out
+    # the advice taken: LoRA on 8 GPUs
+    proc = keel("plan", str(run_7b), "--gpus", "8", "--set", "models.lora.r=16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "local: 8 GPUs" in proc.stdout and "fits: peak" in proc.stdout
+
+
+def test_bad_input_is_one_line_naming_it(keel, tmp_path, run_7b):
+    proc = keel("plan", str(run_7b), "--gpu-memory", "lots")
+    assert proc.returncode == 2 and "not a memory size" in proc.stderr
+    (tmp_path / "llama7b" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    proc = keel("plan", str(run_7b))
+    assert_clean_error(proc, "`hidden_size` is missing")
+
+
+def test_memory_sizes():
+    assert memory_size("80GiB") == 80 * 2**30
+    assert memory_size("40 GB") == 40 * 10**9
+    assert memory_size("24") == memory_size("24g") == 24 * 2**30

@@ -1,0 +1,71 @@
+"""A config's plan: colocated roles share a GPU, FSDP divides the model states, LoRA trains
+only the adapter, and when a plan does not fit, the advice says what does."""
+
+import pytest
+
+from keel.config import KeelConfig
+from keel.engine.memory import advise, plan_inputs, plan_memory, shape_from_config
+from tests.engine.memory.test_estimate import LLAMA2_7B
+
+SHAPE = shape_from_config(LLAMA2_7B)
+GiB = 1 << 30
+
+
+def config(**sections) -> KeelConfig:
+    base = {"models": {"actor": "llama7b", "dtype": "bfloat16"},
+            "algorithm": {"name": "grpo", "kl_loss_coef": 0.001},
+            "data": {"train": "builtin:arithmetic", "max_prompt_length": 512},
+            "rollout": {"n": 8, "max_new_tokens": 512, "batch_size": 4},
+            "train": {"batch_size": 32, "mini_batch_size": 64, "micro_batch_size": 4}}  # fmt: skip
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return KeelConfig.model_validate(base)
+
+
+ROLES = frozenset({"actor", "rollout", "reference", "reward"})
+SHAPES = {"actor": SHAPE, "rollout": SHAPE, "reference": SHAPE, "reward": None}
+
+
+def test_colocated_roles_share_a_gpu_and_fsdp_divides_model_states():
+    ray = {"backend": "ray", "groups": [
+        {"roles": ["actor", "rollout"], "workers": 64, "fsdp": True},
+        {"roles": ["reference"], "workers": 2}]}  # fmt: skip
+    plan = plan_memory(plan_inputs(config(resources=ray), ROLES, SHAPES))
+    by_group = {g.group: g for g in plan.gpus}
+    assert set(by_group) == {"groups[0]", "groups[1]", "driver"}  # reward: in the driver
+    actor = by_group["groups[0]"].roles[0]
+    # ZeRO stage 3 over 64 GPUs: 16 bytes per parameter / 64 (Figure 1's 1.9 GB for 7.5B)
+    assert actor.resident == pytest.approx(16 * SHAPE.parameters() / 64, rel=1e-6)
+    rollout = by_group["groups[0]"].roles[1]
+    assert rollout.weights == 0 and rollout.kv_cache > 0  # generates with the actor's module
+    reference = by_group["groups[1]"].roles[0]
+    assert reference.weights == 2 * SHAPE.parameters()  # frozen, in models.dtype, replicated
+    assert by_group["groups[1]"].peak < 20 * GiB
+
+
+def test_local_backend_puts_every_role_on_one_gpu_and_lora_trains_the_adapter():
+    full = plan_memory(plan_inputs(config(), ROLES, SHAPES)).gpus[0]
+    assert [r.role for r in full.roles] == ["actor", "reference", "reward", "rollout"]
+    assert full.resident == 16 * SHAPE.parameters() + 2 * SHAPE.parameters()
+    lora = plan_memory(plan_inputs(config(models={"lora": {"r": 8}}), ROLES, SHAPES)).gpus[0]
+    actor, reference = lora.roles[0], lora.roles[1]
+    assert actor.trained_parameters == SHAPE.lora_parameters(8, "all-linear")
+    assert actor.gradients == 4 * actor.trained_parameters
+    assert reference.weights == 0  # the actor's module with the adapter off
+    assert lora.peak < full.peak / 2
+
+
+def test_a_plan_that_does_not_fit_names_the_settings_that_do():
+    inputs = plan_inputs(config(), ROLES, SHAPES, gpu_memory=80 * GiB)
+    assert not plan_memory(inputs).fits
+    advice = advise(inputs)
+    fitting = [a for a in advice if a.fits]
+    assert fitting, advice
+    assert all(a.peak <= 80 * GiB for a in fitting)
+    settings = [s for a in advice for s in a.settings]
+    assert "models.lora.r=16" in settings
+    assert "resources.backend=ray" in settings  # more GPUs needs Ray with the local backend
+    more = next(a for a in advice if "resources.groups[0].fsdp=true" in a.settings)
+    assert more.fits
+    small = plan_inputs(config(), ROLES, SHAPES, gpus=8, gpu_memory=200 * GiB)
+    assert advise(small) == [] and plan_memory(small).gpus[0].workers == 8
