@@ -64,7 +64,7 @@ def test_a_ray_runs_two_workers_report_their_memory_in_the_exporter(tiny_dir, tm
     scraped over HTTP while the run trains, shows both ranks' RSS (their own processes, not the
     driver's) and, on CPU, no keel_worker_gpu_* series at all."""
     raw = tiny_grpo(tiny_dir, tmp_path / "ray-run", prometheus={"port": free_port()})
-    raw["train"] = {"steps": 3, "batch_size": 2, "mini_batch_size": 8, "lr": 1e-3}
+    raw["train"] = {"steps": 2, "batch_size": 2, "mini_batch_size": 8, "lr": 1e-3}
     raw["eval"], raw["checkpoint"] = {"every": 0}, {"save_steps": 0}
     raw["resources"] = {"backend": "ray", "groups": [
         {"roles": ["actor", "rollout", "reference"], "workers": 2, "cpus_per_worker": 0.5},
