@@ -200,6 +200,9 @@ def test_the_autoscaler_scales_worker_groups_between_min_and_max():
     assert groups["trainer"]["minReplicas"] < groups["trainer"]["maxReplicas"]
     for idle in ("reference", "reward"):  # none while nothing is placed there
         assert groups[idle]["minReplicas"] == 0 and groups[idle]["idleTimeoutSeconds"] > 0
+    assert options["version"] == "v2"  # the per-group idleTimeoutSeconds need autoscaler v2
+    templates = [spec["headGroupSpec"], *groups.values()]
+    assert all(t["template"]["spec"]["restartPolicy"] == "Never" for t in templates)
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # roles go to workers
     assert "dashboard-host" in spec["headGroupSpec"]["rayStartParams"]
 
