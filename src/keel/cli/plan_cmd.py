@@ -129,7 +129,6 @@ def plan(
 ) -> int:
     """Print the plan; 0 when it fits, 1 when it does not."""
     from keel.config import load_config
-    from keel.config.paths import resolve_input_paths
     from keel.engine.memory import advise, plan_inputs, plan_memory, shape_from_config
     from keel.engine.memory.fit import ROLES
     from keel.engine.memory.shapes import ShapeError
@@ -138,7 +137,7 @@ def plan(
 
     if gpus is not None and gpus < 1:
         raise ModelLoadError(f"--gpus must be at least 1, not {gpus}")  # a user error (exit 2)
-    cfg = resolve_input_paths(load_config(path, overrides), path.parent)
+    cfg = load_config(path, overrides)  # input paths resolved against the file's folder
     spec = build_spec(cfg)
     m = cfg.models
     sources = {
@@ -170,9 +169,11 @@ def plan(
         f"tokens per micro-batch, {size(gpu_memory)} per GPU"
     )
     for source, (shape, where) in read.items():
+        label = _short(source)
+        where = where.replace(source, label)
         extra = " (model_type unknown: read as a Llama-like decoder)" if shape.assumed else ""
         print(
-            f"  {source}: {shape.model_type}, {count(shape.parameters())} parameters, "
+            f"  {label}: {shape.model_type}, {count(shape.parameters())} parameters, "
             f"{shape.num_layers} layers, hidden {shape.hidden_size}, heads "
             f"{shape.num_heads}/{shape.num_kv_heads}, vocab {shape.vocab_size} — {where}{extra}"
         )
@@ -225,6 +226,14 @@ def _print_gpu(gpu: Any, gpu_memory: int) -> None:
         print(f"  {phase}: {size(total)}")
     verdict = "fits" if gpu.peak <= gpu_memory else "does NOT fit"
     print(f"  peak {size(gpu.peak)} ({gpu.peak_phase}) of {size(gpu_memory)}: {verdict}")
+
+
+def _short(source: str) -> str:
+    """A model folder under the working directory as a relative path; anything else as is."""
+    path = Path(source)
+    if path.is_absolute() and path.is_relative_to(Path.cwd()):
+        return str(path.relative_to(Path.cwd()))
+    return source
 
 
 def _or_dash(n: int) -> str:
