@@ -20,7 +20,8 @@ REPEATS = 200
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of its own, even when another test has a cluster up (ray start)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         host_cls = ray.remote(RoleHost)
         for count in (2, 4):

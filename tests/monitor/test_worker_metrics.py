@@ -26,7 +26,11 @@ def worker_series(page, name):
 
 
 def test_the_readings_of_a_step_are_served_and_replace_the_last_ones():
-    gpu = DeviceReading("actor+reference", 0, "pod-a", 1e9, 2e9, 3e9, 4e9, 5e9, 0.5)
+    gpu = DeviceReading(
+        "actor+reference", 0, "pod-a", rss_bytes=1e9, max_rss_bytes=2e9,
+        cuda_allocated_bytes=3e9, cuda_reserved_bytes=4e9, cuda_peak_allocated_bytes=5e9,
+        gpu_utilization=0.5, cuda_total_bytes=8e10,
+    )  # fmt: skip
     cpu = DeviceReading("reward", 1, "pod-b", 6e8, 7e8)
     sink = PrometheusSink(run="r", algorithm="grpo")
     try:
@@ -69,7 +73,8 @@ def test_a_ray_runs_two_workers_report_their_memory_in_the_exporter(tiny_dir, tm
     raw["resources"] = {"backend": "ray", "groups": [
         {"roles": ["actor", "rollout", "reference"], "workers": 2, "cpus_per_worker": 0.5},
     ]}  # fmt: skip
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of its own, even when another test has a cluster up (ray start)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         run = run_and_scrape(raw)
     finally:

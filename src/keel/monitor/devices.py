@@ -32,6 +32,7 @@ class DeviceReading:
     cuda_reserved_bytes: float | None = None
     cuda_peak_allocated_bytes: float | None = None
     gpu_utilization: float | None = None
+    cuda_total_bytes: float | None = None
 
     def labels(self) -> dict[str, str]:
         return {"role": self.role, "rank": str(self.rank), "node": self.node}
@@ -50,7 +51,8 @@ def max_rss_bytes() -> float:
 
 def read_device(role: str, rank: int, node: str | None = None) -> DeviceReading:
     """The reading of this process: its RSS, and on a GPU the current CUDA device's allocator
-    counters (allocated, reserved, peak allocated since the process started) and utilisation."""
+    counters (allocated, reserved, peak allocated since the process started), its utilisation
+    and its total memory."""
     import torch
 
     cuda: dict[str, float | None] = {}
@@ -61,6 +63,7 @@ def read_device(role: str, rank: int, node: str | None = None) -> DeviceReading:
             "cuda_reserved_bytes": float(torch.cuda.memory_reserved(device)),
             "cuda_peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
             "gpu_utilization": _utilization(device),
+            "cuda_total_bytes": float(torch.cuda.get_device_properties(device).total_memory),
         }
     rss = rss_bytes()  # the kernel updates ru_maxrss lazily: the peak is at least the RSS now
     return DeviceReading(

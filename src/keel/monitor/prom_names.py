@@ -109,6 +109,7 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
         "peak GPU memory held by a worker's tensors",
     ),
     "gpu_utilization": ("keel_worker_gpu_utilization_ratio", "worker's GPU busy fraction, 0..1"),
+    "cuda_total_bytes": ("keel_worker_gpu_memory_total_bytes", "total memory of a worker's GPU"),
 }
 WORKER_NAMES = tuple(name for name, _ in WORKER_SERIES.values())
 FIXED_NAMES = (STEP, LAST_STEP_TIME, RUN_INFO, *PROCESS_NAMES, *GPU_NAMES, *WORKER_NAMES)
