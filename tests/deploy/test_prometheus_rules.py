@@ -19,7 +19,7 @@ def promtool(*args, cwd=PROM) -> subprocess.CompletedProcess:
 def test_config_and_rules_are_valid():
     proc = promtool("check", "config", "prometheus.yml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "9 rules found" in proc.stdout
+    assert "10 rules found" in proc.stdout
 
 
 def test_the_kubernetes_config_finds_the_serving_pods():
