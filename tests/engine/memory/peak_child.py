@@ -1,11 +1,14 @@
-"""Run in a fresh interpreter by test_cpu_peaks.py: build one tiny Llama, run two optimizer
-updates of Keel's ActorWorker (AdamW, Keel's GradientStep) on a synthetic rollout batch, and
-print one JSON line: the parameter count and the peak resident memory above the baseline.
+"""Run in a fresh interpreter by test_cpu_peaks.py: for each case, build a tiny Llama, run two
+optimizer updates of Keel's ActorWorker (AdamW, Keel's GradientStep) on a synthetic rollout
+batch, and measure the peak resident memory above the resident memory before it; print one
+JSON line, a list of {parameters, peak}.
 
-argv[1]: a JSON object {hidden, layers, heads, intermediate, rows, prompt, response,
-checkpointing}. The baseline is ru_maxrss after the imports and a warm-up update of a
-throw-away model (which loads the kernels, thread pools and autograd machinery the measured
-update would otherwise count); the measured model is built after it, so its weights count."""
+argv[1]: a JSON list of {hidden, layers, heads, intermediate, rows, prompt, response,
+checkpointing}, in increasing size. Before the first case, warm-up updates of a throw-away
+model (with and without checkpointing) load the kernels, thread pools and autograd machinery
+the measured updates would otherwise count. A case's model is built after its baseline, so its
+weights count; its peak (ru_maxrss, a high-water mark) must be above every earlier case's, or
+the measurement would be an earlier case's and the child exits with an error."""
 
 from __future__ import annotations
 
@@ -71,15 +74,28 @@ def updates(case: dict, steps: int = 2) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def current_rss() -> int:
+    """The resident set now, in bytes (/proc/self/statm's second field, in pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 def main() -> None:
     torch.set_num_threads(1)
-    case = json.loads(sys.argv[1])
+    cases = json.loads(sys.argv[1])
     warm = dict(hidden=32, layers=1, heads=2, intermediate=64, rows=2, prompt=4, response=4)
-    updates({**warm, "checkpointing": case["checkpointing"]})
-    gc.collect()
-    baseline = peak_rss()
-    params = updates(case)
-    print(json.dumps({"parameters": params, "peak": peak_rss() - baseline}))
+    for checkpointing in (False, True):
+        updates({**warm, "checkpointing": checkpointing})
+    results = []
+    for case in cases:  # in increasing size: each must set a new high of the peak
+        gc.collect()
+        baseline, high = current_rss(), peak_rss()
+        params = updates(case)
+        peak = peak_rss()
+        if peak <= high:
+            raise SystemExit(f"case {case} did not raise the peak above the earlier cases'")
+        results.append({"parameters": params, "peak": peak - baseline})
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

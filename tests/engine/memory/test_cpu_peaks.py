@@ -2,9 +2,10 @@
 CPU, for three Llama-style models of increasing size (1.6M, 12.7M and 42.6M parameters: 6, 51
 and 170 MB of float32 weights), within ±25%.
 
-Each case runs in a fresh interpreter (peak_child.py): two updates of Keel's ActorWorker (AdamW
-and GradientStep as training builds them, one micro-batch), the peak resident set (ru_maxrss)
-measured above a baseline taken after the imports and a warm-up update of a throw-away model.
+The cases run in one fresh interpreter (peak_child.py), smallest first: for each, two updates
+of Keel's ActorWorker (AdamW and GradientStep as training builds them, one micro-batch), the
+peak resident set (ru_maxrss, which each case must raise above the earlier ones') measured
+above the resident set before it, after the imports and warm-up updates of a throw-away model.
 glibc is told to serve every allocation above 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_), so freed
 tensors leave the resident set at once and it follows the live tensors, as
 torch.cuda.max_memory_allocated does on a GPU: the measurement includes the weights, gradients,
@@ -57,14 +58,14 @@ def test_estimates_are_within_25_percent_of_measured_cpu_peaks():
 
     vocab = len(build_char_tokenizer())
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), json.dumps(list(CASES.values()))],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
     report = []
-    for name, case in CASES.items():
-        proc = subprocess.run(
-            [sys.executable, str(CHILD), json.dumps(case)],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (name, case), measured in zip(CASES.items(), results, strict=True):
         params, planned = estimate(case, vocab)
         assert measured["parameters"] == params, name  # the count from the config is exact
         ratio = planned / measured["peak"]
