@@ -129,8 +129,8 @@ def grpo(tiny_dir, run_dir, transport, steps=2, rollout_workers=1):
         "eval": {"every": 0},
         "resources": {"backend": "ray", "weight_sync": transport,
                       "weight_sync_bucket_mb": 0.05, "groups": [
-            {"roles": ["actor"], "workers": 1, "cpus_per_worker": 0.5},
-            {"roles": ["rollout"], "workers": rollout_workers, "cpus_per_worker": 0.5},
+            {"roles": ["actor"], "workers": 1, "cpus_per_worker": 0.25},
+            {"roles": ["rollout"], "workers": rollout_workers, "cpus_per_worker": 0.25},
         ]},
     })  # fmt: skip
 
@@ -154,38 +154,48 @@ def rollout_state(worker):
     return worker.weight_tag, dtypes, {k: v.float() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_both_transports_push_equal_weights_and_refuse_older_ones(
-    ray_session, tiny_dir, tmp_path, transport
-):
+@pytest.fixture(scope="module")
+def ray_roles(ray_session, tiny_dir, tmp_path_factory):
+    """The actor on one Ray worker, the rollout on two; both transports over these groups:
+    the collective sync `build_ray_roles` set up, and an object-store sync beside it."""
     from keel.recipes import build_spec
     from keel.workers.build import worker_inputs
     from keel.workers.ray_group import build_ray_roles
+    from keel.workers.weight_sync import ObjectStoreSync
 
-    cfg = grpo(tiny_dir, tmp_path / "run", transport, rollout_workers=2)
+    cfg = grpo(tiny_dir, tmp_path_factory.mktemp("sync") / "run", "auto", rollout_workers=2)
     spec = build_spec(cfg)
     roles = build_ray_roles(cfg, spec, worker_inputs(cfg, spec))
-    try:
-        assert roles.push_weights.transport == transport
-        for version, seed in ((1, 1), (3, 2)):
-            roles.actor.apply_all(perturb, version=version, seed=seed)
-            metrics = roles.push_weights()
-            assert metrics["rollout/weight_version"] == version
-            (want,) = roles.actor.apply_all(actor_weights)
-            for tag, dtypes, got in roles.rollout.apply_all(rollout_state):
-                assert tag == WeightTag(0, version) and dtypes == {"torch.bfloat16"}
-                for k, v in want.items():
-                    torch.testing.assert_close(got[k], v, rtol=BF16_RTOL, atol=0, msg=k)
-        roles.actor.apply_all(perturb, version=2, seed=3)  # older than the 3 the rollout holds
-        with pytest.raises(StaleWeightsError, match="refused"):
-            roles.push_weights()
-        assert [t for t, _, _ in roles.rollout.apply_all(rollout_state)] == [(0, 3), (0, 3)]
-        roles.actor.apply_all(perturb, version=4, seed=4)  # the sync still works afterwards
-        assert roles.push_weights()["rollout/weight_version"] == 4
-    finally:
-        roles.close()
+    syncs = {
+        "collective": roles.push_weights,
+        "object_store": ObjectStoreSync(roles.actor, roles.rollout),
+    }
+    yield roles, syncs
+    roles.close()
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_both_transports_push_equal_weights_and_refuse_older_ones(ray_roles, transport):
+    roles, syncs = ray_roles
+    push = syncs[transport]
+    assert push.transport == transport  # auto on Ray with a separate rollout group: collective
+    (base,) = {t.version for t, _, _ in roles.rollout.apply_all(rollout_state)}
+    for version, seed in ((base + 1, 1), (base + 3, 2)):
+        roles.actor.apply_all(perturb, version=version, seed=seed)
+        assert push()["rollout/weight_version"] == version
+        (want,) = roles.actor.apply_all(actor_weights)
+        for tag, dtypes, got in roles.rollout.apply_all(rollout_state):
+            assert tag == WeightTag(0, version) and dtypes == {"torch.bfloat16"}
+            for k, v in want.items():
+                torch.testing.assert_close(got[k], v, rtol=BF16_RTOL, atol=0, msg=k)
+    roles.actor.apply_all(perturb, version=base + 2, seed=3)  # older than the rollout's
+    with pytest.raises(StaleWeightsError, match="refused"):
+        push()
+    assert [t.version for t, _, _ in roles.rollout.apply_all(rollout_state)] == [base + 3] * 2
+    roles.actor.apply_all(perturb, version=base + 4, seed=4)  # the sync still works afterwards
+    assert push()["rollout/weight_version"] == base + 4
 
 
 @pytest.mark.ray

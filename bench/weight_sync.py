@@ -1,0 +1,121 @@
+"""`make bench-weight-sync`: one weight push to a separate rollout worker on a real local Ray,
+collective (gloo on CPU) against the object store, on a Llama of ≥ 50M parameters.
+
+The actor (fp32 weights) on one Ray worker, the rollout (bfloat16 weights, models.dtype) on
+another. Per transport: the median seconds of `Roles.push_weights()` over PUSHES pushes after
+one warm-up, the bytes each push moves, and the driver's peak RSS over the pushes above its
+RSS before them (VmHWM reset through /proc/self/clear_refs). The object store moves the fp32
+state twice (actor → driver, driver → rollout); the collective moves it once, in bfloat16, from
+the actor's process to the rollout's. Prints one JSON line per transport.
+
+    .venv/bin/python -m bench.weight_sync [--hidden 1024 --layers 4 --pushes 5 --bucket-mb 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import ray
+
+from keel.config import validate
+from keel.models import TinyModelSpec, count_parameters, create_tiny_model, load_causal_lm
+from keel.recipes import build_spec
+from keel.workers.build import worker_inputs
+from keel.workers.ray_group import build_ray_roles
+
+TRANSPORTS = ("object_store", "collective")
+
+
+def config(model_dir: Path, transport: str, bucket_mb: float):
+    return validate({
+        "run_dir": "unused", "models": {"actor": str(model_dir), "dtype": "bfloat16"},
+        "algorithm": {"name": "grpo", "kl_loss_coef": 0.0},
+        "reward": {"fn": "builtin:numeric_match"},
+        "train": {"batch_size": 2, "mini_batch_size": 4, "micro_batch_size": 4},
+        "rollout": {"n": 2},
+        "resources": {"backend": "ray", "weight_sync": transport,
+                      "weight_sync_bucket_mb": bucket_mb, "groups": [
+            {"roles": ["actor"], "workers": 1, "cpus_per_worker": 1},
+            {"roles": ["rollout"], "workers": 1, "cpus_per_worker": 1},
+        ]},
+    })  # fmt: skip
+
+
+def rss_kib(field: str) -> int:
+    """This process's VmRSS or VmHWM (peak) in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """VmHWM back to the current RSS (Linux: 5 into /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure(model_dir: Path, transport: str, pushes: int, bucket_mb: float) -> dict:
+    cfg = config(model_dir, transport, bucket_mb)
+    spec = build_spec(cfg)
+    roles = build_ray_roles(cfg, spec, worker_inputs(cfg, spec))
+    try:
+        first = roles.push_weights()  # warm-up (the same weights: accepted as a re-push)
+        reset_peak_rss()
+        before = rss_kib("VmRSS")
+        times = []
+        for _ in range(pushes):
+            start = time.perf_counter()
+            roles.push_weights()
+            times.append(time.perf_counter() - start)
+        peak = rss_kib("VmHWM")
+    finally:
+        roles.close()
+    # the object store: the state into the driver, then out to the rollout worker
+    moved = first["weight_sync/bytes"] * (2 if transport == "object_store" else 1)
+    return {
+        "case": f"weight_sync/{transport}",
+        "s_per_push": round(statistics.median(times), 3),
+        "bytes_per_push": int(moved),
+        "buckets": int(first.get("weight_sync/buckets", 0)),
+        "driver_peak_rss_mib_above_start": round((peak - before) / 1024, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    args = parser.parse_args()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = TinyModelSpec(
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+                num_heads=16,
+                num_kv_heads=16,
+                intermediate_size=4 * args.hidden,
+            )
+            model_dir = create_tiny_model(Path(tmp) / "model", spec)
+            params = count_parameters(load_causal_lm(model_dir))
+            for transport in TRANSPORTS:
+                row = measure(model_dir, transport, args.pushes, args.bucket_mb)
+                print(json.dumps({**row, "params": params}), flush=True)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
