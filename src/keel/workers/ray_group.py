@@ -20,7 +20,14 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from ray.exceptions import RayActorError
+from ray.exceptions import (
+    ActorPlacementGroupRemoved,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    TaskPlacementGroupRemoved,
+    WorkerCrashedError,
+)
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -41,6 +48,17 @@ from keel.workers.build import (
 from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch
 from keel.workers.weight_sync import NoSync, WeightSync, weight_sync
 
+# What a dead worker or a lost node raises at ray.get: the actor died (its process, or its node
+# with it), a result held in a lost node's object store, the node itself, a placement group
+# removed under the call.
+LOST = (
+    RayActorError,
+    NodeDiedError,
+    ObjectLostError,
+    WorkerCrashedError,
+    ActorPlacementGroupRemoved,
+    TaskPlacementGroupRemoved,
+)
 FORWARDED_ENV = ("KEEL_", "HF_", "TRANSFORMERS_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TRAINED = ("actor", "critic")
 PG_TIMEOUT_S = 120
@@ -176,7 +194,7 @@ class RayWorkerGroup:
     def _get(self, refs: list[Any]) -> list[Any]:
         try:
             return ray.get(refs)
-        except RayActorError as e:
+        except LOST as e:
             raise WorkerLostError(f"a worker of role {self.role!r} died: {e}") from e
 
 
@@ -262,8 +280,11 @@ def place_group(
     gcfg: WorkerGroupConfig,
     roles: list[str],
 ) -> tuple[Any, list[Any]]:
-    """A placement group of `workers` bundles, one RoleHost per bundle, joined and built."""
-    bundle = {"CPU": gcfg.cpus_per_worker}
+    """A placement group of `workers` bundles, one RoleHost per bundle, joined and built. Each
+    bundle reserves the group's CPUs, GPUs and custom resources (`resources: {node_b: 1}`: only
+    a node started with that resource can hold it); Ray waits up to PG_TIMEOUT_S for nodes
+    that have them (a lost node's replacement joining)."""
+    bundle = {"CPU": gcfg.cpus_per_worker, **gcfg.resources}
     if gcfg.gpus_per_worker:
         bundle["GPU"] = gcfg.gpus_per_worker
     pg = placement_group([dict(bundle)] * gcfg.workers, strategy=gcfg.strategy)
