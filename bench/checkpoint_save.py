@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, store: str, model_dir: str, work: str, mode: st
     start = time.perf_counter()
     worker.update(batch, spec)
     step_idle = time.perf_counter() - start
-    params = count_parameters(worker.model) * world  # each rank holds 1/world of them
+    params = count_parameters(worker.model)  # DTensors count their global size
     folder = Path(work) / mode / "actor"
     checkpoint_group()  # made once per run, at its first background save: not timed here
     dist.barrier()

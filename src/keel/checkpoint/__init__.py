@@ -1,5 +1,5 @@
-"""Run state on disk: full-state checkpoints with `latest` and retention, the exported policy,
-and copies in object storage."""
+"""Run state on disk: checkpoints (full-state or sharded DCP ones, behind one writer seam) with
+`latest` and retention, the exported policy, and copies in object storage."""
 
 from keel.checkpoint.export import (
     clean_leftovers,
@@ -16,13 +16,27 @@ from keel.checkpoint.state import (
     save_checkpoint,
     validate_checkpoint,
 )
+from keel.checkpoint.writer import (
+    CheckpointStates,
+    CheckpointWriter,
+    FullStateWriter,
+    SaveHandle,
+    ShardedWriter,
+    make_writer,
+)
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointStates",
+    "CheckpointWriter",
+    "FullStateWriter",
+    "SaveHandle",
+    "ShardedWriter",
     "clean_leftovers",
     "list_checkpoints",
     "load_checkpoint",
+    "make_writer",
     "prune_step_folders",
     "publish_folder",
     "resume_candidates",

@@ -46,7 +46,8 @@ TRAINER_STATE = "trainer_state.pt"
 WHOLE_STATE = "state.pt"
 
 _ALONE_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-_PENDING: dict[str, Future[Any]] = {}
+# folder → (this rank's write, rank 0's trainer_state.pt error)
+_PENDING: dict[str, tuple[Future[Any], str | None]] = {}
 
 
 @runtime_checkable
@@ -84,8 +85,7 @@ def save_role_sharded(worker: Any, folder: Path, background: bool) -> None:
         if first:
             torch.save(state, folder / WHOLE_STATE)
         return
-    if first:
-        torch.save(worker.trainer_state(), folder / TRAINER_STATE)
+    extra = worker.trainer_state() if first else None  # rank 0 writes it, after the shards
     state = sharded_state_dict(worker.model, worker.step.optimizer)
     writer = FileSystemWriter(folder / SHARDS)
     alone = _alone()
@@ -101,25 +101,31 @@ def save_role_sharded(worker: Any, folder: Path, background: bool) -> None:
             future.set_result(None)
         except (Exception, CheckpointException) as exc:
             future.set_exception(exc)
-    _PENDING[str(folder)] = future
+    error = None
+    if extra is not None:  # after the collectives: a failure here leaves no rank waiting
+        try:
+            torch.save(extra, folder / TRAINER_STATE)
+        except (OSError, RuntimeError) as exc:
+            error = f"rank 0: {TRAINER_STATE}: {type(exc).__name__}: {exc}"
+    _PENDING[str(folder)] = (future, error)
 
 
 def wait_role(worker: Any, folder: Path) -> str | None:
-    """Join this rank's background write into `folder`: None when it succeeded (or there was
-    none), else what failed (every rank returns, so that no rank is left waiting)."""
-    future = _PENDING.pop(str(folder), None)
+    """Join this rank's write into `folder`: None when it succeeded (or there was none), else
+    what failed (every rank returns, so that no rank is left waiting)."""
+    future, error = _PENDING.pop(str(folder), (None, None))
     if future is None:
         return None
     try:
         future.result()
     except (Exception, CheckpointException) as exc:  # DCP's wraps each rank's error
         return f"rank {rank()}: {type(exc).__name__}: {exc}"
-    return None
+    return error
 
 
 def role_written(worker: Any, folder: Path) -> bool:
     """Whether this rank's background write into `folder` has finished (or there is none)."""
-    future = _PENDING.get(str(folder))
+    future, _ = _PENDING.get(str(folder), (None, None))
     return future is None or future.done()
 
 
