@@ -18,7 +18,7 @@ def config(**sections) -> KeelConfig:
             "rollout": {"n": 8, "max_new_tokens": 512, "batch_size": 4},
             "train": {"batch_size": 32, "mini_batch_size": 64, "micro_batch_size": 4}}  # fmt: skip
     for key, value in sections.items():
-        base[key] = {**base.get(key, {}), **value}
+        base[key] = value if key == "algorithm" else {**base.get(key, {}), **value}
     return KeelConfig.model_validate(base)
 
 
@@ -69,3 +69,15 @@ def test_a_plan_that_does_not_fit_names_the_settings_that_do():
     assert more.fits
     small = plan_inputs(config(), ROLES, SHAPES, gpus=8, gpu_memory=200 * GiB)
     assert advise(small) == [] and plan_memory(small).gpus[0].workers == 8
+
+
+def test_offline_stages_plan_pairs_as_two_rows_and_say_what_bounds_the_responses():
+    pairs = {"name": "dpo"}
+    dpo = config(algorithm=pairs, train={"batch_size": 8, "mini_batch_size": 8,
+                                         "micro_batch_size": 2})  # fmt: skip
+    inputs = plan_inputs(dpo, frozenset({"actor", "reference"}), SHAPES)
+    assert inputs.micro_batch_size == 4  # 2 pairs: chosen and rejected rows
+    assert any("rollout.max_new_tokens" in note for note in inputs.notes)
+    rm = config(algorithm={"name": "rm"}, train={"batch_size": 8, "mini_batch_size": 8})
+    (actor,) = plan_memory(plan_inputs(rm, frozenset({"actor"}), SHAPES)).gpus[0].roles
+    assert actor.logits == 0 and actor.parameters == SHAPE.parameters("score")

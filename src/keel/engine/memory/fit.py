@@ -441,32 +441,42 @@ def plan_inputs(
     function). gpus: ranks of the actor's group (each one GPU; default: the config's workers;
     with the local backend all roles share one process, planned as one group of `gpus`)."""
     from keel.config import batch_plan
+    from keel.config.derived import OFFLINE, PAIR_STAGES
 
     m, t, r = cfg.models, cfg.train, cfg.rollout
     plan = batch_plan(cfg)
+    name = cfg.algorithm.name
+    per_item = 2 if name in PAIR_STAGES else 1  # a preference pair is two rows
     role_inputs: dict[str, RoleInput] = {}
-    for name in (x for x in ROLES if x in roles):
+    for role in (x for x in ROLES if x in roles):
         model = {
             "actor": m.actor,
             "rollout": m.actor,
             "reference": m.reference or m.actor,
             "critic": m.critic or m.actor,
             "reward": m.reward,
-        }.get(name)
-        shape = shapes.get(name)
-        if name == "reward" and m.reward is None:
+        }.get(role)
+        shape = shapes.get(role)
+        if role == "reward" and m.reward is None:
             shape = None
-        role_inputs[name] = RoleInput(
-            role=name,
+        heads = {"critic": "value", "reward": "score", "actor": "score" if name == "rm" else "lm"}
+        role_inputs[role] = RoleInput(
+            role=role,
             model=str(model) if model is not None else (cfg.reward.fn or "reward function"),
             shape=shape,
-            trained=name in TRAINED,
-            head={"critic": "value", "reward": "score"}.get(name, "lm"),
-            shares_actor=name == "reference"
+            trained=role in TRAINED,
+            head=heads.get(role, "lm"),
+            shares_actor=role == "reference"
             and m.lora is not None
             and (m.reference is None or m.reference == m.actor),
         )
     notes: list[str] = []
+    if name in OFFLINE:
+        notes.append(
+            f"{name} trains on the data's responses, which no setting bounds: planned with "
+            f"rollout.max_new_tokens ({r.max_new_tokens}) response tokens per row; set it to "
+            "the data's longest response (--set rollout.max_new_tokens=N)"
+        )
     if cfg.resources.backend == "local":
         groups = (
             GroupInput(
@@ -508,8 +518,8 @@ def plan_inputs(
         dtype=m.dtype,
         pure_low_precision=m.pure_low_precision,
         lora=(m.lora.r, m.lora.target_modules) if m.lora is not None else None,
-        mini_batch_size=plan.mini_batch_size,
-        micro_batch_size=plan.micro_batch_size,
+        mini_batch_size=plan.mini_batch_size * per_item,
+        micro_batch_size=plan.micro_batch_size * per_item,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         prompt_tokens=cfg.data.max_prompt_length,
         response_tokens=r.response_budget(),
