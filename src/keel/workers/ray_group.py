@@ -14,6 +14,7 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -209,14 +210,19 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
     hosts_all: list[Any] = []
     pgs: list[Any] = []
     sync: WeightSync = NoSync()
+    placing = [(g, [r for r in g.roles if r in names]) for g in cfg.resources.groups]
+    placing = [(g, roles) for g, roles in placing if roles]
     try:
-        for gcfg in cfg.resources.groups:
-            roles_here = [r for r in gcfg.roles if r in names]
-            if not roles_here:
-                continue
-            pg, hosts = place_group(cfg, spec, gcfg, roles_here)
-            pgs.append(pg)
-            hosts_all.extend(hosts)
+        # every group at once: their workers start and load their models in parallel
+        with ThreadPoolExecutor(max(len(placing), 1)) as pool:
+            placed = [pool.submit(place_group, cfg, spec, g, roles) for g, roles in placing]
+        for future in placed:  # released below if another group failed
+            if future.exception() is None:
+                pg, hosts = future.result()
+                pgs.append(pg)
+                hosts_all.extend(hosts)
+        for (_, roles_here), future in zip(placing, placed, strict=True):
+            hosts = future.result()[1]  # raises the first group's failure
             unit = 2 if inputs.stage.pairs else 1  # rows of one pair stay on one rank
             block = inputs.batch.mini_batch_size * unit
             for role in roles_here:
