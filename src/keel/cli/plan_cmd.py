@@ -33,12 +33,19 @@ def memory_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="estimate memory per role and GPU: does the run fit?")
     p.add_argument("config", type=Path)
     p.add_argument(
         "--gpus",
-        type=int,
+        type=_positive,
         metavar="N",
         help="GPUs (data-parallel ranks) of the actor's group; default: the config's workers",
     )
@@ -135,8 +142,6 @@ def plan(
     from keel.models.loading import ModelLoadError
     from keel.recipes import build_spec
 
-    if gpus is not None and gpus < 1:
-        raise ModelLoadError(f"--gpus must be at least 1, not {gpus}")  # a user error (exit 2)
     cfg = load_config(path, overrides)  # input paths resolved against the file's folder
     spec = build_spec(cfg)
     m = cfg.models

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.engine.memory.estimate import (
     DTYPE_BYTES,
@@ -28,7 +28,10 @@ from keel.engine.memory.estimate import (
     model_state_bytes,
     no_grad_work_bytes,
 )
-from keel.engine.memory.shapes import ModelShape
+from keel.engine.memory.shapes import Head, ModelShape
+
+if TYPE_CHECKING:
+    from keel.config import KeelConfig
 
 TRAINED = ("actor", "critic")
 ROLES = ("actor", "critic", "reference", "reward", "rollout")  # the order plans list them
@@ -43,7 +46,7 @@ class RoleInput:
     model: str
     shape: ModelShape | None
     trained: bool = False
-    head: str = "lm"
+    head: Head = "lm"
     shares_actor: bool = False  # a reference that is the actor's own module (LoRA, adapter off)
 
 
@@ -185,8 +188,8 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
         return RoleMemory(role=role.role, model=role.model, parameters=0, trained_parameters=0)
     shards = group.workers if group.fsdp else 1
     b = inputs.compute_bytes
-    head = role.head if role.head in ("lm", "value", "score") else "lm"
-    params = shape.parameters(head)  # type: ignore[arg-type]
+    head = role.head
+    params = shape.parameters(head)
     rows, seq = _rows_per_rank(inputs, group.workers)
     if role.trained:
         trained = params
@@ -429,7 +432,7 @@ def _merge(base: PlanInputs, changed: PlanInputs) -> PlanInputs:
 
 
 def plan_inputs(
-    cfg: Any,
+    cfg: KeelConfig,
     roles: frozenset[str] | set[str],
     shapes: Mapping[str, ModelShape | None],
     *,
@@ -459,7 +462,11 @@ def plan_inputs(
         shape = shapes.get(role)
         if role == "reward" and m.reward is None:
             shape = None
-        heads = {"critic": "value", "reward": "score", "actor": "score" if name == "rm" else "lm"}
+        heads: dict[str, Head] = {
+            "critic": "value",
+            "reward": "score",
+            "actor": "score" if name == "rm" else "lm",
+        }
         role_inputs[role] = RoleInput(
             role=role,
             model=str(model) if model is not None else (cfg.reward.fn or "reward function"),
@@ -510,6 +517,14 @@ def plan_inputs(
         or actor_group is None
         or "rollout" not in actor_group.roles
     )
+    shared = [
+        f"groups[{i}]" for i, g in enumerate(cfg.resources.groups) if 0 < g.gpus_per_worker < 1
+    ]
+    if cfg.resources.backend == "ray" and shared:
+        notes.append(
+            f"{', '.join(shared)}: gpus_per_worker below 1, so a GPU may hold ranks of several "
+            "groups: add their peaks"
+        )
     if m.attn_implementation == "eager":
         notes.append("models.attn_implementation eager: attention scores counted (s² per head)")
     return PlanInputs(
