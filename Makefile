@@ -113,6 +113,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.logits_memory
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.startup
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.checkpoint_save
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.weight_sync
 
 # Keel against TRL's GRPOTrainer at equal work, step by step (bench/compare_trl.py; TRL from
 # the bench extra). About 10 minutes on 2 cores; docs/performance.md has the figures.

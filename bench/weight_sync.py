@@ -1,4 +1,4 @@
-"""`make bench-weight-sync`: one weight push to a separate rollout worker on a real local Ray,
+"""`make bench`: one weight push to a separate rollout worker on a real local Ray,
 collective (gloo on CPU) against the object store, on a Llama of ≥ 50M parameters.
 
 The actor (fp32 weights) on one Ray worker, the rollout (bfloat16 weights, models.dtype) on
