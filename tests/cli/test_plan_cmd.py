@@ -52,3 +52,26 @@ def test_memory_sizes():
     assert memory_size("80GiB") == 80 * 2**30
     assert memory_size("40 GB") == 40 * 10**9
     assert memory_size("24") == memory_size("24g") == 24 * 2**30
+
+
+def test_shapes_come_from_a_folder_a_builtin_name_or_the_hf_cache_without_weights(
+    tiny_dir, tmp_path, monkeypatch
+):
+    from keel.cli.plan_cmd import _tiny_config, model_config
+    from keel.engine.memory import shape_from_config
+    from keel.models import ModelLoadError, count_parameters, load_causal_lm
+
+    folder, _ = model_config(str(tiny_dir), None)
+    built = count_parameters(load_causal_lm(tiny_dir))
+    assert shape_from_config(folder).parameters() == built
+    assert shape_from_config(_tiny_config()).parameters() == built  # builtin:tiny, not built
+    snapshot = tmp_path / "hub" / "models--org--llama7b" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(LLAMA2_7B))
+    (tmp_path / "hub" / "models--org--llama7b" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--llama7b" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    config, where = model_config("org/llama7b", None)
+    assert config == LLAMA2_7B and where == "org/llama7b (HF cache)"
+    with pytest.raises(ModelLoadError, match=r"no config\.json in the Hugging Face cache"):
+        model_config("org/absent", None)
