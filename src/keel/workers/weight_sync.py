@@ -363,6 +363,7 @@ class CollectiveSync:
             address, port, 1 + rollout.world_size, name, "nccl" if on_gpu else "gloo", timeout_s
         )
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="keel-weight-sync")
+        self.broken = False  # a push failed other than by a refusal
         try:
             self._both(
                 lambda: actor.call_all("open_weight_sync", spec=self.spec),
@@ -387,12 +388,18 @@ class CollectiveSync:
 
     def push(self) -> dict[str, float]:
         start = time.perf_counter()
-        sent, received = self._both(
-            lambda: self.actor.call_all(
-                "send_weights", dtype=self.dtype, bucket_bytes=self.bucket_bytes
-            ),
-            lambda: self.rollout.call_all("receive_weights"),
-        )
+        try:
+            sent, received = self._both(
+                lambda: self.actor.call_all(
+                    "send_weights", dtype=self.dtype, bucket_bytes=self.bucket_bytes
+                ),
+                lambda: self.rollout.call_all("receive_weights"),
+            )
+        except StaleWeightsError:
+            raise  # refused by every rank together: both sides are back in step
+        except BaseException:
+            self.broken = True  # a side may still be blocked in a collective
+            raise
         return {
             "timing/weight_push_s": time.perf_counter() - start,
             "rollout/weight_version": float(received[0]),
@@ -403,8 +410,13 @@ class CollectiveSync:
 
     def close(self) -> None:
         """Both ends shut down, best effort: a side that is gone is skipped, and one still
-        blocked in a collective (a push that failed on the other side) is waited for at most
-        CLOSE_TIMEOUT_S (the roles' release then ends its process)."""
+        busy is waited for at most CLOSE_TIMEOUT_S (the roles' release then ends its
+        process); after a push that failed (a side may be blocked in a collective) nothing is
+        asked of them."""
+
+        if self.broken:  # a failed push: the roles' release ends both sides' processes
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            return
 
         def close_side(group: WorkerGroup) -> None:
             with contextlib.suppress(Exception):  # a dead worker: its end went with it
