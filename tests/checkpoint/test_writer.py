@@ -14,10 +14,11 @@ from keel.checkpoint import CheckpointError, validate_checkpoint
 from keel.checkpoint.state import CheckpointSaveError, read_latest
 from keel.checkpoint.writer import CheckpointStates, FullStateWriter, ShardedWriter
 from keel.config import validate
-from keel.config.loading import ConfigError
+from keel.config.loading import ConfigError, dump_config
 from keel.controller.assembly import Roles
 from keel.controller.guard_actions import GuardActions
 from keel.controller.keeping import Keeping
+from keel.controller.resume import config_changes
 from keel.guard import EventLog, Guard, Trip, Verdict, read_events
 from keel.workers.group import LocalWorkerGroup
 from tests.checkpoint.test_state import built_actor
@@ -222,3 +223,20 @@ def test_a_failed_background_write_is_an_event_and_the_run_goes_on(trained, tiny
     metrics: dict[str, float] = {}
     assert keeping.save(3, metrics, healthy=True) and keeping.wait()
     assert metrics["checkpoint/count"] == 2.0  # the failed save is not counted
+
+
+def test_a_resume_may_change_the_number_of_workers_and_nothing_else_of_a_group():
+    """Checkpoints load into any world size, so `keel train` resumes a run whose groups have
+    other `workers` counts; any other change of a group is still refused."""
+
+    def dumped(workers: int, fsdp: bool = True) -> str:
+        group = {"roles": ["actor", "rollout", "reference"], "workers": workers, "fsdp": fsdp}
+        return dump_config(validate({
+            "models": {"actor": "x"}, "algorithm": {"name": "grpo"},
+            "train": {"batch_size": 6, "mini_batch_size": 6}, "rollout": {"n": 2},
+            "resources": {"backend": "ray", "groups": [group]},
+        }))  # fmt: skip
+
+    assert config_changes(dumped(2), dumped(1)) == []
+    assert config_changes(dumped(2), dumped(3)) == []
+    assert config_changes(dumped(2), dumped(2, fsdp=False)) == ["resources.groups"]

@@ -296,7 +296,8 @@ def check_config(saved_yaml: str, current_yaml: str, action: str) -> None:
 
 def config_changes(saved_yaml: str, current_yaml: str) -> list[str]:
     """Dotted keys whose values differ between two resolved configs and may not change."""
-    old, new = _flatten(as_read_today(saved_yaml)), _flatten(yaml.safe_load(current_yaml))
+    old = _flatten(_without_world_sizes(as_read_today(saved_yaml)))
+    new = _flatten(_without_world_sizes(yaml.safe_load(current_yaml)))
     keys = sorted(set(old) | set(new))
     return [
         k
@@ -322,6 +323,21 @@ def _read_text(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def _without_world_sizes(tree: object) -> object:
+    """`tree` (a config) without each resources.groups[i].workers: the number of ranks may
+    change at a resume, since a checkpoint loads into any world size (a sharded one is
+    resharded by DCP, a full one is split into the new shards; keel.checkpoint.writer)."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("resources"), dict):
+        return tree
+    resources = tree["resources"]
+    groups = resources.get("groups")
+    if not isinstance(groups, list):
+        return tree
+    kept = [{k: v for k, v in g.items() if k != "workers"} if isinstance(g, dict) else g
+            for g in groups]  # fmt: skip
+    return {**tree, "resources": {**resources, "groups": kept}}
 
 
 def _flatten(tree: object, prefix: str = "") -> dict[str, object]:

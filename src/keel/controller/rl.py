@@ -278,7 +278,8 @@ class RLController(Controller):
         self.rollouts.load_state_dict(state.get("rollouts_ahead", []))
         states, rollout = state.get("rollout_rng"), self.roles.rollout
         assert rollout is not None
-        if states is not None and not rollout.in_process:
+        # resumed on another number of rollout ranks: each keeps its own seed's stream
+        if states is not None and not rollout.in_process and len(states) == rollout.world_size:
             rollout.call("load_rng_state", states)
 
 
