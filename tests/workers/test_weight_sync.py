@@ -108,6 +108,21 @@ def test_the_channel_sends_in_the_rollout_dtype_and_refuses_an_older_push():
     assert held == [WeightTag(1, 0), WeightTag(1, 0)]  # a rollback's lineage: newer
 
 
+def test_a_collective_sync_needs_separate_ray_groups_and_auto_falls_back_to_the_store():
+    from keel.workers.group import LocalWorkerGroup
+    from keel.workers.rollout import RolloutWorker
+    from keel.workers.weight_sync import NoSync, ObjectStoreSync, weight_sync
+    from tests.workers.test_group import Actor, Engine
+
+    actor = LocalWorkerGroup("actor", [Actor()])
+    own = LocalWorkerGroup("rollout", [RolloutWorker(Engine())])
+    with pytest.raises(ValueError, match=r"resources\.weight_sync: collective needs"):
+        weight_sync(actor, own, "collective")
+    assert isinstance(weight_sync(actor, own, "auto"), ObjectStoreSync)
+    shared = LocalWorkerGroup("rollout", [RolloutWorker(Engine(), weights_from=Actor())])
+    assert isinstance(weight_sync(actor, shared, "collective"), NoSync)
+
+
 # ------------------------------------------------------------------------------ on Ray
 @pytest.fixture(scope="module")
 def ray_session():
