@@ -4,7 +4,8 @@ batch, and measure the peak resident memory above the resident memory before it;
 JSON line, a list of {parameters, peak}.
 
 argv[1]: a JSON list of {hidden, layers, heads, intermediate, rows, prompt, response,
-checkpointing}, in increasing size. Before the first case, warm-up updates of a throw-away
+checkpointing, dtype (optional: bfloat16 runs the forwards under autocast)}, in increasing
+size. Before the first case, warm-up updates of a throw-away
 model (with and without checkpointing) load the kernels, thread pools and autograd machinery
 the measured updates would otherwise count. A case's model is built after its baseline, so its
 weights count; its peak (ru_maxrss, a high-water mark) must be above every earlier case's, or
@@ -63,8 +64,10 @@ def updates(case: dict, steps: int = 2) -> int:
     scheduler = build_scheduler(
         optimizer, warmup_steps=0, total_steps=10, schedule="constant", min_lr_ratio=0.0
     )
+    compute = torch.bfloat16 if case.get("dtype") == "bfloat16" else None
+    step = GradientStep(model, optimizer, scheduler, grad_clip=1.0, compute_dtype=compute)
     actor = ActorWorker(
-        model, tok, GradientStep(model, optimizer, scheduler, grad_clip=1.0), temperature=1.0,
+        model, tok, step, temperature=1.0,
         mini_batch_size=case["rows"], micro_batch_size=case["rows"],
     )  # fmt: skip
     batch = rollout_batch(len(tok), case["rows"], case["prompt"], case["response"])

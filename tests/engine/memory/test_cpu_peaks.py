@@ -1,6 +1,7 @@
 """The planner's estimate of an actor update against the peak memory one really takes, on the
 CPU, for three Llama-style models of increasing size (1.6M, 12.7M and 42.6M parameters: 6, 51
-and 170 MB of float32 weights), within ±25%.
+and 170 MB of float32 weights; the largest also under bf16 autocast, Keel's mixed precision),
+within ±25%.
 
 The cases run in one fresh interpreter (peak_child.py), smallest first: for each, two updates
 of Keel's ActorWorker (AdamW and GradientStep as training builds them, one micro-batch), the
@@ -32,6 +33,8 @@ CASES = {
                                         rows=16, prompt=64, response=64, checkpointing=False),
     "42.6M, gradient checkpointing": dict(hidden=768, layers=6, heads=12, intermediate=2048,
                                           rows=8, prompt=32, response=32, checkpointing=True),
+    "42.6M, bf16 autocast": dict(hidden=768, layers=6, heads=12, intermediate=2048, rows=16,
+                                 prompt=64, response=64, checkpointing=False, dtype="bfloat16"),
 }  # fmt: skip
 
 
@@ -48,7 +51,7 @@ def estimate(case: dict, vocab: int) -> tuple[int, int]:
         groups=(GroupInput("cpu", ("actor",)),),
         mini_batch_size=case["rows"], micro_batch_size=case["rows"],
         prompt_tokens=case["prompt"], response_tokens=case["response"],
-        gradient_checkpointing=case["checkpointing"],
+        gradient_checkpointing=case["checkpointing"], dtype=case.get("dtype", "float32"),
     )  # fmt: skip
     return shape.parameters(), plan_memory(inputs).gpus[0].phases["actor update"]
 

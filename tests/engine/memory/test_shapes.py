@@ -21,7 +21,8 @@ FAMILIES = {
     "gemma2": lambda: T.Gemma2Config(**SMALL, head_dim=16),
     "phi3": lambda: T.Phi3Config(**SMALL, pad_token_id=0),
     "olmo2": lambda: T.Olmo2Config(**SMALL),
-    "gpt2": lambda: T.GPT2Config(vocab_size=99, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+    "gpt2": lambda: T.GPT2Config(vocab_size=99, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                 bos_token_id=0, eos_token_id=0),
 }  # fmt: skip
 
 

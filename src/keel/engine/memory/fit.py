@@ -230,6 +230,8 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
         gather = 0
         if group.fsdp and group.workers > 1:  # FSDP2 all-gathers a layer (and prefetches one)
             gather = 2 * shape.layer_parameters(shape.moe_layers > 0) * b
+        elif b < inputs.trained_bytes:  # autocast's copies of the weights, which the graph keeps
+            gather = params * b
         return RoleMemory(
             role=role.role,
             model=role.model,
