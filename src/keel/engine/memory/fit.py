@@ -227,11 +227,8 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
                 compute_bytes=b,
                 chunk_tokens=chunk,
             )
-        gather = 0
-        if group.fsdp and group.workers > 1:  # FSDP2 all-gathers a layer (and prefetches one)
-            gather = 2 * shape.layer_parameters(shape.moe_layers > 0) * b
-        elif b < inputs.trained_bytes:  # autocast's copies of the weights, which the graph keeps
-            gather = params * b
+        layer = shape.layer_parameters(shape.moe_layers > 0)
+        copies = {on: _weight_copies(inputs, group, params, trained, layer, on) for on in acts}
         return RoleMemory(
             role=role.role,
             model=role.model,
@@ -240,9 +237,9 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
             weights=states.weights,
             gradients=states.gradients,
             optimizer=states.optimizer,
-            activations=acts[inputs.gradient_checkpointing] + gather,
-            activations_off=acts[False] + gather,
-            activations_on=acts[True] + gather,
+            activations=acts[inputs.gradient_checkpointing] + copies[inputs.gradient_checkpointing],
+            activations_off=acts[False] + copies[False],
+            activations_on=acts[True] + copies[True],
             logits=logits,
         )
     weights = model_state_bytes(0, params, trained_bytes=b, frozen_bytes=b, shards=shards).weights
@@ -283,6 +280,24 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
         logits=logits,
         work=work,
     )
+
+
+def _weight_copies(
+    inputs: PlanInputs, group: GroupInput, params: int, trained: int, layer: int, ckpt: bool
+) -> int:
+    """Bytes of a trained model's weights in the compute dtype during its update: under FSDP2
+    the two layers being all-gathered (one computing, one prefetched); under autocast (mixed
+    precision) its copy of every weight: it caches the copy of each weight that has a gradient
+    until the forward ends, and the graph keeps the copies of the others (a LoRA base) unless
+    each layer is recomputed (`ckpt`); none in full precision."""
+    b = inputs.compute_bytes
+    if group.fsdp and group.workers > 1:
+        return 2 * layer * b
+    if b >= inputs.trained_bytes:
+        return 0
+    if trained < params and ckpt:
+        return (trained + layer) * b
+    return params * b
 
 
 def _no_grad_pass(shape: ModelShape | None, inputs: PlanInputs, group: GroupInput) -> int:
