@@ -202,6 +202,10 @@ COLUMNS = ("params", "weights", "grads", "optimizer", "activations", "ckpt off/o
 
 
 def _print_gpu(gpu: Any, gpu_memory: int) -> None:
+    if not any(r.resident or r.kv_cache or r.activations for r in gpu.roles):
+        names = ", ".join(r.role for r in gpu.roles)
+        print(f"\n{gpu.group}: {names}: no model to hold")
+        return
     shard = ", FSDP" if gpu.fsdp else ""
     print(
         f"\n{gpu.group}: {gpu.workers} GPU{'s' if gpu.workers > 1 else ''}{shard}; each holds "
@@ -219,14 +223,18 @@ def _print_gpu(gpu: Any, gpu_memory: int) -> None:
             (
                 r.role, params if r.parameters else "-", _or_dash(r.weights),
                 _or_dash(r.gradients), _or_dash(r.optimizer), acts, both,
-                _or_dash(r.logits), _or_dash(r.kv_cache),
+                _or_dash(r.logits),
+                f"{size(r.reserved)} (vLLM)" if r.reserved else _or_dash(r.kv_cache),
             )
         )  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(w) for cell, w in zip(row, widths, strict=True))
         print(("  " + "  ".join(cells)).rstrip())
-    print(f"  resident {size(gpu.resident)} (weights, gradients kept between updates, AdamW)")
+    held = "weights, gradients kept between updates, AdamW"
+    if any(r.reserved for r in gpu.roles):
+        held += ", vLLM's gpu_memory_utilization share"
+    print(f"  resident {size(gpu.resident)} ({held})")
     for phase, total in gpu.phases.items():
         print(f"  {phase}: {size(total)}")
     verdict = "fits" if gpu.peak <= gpu_memory else "does NOT fit"

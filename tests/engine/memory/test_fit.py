@@ -81,3 +81,15 @@ def test_offline_stages_plan_pairs_as_two_rows_and_say_what_bounds_the_responses
     rm = config(algorithm={"name": "rm"}, train={"batch_size": 8, "mini_batch_size": 8})
     (actor,) = plan_memory(plan_inputs(rm, frozenset({"actor"}), SHAPES)).gpus[0].roles
     assert actor.logits == 0 and actor.parameters == SHAPE.parameters("score")
+
+
+def test_vllm_holds_its_share_of_the_gpu_and_a_reward_function_holds_nothing():
+    ray = {"backend": "ray", "groups": [{"roles": ["actor", "reference"]},
+                                        {"roles": ["rollout"], "workers": 2}]}  # fmt: skip
+    cfg = config(rollout={"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.4}},
+                 resources=ray)  # fmt: skip
+    plan = plan_memory(plan_inputs(cfg, ROLES, SHAPES, gpu_memory=80 * GiB))
+    rollout_gpu = next(g for g in plan.gpus if g.group == "groups[1]")
+    assert rollout_gpu.resident == rollout_gpu.peak == int(0.4 * 80 * GiB)
+    (reward,) = next(g for g in plan.gpus if g.group == "driver").roles
+    assert reward.resident == 0 and reward.parameters == 0

@@ -118,10 +118,11 @@ class RoleMemory:
     logits: int = 0
     kv_cache: int = 0
     work: int = 0  # a no-grad pass's or a generate call's working set besides the above
+    reserved: int = 0  # vLLM: gpu_memory_utilization × the GPU's memory (its weights, KV cache)
 
     @property
     def resident(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.reserved
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,10 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
         work = generation_work_bytes(
             shape, rows=gen_rows, prompt=inputs.prompt_tokens, compute_bytes=b
         )
+        if inputs.rollout_engine == "vllm":  # its weights and cache are in what it reserves
+            reserved = int(inputs.vllm_memory_fraction * inputs.gpu_memory)
+            return RoleMemory(role="rollout", model=role.model, parameters=params,
+                              trained_parameters=0, reserved=reserved)  # fmt: skip
         if not inputs.rollout_copy:
             weights = 0  # generates with the actor's own module
         return RoleMemory(
@@ -333,11 +338,7 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
                     resident - r.gradients + max(r.gradients, r.activations + r.logits)
                 )
             elif r.role == "rollout":
-                if inputs.rollout_engine == "vllm":
-                    phases["rollout (vLLM)"] = resident + int(
-                        inputs.vllm_memory_fraction * inputs.gpu_memory
-                    )
-                else:
+                if inputs.rollout_engine != "vllm":  # vLLM's reservation is resident
                     phases["rollout generate"] = resident + r.kv_cache + r.work
             elif r.weights:
                 phases[f"{r.role} forward"] = resident + r.logits + r.work
