@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 # takes 30 s or more of one worker's time.
 LONGEST_FIRST = (
     "tests/workers/test_ray_group.py",
+    "tests/workers/test_multinode.py",
     "tests/controller/test_preemption.py",
     "tests/learning/test_learning.py",
     "tests/controller/test_resume.py",

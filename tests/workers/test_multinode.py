@@ -8,11 +8,17 @@ Ray job through the dashboard, as the KubeRay RayJob submits it; then a GRPO run
 group is on node B loses node B (its raylet SIGKILLed, then the rest of the node's processes, as
 when a pod dies), a replacement node B joins (as KubeRay restarts the pod) and the run recovers
 by itself from its latest checkpoint. Every node is stopped at the end, by its own process group
-(never `ray stop`, which would stop every Ray on the machine)."""
+(never `ray stop`, which would stop every Ray on the machine).
+
+The runs' drivers are `keel train` processes (the job's, on the head; the other from the test):
+this process only reads the dashboard. (A pytest worker that ran a local `ray.init` before, as
+test_ray_group does, could not create actors on this cluster: Ray 2.60 cancels them, "all
+references to the actor were removed", after a `ray.shutdown` and a `ray.init(address=…)`.)"""
 
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,11 +31,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import ray
 from ray.job_submission import JobStatus, JobSubmissionClient
-from ray.util.state import list_actors
+from ray.util.state import list_actors, list_nodes
 
-from keel.config.loading import dump_config
+from keel.config.loading import ConfigError, dump_config
 from keel.controller.runner import run_training
 from keel.guard.events import read_events
 from tests.workers.test_ray_group import TOLERANCE, metrics, tiny_grpo, weights
@@ -162,9 +167,10 @@ def wait_for(predicate, what: str, timeout: float = START_TIMEOUT_S) -> None:
         time.sleep(0.01)
 
 
-def alive_with(resource: str) -> set[str]:
-    """The ids of the live nodes that have `resource`."""
-    return {n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]}
+def alive(cluster: Cluster, resource: str = "CPU") -> set[str]:
+    """The ids of the cluster's live nodes that have `resource` (from the dashboard)."""
+    nodes = list_nodes(cluster.dashboard, limit=1000)  # all: a filter counts as missing output
+    return {n.node_id for n in nodes if n.state == "ALIVE" and resource in n.resources_total}
 
 
 def hosts_by_role(cluster: Cluster) -> dict[str, set[str]]:
@@ -179,18 +185,17 @@ def hosts_by_role(cluster: Cluster) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Node A (head, dashboard) and node B; this process is a driver connected to the head."""
+    """Node A (head, dashboard) and node B. This process is no driver of it (the runs' drivers
+    are `keel train` processes, as on a real cluster): it only reads the dashboard."""
     root = tmp_path_factory.mktemp("cluster")
     cluster = Cluster(root)
     env = pytest.MonkeyPatch()
-    env.setenv("RAY_AUTH_MODE", "disabled")  # for the job client in this process
+    env.setenv("RAY_AUTH_MODE", "disabled")  # for the dashboard clients in this process
     try:
         cluster.add_node_b()
-        ray.init(address=cluster.address, namespace="keel", log_to_driver=False)
-        wait_for(lambda: alive_with("node_b"), "node B never joined the cluster")
+        wait_for(lambda: alive(cluster, "node_b"), "node B never joined the cluster")
         yield cluster
     finally:
-        ray.shutdown()
         cluster.stop()
         env.undo()
 
@@ -243,7 +248,9 @@ def test_ray_job_submit_runs_keel_train_on_the_cluster(cluster, tiny_dir, tmp_pa
     assert (run_dir / "checkpoints/step_000002").is_dir()
     assert weights(run_dir)  # the exported policy
     assert client.get_job_info(job).entrypoint == f"keel train {path}"
-    assert hosts_by_role(cluster) == {"actor": alive_with("node_a"), "reward": alive_with("node_b")}
+    assert hosts_by_role(cluster) == {
+        "actor": alive(cluster, "node_a"), "reward": alive(cluster, "node_b")
+    }  # fmt: skip
 
 
 # The run's reward (digit_fraction's scores), holding its call while the file `hold` exists: the
@@ -268,7 +275,8 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(
 ):
     """Node B dies while its reward worker scores step 2; a replacement node B joins; the run
     rebuilds its groups (the reward group waits for a node with `node_b`), resumes from step
-    1's checkpoint and ends where the uninterrupted run ends."""
+    1's checkpoint and ends where the uninterrupted run ends. The driver is `keel train` (on
+    this machine, as on node A)."""
     run_dir, reward = tmp_path / "run", tmp_path / "reward.py"
     reward.write_text(HELD_REWARD)
     resources = two_nodes(max_restarts=1, ray={"address": cluster.address})
@@ -288,7 +296,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(
             wait_for(lambda: logged(1), "step 1 was not logged", timeout=180)
             hold.touch()  # step 2 is generating; its reward call will wait on node B
             wait_for(held.exists, "step 2's reward call did not start", timeout=60)
-            (lost["node_id"],) = alive_with("node_b")
+            (lost["node_id"],) = alive(cluster, "node_b")
             lost["pids"] = node_b.lose()
             hold.unlink()
             cluster.add_node_b()  # as KubeRay restarts the pod
@@ -297,16 +305,22 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(
 
     thread = threading.Thread(target=lose_node_b_during_step_2, daemon=True)
     thread.start()
-    run_training(cfg)
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(cfg))
+    train = subprocess.run(
+        [str(BIN / "keel"), "train", str(path)],
+        env=cluster.env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
     thread.join()
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     assert "error" not in lost and lost["pids"], lost.get("error")
     events = read_events(run_dir / "events.jsonl")
     restart = [e for e in events if e["event"] == "restart"]
     # the reward group ran on node B, then on its replacement; the actor's group on node A
-    (replacement,) = alive_with("node_b")
-    assert lost["node_id"] not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    (replacement,) = alive(cluster, "node_b")
+    assert lost["node_id"] not in alive(cluster)
     assert hosts_by_role(cluster) == {
-        "actor": alive_with("node_a"), "reward": {lost["node_id"], replacement}
+        "actor": alive(cluster, "node_a"), "reward": {lost["node_id"], replacement}
     }  # fmt: skip
     assert len(restart) == 1 and restart[0]["reason"] == "worker_lost" and restart[0]["step"] == 2
     assert "reward" in restart[0]["message"]
@@ -316,3 +330,18 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(
     # resumed from a full-state checkpoint, the run ends where the uninterrupted one does
     local, dist = weights(local_run), weights(run_dir)
     assert max((local[k] - dist[k]).abs().max().item() for k in local) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "resources, says",
+    [
+        ({"node_b": 0}, "resources.groups.1.resources.node_b: Input should be greater than 0"),
+        ({"node_b": float("inf")}, "resources.groups.1.resources.node_b: Input should be a finite"),
+        ({"CPU": 1}, "resources.groups.1: resources.CPU: set cpus_per_worker instead"),
+    ],
+)
+def test_a_groups_resources_are_checked_naming_the_field(tiny_dir, tmp_path, resources, says):
+    groups = two_nodes()["groups"]
+    groups[1]["resources"] = resources
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        tiny_grpo(tiny_dir, tmp_path, backend="ray", groups=groups)
