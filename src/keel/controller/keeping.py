@@ -79,9 +79,10 @@ class Keeping:
             del metrics["checkpoint/count"]
             self.events.emit(step, "checkpoint", str(exc), ok=False)
             return False
-        metrics["checkpoint/save_s"] = handle.blocked_s
         if handle.info is not None:
             metrics["checkpoint/saved_at"] = handle.info.time
+        metrics["checkpoint/save_s"] = handle.blocked_s
+        if handle.info is not None:
             self._published(handle, count)
         else:
             self.in_flight = (handle, count)
