@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from keel.checkpoint import CheckpointError, validate_checkpoint
+from keel.checkpoint.policy import PolicyNotFound, resolve_policy
 from keel.checkpoint.state import CheckpointSaveError, read_latest
 from keel.checkpoint.writer import CheckpointStates, FullStateWriter, ShardedWriter
 from keel.config import validate
@@ -170,6 +171,10 @@ def test_a_sharded_asynchronous_run_resumes_exactly(tmp_path: Path, tiny_dir: Pa
         ckpt = tmp_path / run / "checkpoints" / "step_000004"
         assert (ckpt / "actor" / "dcp" / ".metadata").is_file()
         assert json.loads((ckpt / "meta.json").read_text())["format"] == "sharded"
+    run_dir = tmp_path / "split"
+    assert resolve_policy(run_dir).folder == run_dir / "model"  # the export: gathered at the end
+    with pytest.raises(PolicyNotFound, match="DCP shards"):  # `keel eval` of a checkpoint
+        resolve_policy(run_dir / "checkpoints" / "step_000004")
 
 
 def keeping_over(actor, cfg, run_dir: Path):

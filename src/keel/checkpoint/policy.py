@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel.checkpoint.sharded import is_sharded_folder
 from keel.checkpoint.state import info_of, list_checkpoints
 from keel.models.loading import hub_snapshot, is_hub_id
 
@@ -39,8 +40,8 @@ def resolve_policy(model: str | Path) -> PolicySource:
     - a checkpoint (RUN_DIR/checkpoints/step_N, complete): its actor/ folder;
     - a run directory: RUN_DIR/model when the run has finished and exported it, else the
       newest healthy checkpoint's actor/.
-    A checkpoint that holds only a LoRA adapter is not a loadable folder: the error says to
-    use the run's exported (merged) model/."""
+    A checkpoint that holds only a LoRA adapter, or DCP shards (checkpoint.format: sharded), is
+    not a loadable folder: the error says to use the run's exported model/."""
     path = Path(model).expanduser()
     if not path.exists():
         if is_hub_id(str(model)):  # its snapshot in the HF cache (ModelLoadError when absent)
@@ -78,6 +79,13 @@ def newest_healthy_checkpoint(run_dir: Path) -> PolicySource | None:
 def _checkpoint(path: Path) -> PolicySource:
     info = info_of(path)
     actor = path / "actor"
+    if is_sharded_folder(actor):
+        raise PolicyNotFound(
+            f"{path}: this checkpoint holds the actor as DCP shards (checkpoint.format: "
+            f"sharded), not an HF folder; use the run's exported model "
+            f"({path.parent.parent / EXPORTED}), or checkpoint.format: full for servable "
+            "checkpoints"
+        )
     if not (actor / "config.json").is_file():
         raise PolicyNotFound(
             f"{path}: this checkpoint holds only a LoRA adapter (actor/state.pt); use the run's "
