@@ -20,6 +20,7 @@ from keel.controller.assembly import Roles
 from keel.controller.guard_actions import GuardActions
 from keel.controller.keeping import Keeping
 from keel.controller.resume import config_changes
+from keel.controller.runner import run_training
 from keel.guard import EventLog, Guard, Trip, Verdict, read_events
 from keel.workers.group import LocalWorkerGroup
 from tests.checkpoint.test_state import built_actor
@@ -245,3 +246,21 @@ def test_a_resume_may_change_the_number_of_workers_and_nothing_else_of_a_group()
     assert config_changes(dumped(2), dumped(1)) == []
     assert config_changes(dumped(2), dumped(3)) == []
     assert config_changes(dumped(2), dumped(2, fsdp=False)) == ["resources.groups"]
+
+
+def test_a_sharded_checkpoint_uploads_and_resumes_from_its_url(tiny_grpo, tmp_path):
+    """checkpoint.upload_to with the sharded format: the upload starts once the background
+    write is published and copies every shard (DCP's hidden .metadata too); a run elsewhere
+    resumes from the URL."""
+    remote = tmp_path / "remote"
+    cfg = tiny_grpo(
+        "train.steps=2", "checkpoint.save_steps=2", f"checkpoint.upload_to=file://{remote}",
+        "checkpoint.format=sharded", "checkpoint.async_save=true",
+    )  # fmt: skip
+    run_training(cfg)
+    local = Path(cfg.run_dir) / "checkpoints" / "step_000002"
+    for rel in ("actor/dcp/.metadata", "actor/dcp/__0_0.distcp", "actor/trainer_state.pt"):
+        assert (remote / "step_000002" / rel).read_bytes() == (local / rel).read_bytes(), rel
+    other = cfg.model_copy(deep=True)
+    other.run_dir, other.train.steps = str(tmp_path / "elsewhere"), 3
+    assert run_training(other, resume=f"file://{remote}").resumed_from == 2

@@ -8,6 +8,7 @@ absence) never stalls training.
 
 from __future__ import annotations
 
+import posixpath
 import shutil
 import threading
 from dataclasses import dataclass
@@ -33,8 +34,14 @@ def upload_checkpoint(folder: Path, url: str, storage_options: dict[str, Any]) -
     fs, root = _filesystem(url, storage_options)
     remote = f"{root}/{folder.name}"
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER)
+    made: set[str] = set()
     for file in files:
-        fs.put_file(str(file), f"{remote}/{file.relative_to(folder).as_posix()}")
+        target = f"{remote}/{file.relative_to(folder).as_posix()}"
+        parent = posixpath.dirname(target)
+        if parent not in made:  # file:// needs its folders (a sharded role's dcp/ too)
+            fs.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        fs.put_file(str(file), target)
     fs.put_file(str(folder / MARKER), f"{remote}/{MARKER}")
     fs.pipe_file(f"{root}/{LATEST}", (folder.name + "\n").encode())
     return f"{url.rstrip('/')}/{folder.name}"
