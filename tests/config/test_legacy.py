@@ -170,8 +170,10 @@ def leaf_paths() -> set[str]:
 # 198 leaf paths before issue 21's config work; the issue asks for fewer than 181. Merged so
 # far: the guard's pairs into guard.rules, reward.{http,model}.batch_size, dynamic_sampling
 # into filter_groups, the Ray socket interfaces into ray.env_vars, vllm.enforce_eager into
-# rollout.compile (docs/config.md, Renamed keys). The bound keeps the count from growing back.
-MOST_LEAF_KEYS = 187
+# rollout.compile (docs/config.md, Renamed keys): 187. Issue 24 added five, each a new feature
+# (checkpoint.format, checkpoint.async_save, resources.weight_sync, weight_sync_bucket_mb,
+# resources.groups[].resources). The bound keeps the count from growing without a reason.
+MOST_LEAF_KEYS = 192
 
 
 def test_the_config_does_not_grow_back_past_its_leaf_key_count():
