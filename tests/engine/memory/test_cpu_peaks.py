@@ -5,8 +5,9 @@ within ±25%.
 
 The cases run in one fresh interpreter (peak_child.py), smallest first: for each, two updates
 of Keel's ActorWorker (AdamW and GradientStep as training builds them, one micro-batch), the
-peak resident set (ru_maxrss, which each case must raise above the earlier ones') measured
-above the resident set before it, after the imports and warm-up updates of a throw-away model.
+peak resident set (the kernel's high-water mark VmHWM, reset before each case through
+/proc/self/clear_refs, so the imports' own peak cannot hide a small case's) measured above the
+resident set before it, after the imports and warm-up updates of a throw-away model.
 glibc is told to serve every allocation above 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_), so freed
 tensors leave the resident set at once and it follows the live tensors, as
 torch.cuda.max_memory_allocated does on a GPU: the measurement includes the weights, gradients,
