@@ -228,7 +228,24 @@ def test_metrics_and_probes(server):
     assert server.metric('keel_serve_requests_total{endpoint="/v1/completions",status="200"}') > 0
     assert server.metric("keel_serve_generated_tokens_total") > 0
     assert server.metric("keel_serve_model_step") == -1
+    assert server.metric("keel_serve_ready") == 1
     assert server.request("GET", "/readyz")[1]["status"] == "ready"
+
+
+def test_the_ready_gauge_follows_readyz(tiny_dir):
+    """keel_serve_ready is 1 while /readyz answers 200 and 0 once it answers 503: here the
+    served model closed (draining, its batching queue shut) while uvicorn still answers."""
+    live = InProcessServer(tiny_dir, "--set", "serve.model_name=tiny")
+    try:
+        assert live.request("GET", "/readyz")[0] == 200
+        assert live.metric("keel_serve_ready") == 1
+        live.served.close(timeout=30)  # what the drain does after SIGTERM
+        status, body = live.request("GET", "/readyz")
+        assert (status, body["status"]) == (503, "draining")
+        assert live.metric("keel_serve_ready") == 0
+    finally:
+        live.server.should_exit = True
+        live.thread.join(60)
 
 
 def send_concurrently(

@@ -27,6 +27,7 @@ NAMES = (
     "keel_serve_generated_tokens_total", "keel_serve_tokens_per_second",
     "keel_serve_batch_rows", "keel_serve_batch_duration_seconds", "keel_serve_model_step",
     "keel_serve_reloads_total", "keel_serve_info", "keel_serve_scored_items_total",
+    "keel_serve_ready",
 )  # fmt: skip
 
 
@@ -83,6 +84,10 @@ class ServeMetrics:
         self.scored_items = Counter(
             "keel_serve_scored_items", "items scored (--reward: /v1/score, gRPC Score)", registry=r
         )
+        self.ready = Gauge(
+            "keel_serve_ready", "1 while /readyz answers 200 (the queue accepts work), 0 while "
+            "it answers 503 (loading, draining)", registry=r,
+        )  # fmt: skip
         info = Gauge("keel_serve_info", "1: the model served", ["model", "folder"], registry=r)
         info.labels(model=model, folder=folder).set(1)
         self._recent: deque[tuple[float, int]] = deque()
@@ -92,6 +97,10 @@ class ServeMetrics:
     def watch_queue(self, depth: Callable[[], int], pending: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
         self.pending.set_function(pending)
+
+    def watch_ready(self, ready: Callable[[], bool]) -> None:
+        """keel_serve_ready reads `ready()` (the condition of /readyz) at every scrape."""
+        self.ready.set_function(lambda: 1.0 if ready() else 0.0)
 
     def set_step(self, step: int | None) -> None:
         self.model_step.set(-1 if step is None else step)

@@ -45,6 +45,7 @@ class Served:
             on_batch=self.metrics.observe_batch,
         )
         self.metrics.watch_queue(lambda: self.queue.depth, lambda: self.queue.pending)
+        self.metrics.watch_ready(lambda: self.ready)
         self.draining = False
         self.loaded_at = time.time()
 
