@@ -1,7 +1,7 @@
 """`make bench-trl`: seconds per GRPO step, Keel against TRL's GRPOTrainer, at equal work.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python -m bench.compare_trl [--steps 8] [--warmup 2]
-        [--workloads W1,W2,W3] [--model small|tiny] [--cprofile DIR]
+        [--workloads W1,W2,W3,W4] [--variant p16|p4] [--model small|mini|tiny] [--cprofile DIR]
 
 (TRL from the bench extra: `pip install -e '.[bench]'`.)
 
@@ -11,10 +11,20 @@ Workloads (prompts × completions per prompt × new tokens; one optimizer update
     W2  16 × 8 × 32   KL off
     W3  16 × 8 × 32   KL on: coefficient 0.04 (Keel's algorithm.kl_loss_coef = TRL's beta),
                       with a reference model on both sides
+    W4  16 × 8 × 128  KL off: long completions
 
-Both programs get the same HF model folder (keel.models.create_tiny_model: "small" is hidden
-256, 4 layers, 4.2M parameters; "tiny" the factory's default, 0.14M), the same prompts (16
-tokens each), the same reward function, LR and optimizer settings, float32 on the CPU, and EOS
+Workload variants (`--variant`; one at a time, so each can be run alone):
+
+    p16  the "small" model (hidden 256, 4 layers, 4.2M parameters), 16-token prompts: the
+         default, and the variant most favourable to Keel's shared prompt passes (each
+         group's prompt once: a third of a pass's positions saved at W2)
+    p4   the "mini" model (hidden 128, 4 layers, MLP 256, 0.67M parameters), 4-token
+         prompts: little for the shared passes to save (about a tenth at W2)
+
+`--model` overrides the variant's model ("tiny": the factory's default, 0.14M).
+
+Both programs get the same HF model folder (keel.models.create_tiny_model), the same prompts,
+the same reward function, LR and optimizer settings, float32 on the CPU, and EOS
 can never be sampled, so every completion has exactly max_new_tokens tokens (bench/harness.py
 says how each of these is made equal, and what is not: TRL skips the old-log-prob forward).
 
@@ -26,12 +36,18 @@ through and waits for it. So the order is Keel step, TRL step, Keel step, … an
 run at the same time: they see the same machine load (other processes on it drift over
 minutes; alternating step by step spreads that drift over both), and `time.process_time()` of
 the process is the CPU time of the side that is running. The first `--warmup` steps of each
-are not counted; the figures are medians over the `--steps` after them. Per-phase seconds
+are not counted; the figures are medians over the `--steps` after them, and a round (one Keel
+step and the TRL step after it) gives one Keel/TRL ratio: the spread (min / median / max) of
+the rounds' ratios and of each side's CPU seconds is printed with them. Per-phase seconds
 (generate, reward, old-log-prob / reference / train forward, backward, optimizer, other) come
 from light wrappers on the calls both programs make (bench.harness.PhaseClock), plus Keel's own
 timing/* stage metrics.
 
-Prints a table and one JSON line per workload.
+Then the phase-vs-floor table: each side's generation and training-pass CPU seconds against
+their matmul floor (bench/phase_floor.py: the phase's matmul FLOPs over the GFLOP/s a plain
+single-thread torch.matmul reaches at the model's shapes, measured at the end of the run).
+
+Prints the tables and one JSON line per workload.
 """
 
 from __future__ import annotations
@@ -44,18 +60,22 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import (
     PHASES,
+    PROMPT_LENGTH,
     KeelSide,
     PhaseClock,
     StepRecord,
     TRLSide,
     Workload,
     quiet,
+    suppress_eos,
     tiny_llama_folder,
 )
+from bench.phase_floor import ModelShape, floor_rates, phase_floors, spread
 
 quiet()
 
@@ -65,7 +85,38 @@ WORKLOADS = {
     "W1": Workload("W1", prompts=2, n=4, max_new_tokens=8),
     "W2": Workload("W2", prompts=16, n=8, max_new_tokens=32),
     "W3": Workload("W3", prompts=16, n=8, max_new_tokens=32, kl=0.04),
+    "W4": Workload("W4", prompts=16, n=8, max_new_tokens=128),
 }
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A workload variant: the model and the prompts' length in tokens."""
+
+    name: str
+    model: str  # model_folder's size
+    prompt_length: int
+
+
+VARIANTS = {
+    "p16": Variant("p16", "small", PROMPT_LENGTH),
+    "p4": Variant("p4", "mini", 4),
+}
+
+
+def model_folder(path: Path, size: str) -> tuple[Path, int]:
+    """bench.harness.tiny_llama_folder's "tiny" and "small", and "mini": hidden 128, 4 layers,
+    4 heads, MLP 256 (0.67M parameters); (folder, parameters)."""
+    if size != "mini":
+        return tiny_llama_folder(path, size)
+    from keel.models import TinyModelSpec, count_parameters, create_tiny_model, load_causal_lm
+
+    spec = TinyModelSpec(
+        hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256
+    )
+    folder = create_tiny_model(path, spec)
+    suppress_eos(folder)
+    return folder, count_parameters(load_causal_lm(folder))
 
 
 def summarize(records: list[StepRecord]) -> dict:
@@ -87,14 +138,24 @@ def summarize(records: list[StepRecord]) -> dict:
 
 
 def run_workload(
-    w: Workload, model_dir: Path, work: Path, steps: int, warmup: int, profile_dir: Path | None
+    w: Workload,
+    model_dir: Path,
+    work: Path,
+    steps: int,
+    warmup: int,
+    profile_dir: Path | None,
+    prompt_length: int = PROMPT_LENGTH,
 ) -> dict:
     clock = PhaseClock().install()
     total = steps + warmup
     keel = trl = None
     try:
-        keel = KeelSide(model_dir, w, work, total_steps=total, clock=clock)
-        trl = TRLSide(model_dir, w, work, total_steps=total, clock=clock)
+        keel = KeelSide(
+            model_dir, w, work, total_steps=total, clock=clock, prompt_length=prompt_length
+        )
+        trl = TRLSide(
+            model_dir, w, work, total_steps=total, clock=clock, prompt_length=prompt_length
+        )
         records: dict[str, list[StepRecord]] = {"keel": [], "trl": []}
         # CPU time of the profiled thread: other processes on the machine do not show up in it.
         profiles = {side: cProfile.Profile(time.thread_time) for side in ("keel", "trl")}
@@ -111,9 +172,12 @@ def run_workload(
             if side is not None:
                 side.close()
         clock.uninstall()
-    k, t = summarize(records["keel"][warmup:]), summarize(records["trl"][warmup:])
+    timed = {side: recs[warmup:] for side, recs in records.items()}
+    k, t = summarize(timed["keel"]), summarize(timed["trl"])
+    rounds = list(zip(timed["keel"], timed["trl"], strict=True))
     return {
         "workload": w.name,
+        "prompt_length": prompt_length,
         "prompts": w.prompts,
         "n": w.n,
         "max_new_tokens": w.max_new_tokens,
@@ -124,9 +188,44 @@ def run_workload(
         "trl": t,
         "ratio_wall": k["wall_s"] / t["wall_s"],
         "ratio_cpu": k["cpu_s"] / t["cpu_s"],
+        "spread": {
+            "ratio_cpu": spread([kr.cpu_s / tr.cpu_s for kr, tr in rounds]),
+            "ratio_wall": spread([kr.wall_s / tr.wall_s for kr, tr in rounds]),
+            "keel_cpu_s": spread([r.cpu_s for r in timed["keel"]]),
+            "trl_cpu_s": spread([r.cpu_s for r in timed["trl"]]),
+        },
         "keel_wall_s_all": [round(r.wall_s, 4) for r in records["keel"]],
         "trl_wall_s_all": [round(r.wall_s, 4) for r in records["trl"]],
     }
+
+
+TRAIN_PHASES = ("old_logprob_fwd", "ref_fwd", "train_fwd", "backward")
+
+
+def floor_report(row: dict, shape: ModelShape) -> dict:
+    """Each side's generation and training-pass CPU seconds (medians), their matmul floors
+    (bench.phase_floor, at GFLOP/s measured now) and the times over the floors. A side's
+    no-grad forwards are the old-log-prob and reference passes it ran (a phase of 0 s: not
+    run); Keel's passes share each group's prompt, TRL's do not."""
+    w = WORKLOADS[row["workload"]]
+    p = row["prompt_length"]
+    rates = floor_rates(shape, w.rows, w.rows * (p + w.max_new_tokens))
+    out: dict = {"gflops": rates}
+    for side, shared in (("keel", True), ("trl", False)):
+        ph = row[side]["phases_cpu"]
+        no_grad = sum(ph[name] > 0 for name in ("old_logprob_fwd", "ref_fwd"))
+        floors = phase_floors(
+            shape, w.prompts, w.n, p, w.max_new_tokens,
+            no_grad_forwards=no_grad, shared=shared, rates=rates,
+        )  # fmt: skip
+        measured = {"generate": ph["generate"], "train": sum(ph[n] for n in TRAIN_PHASES)}
+        out[side] = {
+            "no_grad_forwards": no_grad,
+            "measured_s": measured,
+            "floor_s": floors,
+            "over_floor": {k: measured[k] / floors[k] for k in floors},
+        }
+    return out
 
 
 def print_table(rows: list[dict], model: str, params: int) -> None:
@@ -157,6 +256,37 @@ def print_table(rows: list[dict], model: str, params: int) -> None:
                     f"{r['workload']:<9}{side:<6}" + "".join(f"{ph[n]:>13.4f}" for n in names),
                     file=sys.stderr,
                 )
+    print(
+        "\nspread over the timed rounds (min / median / max): Keel/TRL CPU ratio; CPU s/step",
+        file=sys.stderr,
+    )
+    for r in rows:
+        sp = r["spread"]
+        parts = [
+            f"{what} {sp[key]['min']:.3f} / {sp[key]['median']:.3f} / {sp[key]['max']:.3f}"
+            for key, what in (("ratio_cpu", "ratio"), ("keel_cpu_s", "Keel"), ("trl_cpu_s", "TRL"))
+        ]
+        print(f"{r['workload']:<9}" + "   ".join(parts), file=sys.stderr)
+    print(
+        "\nphase vs matmul floor (median CPU s/step; floor at the single-thread matmul GFLOP/s):",
+        file=sys.stderr,
+    )
+    print(
+        f"{'':<9}{'side':<6}{'generate':>9} {'floor':>7} {'x':>6}   {'train':>7} {'floor':>7}"
+        f" {'x':>6}   GFLOP/s gen/train",
+        file=sys.stderr,
+    )
+    for r in rows:
+        fl = r["floor"]
+        for side in ("keel", "trl"):
+            f = fl[side]
+            m, fs, x = f["measured_s"], f["floor_s"], f["over_floor"]
+            print(
+                f"{r['workload']:<9}{side:<6}{m['generate']:>9.3f} {fs['generate']:>7.3f}"
+                f" {x['generate']:>6.1f}   {m['train']:>7.3f} {fs['train']:>7.3f}"
+                f" {x['train']:>6.1f}   {fl['gflops']['generate']:.0f}/{fl['gflops']['train']:.0f}",
+                file=sys.stderr,
+            )
     print("\nKeel's own stage timings (timing/*, median wall s/step):", file=sys.stderr)
     for r in rows:
         timing = r["keel"].get("timing", {})
@@ -168,8 +298,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
-    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated: W1,W2,W3")
-    parser.add_argument("--model", choices=["small", "tiny"], default="small")
+    parser.add_argument(
+        "--workloads", default="W1,W2,W3", help="comma-separated, of: " + ",".join(WORKLOADS)
+    )
+    parser.add_argument(
+        "--variant", choices=list(VARIANTS), default="p16", help="model and prompt length"
+    )
+    parser.add_argument(
+        "--model", choices=["small", "mini", "tiny"], help="override the variant's model"
+    )
     parser.add_argument(
         "--cprofile", type=Path, help="write <W>_<side>.pstats of the timed steps (thread CPU s)"
     )
@@ -180,21 +317,35 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     if args.cprofile is not None:
         args.cprofile.mkdir(parents=True, exist_ok=True)
+    variant = VARIANTS[args.variant]
+    model = args.model or variant.model
     torch.manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, params = tiny_llama_folder(Path(tmp) / "model", args.model)
+        model_dir, params = model_folder(Path(tmp) / "model", model)
+        from transformers import AutoConfig
+
+        shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
         for name in names:
             work = Path(tmp) / name
             work.mkdir()
             row = run_workload(
-                WORKLOADS[name], model_dir, work, args.steps, args.warmup, args.cprofile
+                WORKLOADS[name],
+                model_dir,
+                work,
+                args.steps,
+                args.warmup,
+                args.cprofile,
+                prompt_length=variant.prompt_length,
             )
-            row.update(model=args.model, params=params, threads=torch.get_num_threads())
+            row.update(
+                variant=variant.name, model=model, params=params, threads=torch.get_num_threads()
+            )
+            row["floor"] = floor_report(row, shape)
             rows.append(row)
             print(json.dumps(row), flush=True)
             gc.collect()
-    print_table(rows, args.model, params)
+    print_table(rows, model, params)
 
 
 if __name__ == "__main__":
