@@ -76,10 +76,13 @@ def digit_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> l
 
 
 def make_prompts(count: int, length: int = PROMPT_LENGTH) -> list[str]:
-    """`count` distinct prompts of exactly `length` characters ("add 012 and 345:" padded)."""
+    """`count` distinct prompts of exactly `length` characters ("add 012 and 345:" padded; under
+    8 characters its tail, "345:", so that the first 1,000 stay distinct down to 4)."""
     prompts = []
     for i in range(count):
         text = f"add {i % 1000:03d} and {(7 * i + 3) % 1000:03d}:"
+        if length < 8:
+            text = text[-length:]
         prompts.append((text * (length // len(text) + 1))[:length])
     return prompts
 
