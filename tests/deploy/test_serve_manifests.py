@@ -5,14 +5,21 @@ kustomizations (CPU: deploy/serve, GPU: deploy/serve/gpu) list files that exist 
 `kubectl kustomize` when kubectl is installed; and the manifests agree with the code they run:
 the container's arguments parse with keel's own argparse parser and its config with the serve
 config's loader, the probes and the scrape path are routes of the real FastAPI app (and answer
-as the probes expect), the ports agree, the grace period covers the drain."""
+as the probes expect), the ports agree, the grace period covers the drain. The operator overlay
+(deploy/serve/operator: ServiceMonitor, PrometheusRule, KEDA ScaledObject) validates against the
+vendored CRD schemas, its rules are alerts.yml's serving group, and it scrapes and scales on the
+series and job the server and the alerts use."""
 
 import copy
+import gzip
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -22,7 +29,8 @@ from keel.cli.main import build_parser
 from keel.serve.app import build_app
 from keel.serve.config import ServeConfig, load_serve_config
 from keel.serve.metrics import ServeMetrics
-from tests.deploy.tools import REPO_DEPLOY
+from tests.deploy.test_kuberay import SCHEMAS, closed
+from tests.deploy.tools import REPO_DEPLOY, binary
 
 SERVE = REPO_DEPLOY / "serve"
 BASE = SERVE / "base"
@@ -284,3 +292,150 @@ def test_services_and_budget_select_the_pods_and_agree_on_ports():
     budget = resources["PodDisruptionBudget"]
     assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert budget["spec"]["maxUnavailable"] == 1
+
+
+# ------------------------------------------- deploy/serve/operator: Prometheus operator, KEDA
+OPERATOR = SERVE / "operator"
+CRD_SCHEMAS = {  # kind → the vendored CRD schema (tests/deploy/schemas/README.md)
+    "ServiceMonitor": "servicemonitor-v1",
+    "PrometheusRule": "prometheusrule-v1",
+    "ScaledObject": "scaledobject-v1alpha1",
+}
+
+
+def operator_objects() -> dict[str, dict]:
+    """The overlay's own objects by kind (its resources other than the base)."""
+    kust = yaml.safe_load((OPERATOR / "kustomization.yaml").read_text())
+    out = {}
+    for name in kust["resources"]:
+        if (OPERATOR / name).is_file():
+            for doc in docs(OPERATOR / name):
+                out[doc["kind"]] = doc
+    return out
+
+
+def crd_validator(kind: str) -> jsonschema.Draft7Validator:
+    path = SCHEMAS / f"{CRD_SCHEMAS[kind]}.schema.json.gz"
+    return jsonschema.Draft7Validator(closed(json.loads(gzip.decompress(path.read_bytes()))))
+
+
+def serving_group() -> dict:
+    groups = yaml.safe_load((REPO_DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    return next(g for g in groups if g["name"] == "keel-serve")
+
+
+def test_the_operator_overlay_adds_its_objects_to_the_base():
+    kust = yaml.safe_load((OPERATOR / "kustomization.yaml").read_text())
+    assert (OPERATOR / kust["resources"][0]).resolve() == BASE.resolve()
+    assert all((OPERATOR / r).exists() for r in kust["resources"])
+    assert set(operator_objects()) == set(CRD_SCHEMAS)
+    base = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    assert not {kind for name in base["resources"] for kind in
+                (d["kind"] for d in docs(BASE / name))} & set(CRD_SCHEMAS)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, path, value", [
+    ("ServiceMonitor", ["spec", "endpoint"], []),  # misspelled (endpoints)
+    ("ServiceMonitor", ["spec", "endpoints", 0, "interval"], "15 seconds"),  # not a duration
+    ("PrometheusRule", ["spec", "groups", 0, "rule"], []),  # misspelled (rules)
+    ("ScaledObject", ["spec", "minReplicas"], 2),  # misspelled (minReplicaCount)
+    ("ScaledObject", ["spec", "triggers", 0, "metadata", "threshold"], 32),  # not a string
+])  # fmt: skip
+def test_the_operator_objects_validate_against_their_crds(kind, path, value):
+    validator = crd_validator(kind)
+    obj = operator_objects()[kind]
+    assert not [e.message for e in validator.iter_errors(obj)], kind
+    broken = copy.deepcopy(obj)
+    node = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert list(validator.iter_errors(broken)), (kind, path)
+
+
+@needs_kubectl
+def test_the_operator_overlay_renders():
+    out = rendered(OPERATOR)
+    kinds = sorted(d["kind"] for d in out)
+    assert kinds == sorted(["ConfigMap", "Deployment", "PodDisruptionBudget", "Service",
+                            "Service", *CRD_SCHEMAS])  # fmt: skip
+    for doc in out:
+        assert LABELS.items() <= doc["metadata"]["labels"].items(), doc["kind"]
+        if doc["kind"] in CRD_SCHEMAS:
+            assert not [e.message for e in crd_validator(doc["kind"]).iter_errors(doc)]
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_prometheusrule_holds_the_serving_alerts(tmp_path):
+    """Its one group is alerts.yml's keel-serve group, equal rule for rule, and promtool
+    accepts it as a rule file."""
+    rule = operator_objects()["PrometheusRule"]
+    assert rule["spec"]["groups"] == [serving_group()]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    proc = subprocess.run([binary("promtool"), "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(serving_group()['rules'])} rules found" in proc.stdout
+
+
+def scrape_job() -> str:
+    """The job the ServiceMonitor's relabeling gives the serving pods."""
+    (endpoint,) = operator_objects()["ServiceMonitor"]["spec"]["endpoints"]
+    (relabel,) = [r for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
+    return relabel["replacement"]
+
+
+def test_the_servicemonitor_scrapes_each_pod_once_as_the_alerts_job():
+    """It selects the headless Service (every pod, ready or not), not the ClusterIP one (the
+    same pods again), on a port of it, at the app's /metrics; the pods' job is the one the
+    serving alerts and deploy/prometheus/kubernetes.yml use."""
+    monitor = operator_objects()["ServiceMonitor"]
+    resources = base_resources()
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    headless, service = resources["Service/headless"], resources["Service"]
+    assert selector.items() <= headless["metadata"]["labels"].items()
+    assert not selector.items() <= {**service["metadata"].get("labels", {}), **LABELS}.items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in headless["spec"]["ports"]}
+    assert endpoint["path"] in app_routes()
+    job = scrape_job()
+    for rule in serving_group()["rules"]:
+        assert set(re.findall(r'job="([^"]+)"', rule["expr"])) <= {job}, rule["alert"]
+    kubernetes = yaml.safe_load((REPO_DEPLOY / "prometheus" / "kubernetes.yml").read_text())
+    assert kubernetes["scrape_configs"][0]["job_name"] == job
+
+
+def seconds(duration: str) -> int:
+    assert duration.endswith("s"), duration
+    return int(duration[:-1])
+
+
+def test_the_scaledobject_scales_the_deployment_by_its_queue_depth():
+    """KEDA scales the base Deployment (never under the budget's two replicas) on the summed
+    keel_serve_queue_depth of the ServiceMonitor's job, at a backlog per replica no larger
+    than one batch, polling no faster than the scrapes."""
+    from tests.deploy.tools import METRIC, serving_series
+
+    scaled = operator_objects()["ScaledObject"]["spec"]
+    deployment = base_resources()["Deployment"]
+    target = scaled["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        deployment["apiVersion"],
+        deployment["kind"],
+        deployment["metadata"]["name"],
+    )
+    budget = base_resources()["PodDisruptionBudget"]["spec"]["maxUnavailable"]
+    assert scaled["minReplicaCount"] >= max(deployment["spec"]["replicas"], budget + 1)
+    assert scaled["maxReplicaCount"] > scaled["minReplicaCount"]
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    query = trigger["metadata"]["query"]
+    assert set(METRIC.findall(query)) == {"keel_serve_queue_depth"}
+    assert "keel_serve_queue_depth" in serving_series()
+    assert query.startswith("sum(") and f'job="{scrape_job()}"' in query
+    batch = load_serve_config(BASE / "serve.yaml").serve.max_batch_size
+    assert 0 < int(trigger["metadata"]["threshold"]) <= batch
+    (endpoint,) = operator_objects()["ServiceMonitor"]["spec"]["endpoints"]
+    assert scaled["pollingInterval"] >= seconds(endpoint["interval"])
