@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> None:
         w = WORKLOADS[name]
         positions = w.rows * (p + w.max_new_tokens)
         rates = floor_rates(shape, w.rows, positions)
-        for side, shared, fwds in (("keel", True, 1 + (w.kl > 0)), ("trl", False, int(w.kl > 0))):
+        # no-grad forwards: the reference pass with KL; neither side runs an old-log-prob pass
+        # at one update per generation (compare_trl counts the passes it measured instead)
+        fwds = int(w.kl > 0)
+        for side, shared in (("keel", True), ("trl", False)):
             gen = generation_flops(shape, w.prompts, w.n, p, w.max_new_tokens, shared=shared)
             train = training_flops(
                 shape, w.prompts, w.n, p, w.max_new_tokens, no_grad_forwards=fwds, shared=shared
