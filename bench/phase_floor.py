@@ -176,10 +176,11 @@ def matmul_gflops(rows: int, inner: int, cols: int, *, repeats: int = 20) -> flo
 def floor_rates(m: ModelShape, rows: int, positions: int) -> dict[str, float]:
     """Measured single-thread GFLOP/s at the model's MLP shape (hidden → intermediate, the
     largest of its matmuls): with `rows` rows (a decode step) and with `positions` rows (a
-    training pass; at most 8,192)."""
+    training pass; at most 8,192). Best of many calls: on a loaded machine a few calls can all
+    be slowed down by another process, and a floor from a low rate would flatter the phases."""
     return {
-        "generate": matmul_gflops(rows, m.hidden, m.intermediate),
-        "train": matmul_gflops(min(positions, 8192), m.hidden, m.intermediate, repeats=5),
+        "generate": matmul_gflops(rows, m.hidden, m.intermediate, repeats=200),
+        "train": matmul_gflops(min(positions, 8192), m.hidden, m.intermediate, repeats=15),
     }
 
 
