@@ -107,6 +107,7 @@ def test_https_and_a_graceful_drain_on_sigterm(tiny_dir, tmp_path):
 
 
 def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, tmp_path):
+    from keel.checkpoint.policy import newest_healthy_checkpoint
     from keel.controller import run_training
     from keel.controller.outcome import RunPreempted
 
@@ -136,6 +137,12 @@ def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, 
         loader.join(30)
         assert models(server)["step"] == 2, server.text()
         assert statuses and set(statuses) == {200}
+        # root names the checkpoint served now, as an absolute path; so does keel_serve_info
+        newest = newest_healthy_checkpoint(run_dir)
+        assert newest is not None and newest.step == 2
+        assert models(server)["root"] == str(newest.folder.resolve())
+        assert server.metric(f'keel_serve_info{{folder="{newest.folder}",model="run"}}') == 1
+        assert server.metric("keel_serve_info") == 1  # the step-1 series is gone
         _, answer = server.request("POST", "/v1/completions", {"model": "run", "prompt": "1"})
         assert answer["system_fingerprint"] == "keel-step-2"
         assert server.metric("keel_serve_reloads_total") == 1

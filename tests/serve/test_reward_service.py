@@ -136,7 +136,7 @@ def test_grpo_trains_with_rewards_from_a_real_keel_serve_reward(server, rm_dir, 
     monkeypatch.setenv("KEEL_REWARD_API_KEY", KEY)
     scored = server.metric("keel_serve_scored_items_total")
     cfg = tiny_grpo(
-        "train.steps=1", f"reward.url={server.base_url}/score", "reward.http.batch_size=8",
+        "train.steps=1", f"reward.url={server.base_url}/score", "reward.batch_size=8",
         "monitor.samples.every=1", "monitor.samples.count=16", "monitor.samples.console=false",
     )  # fmt: skip
     run_training(cfg)

@@ -56,7 +56,7 @@ class CheckpointFollower:
             return False
         try:
             state = self.read(source.folder)
-            self.policy.swap_weights(state, source.step)
+            self.policy.swap_weights(state, source)
         except Exception as exc:  # a broken checkpoint: keep serving the weights we have
             self.failed.add(source.step)
             log.warning(

@@ -88,8 +88,9 @@ class ServeMetrics:
             "keel_serve_ready", "1 while /readyz answers 200 (the queue accepts work), 0 while "
             "it answers 503 (loading, draining)", registry=r,
         )  # fmt: skip
-        info = Gauge("keel_serve_info", "1: the model served", ["model", "folder"], registry=r)
-        info.labels(model=model, folder=folder).set(1)
+        self.info = Gauge("keel_serve_info", "1: the model served", ["model", "folder"], registry=r)
+        self.model = model
+        self.set_folder(folder)
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
         self.tokens_per_second.set_function(self._rate)
@@ -101,6 +102,11 @@ class ServeMetrics:
     def watch_ready(self, ready: Callable[[], bool]) -> None:
         """keel_serve_ready reads `ready()` (the condition of /readyz) at every scrape."""
         self.ready.set_function(lambda: 1.0 if ready() else 0.0)
+
+    def set_folder(self, folder: str) -> None:
+        """keel_serve_info names `folder` (a --follow swap replaces the old series)."""
+        self.info.clear()
+        self.info.labels(model=self.model, folder=folder).set(1)
 
     def set_step(self, step: int | None) -> None:
         self.model_step.set(-1 if step is None else step)

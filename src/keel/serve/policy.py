@@ -130,8 +130,15 @@ class ServedPolicy(Served):
         """n generations per prompt, prompt-major, from a batch shared with other requests."""
         return await self.result(self.submit(prompts, n, sampling, tools))
 
-    def swap_weights(self, state: Mapping[str, torch.Tensor], step: int) -> None:
-        """Answer with `state` from the next batch on (blocks until the engine has them)."""
+    def swap_weights(self, state: Mapping[str, torch.Tensor], source: PolicySource) -> None:
+        """Answer with `state`, the weights of checkpoint `source`, from the next batch on
+        (blocks until the engine has them); /v1/models' root and keel_serve_info's folder then
+        name `source`'s folder."""
+        step = source.step
+        if step is None:
+            raise ValueError(f"swap_weights: {source.folder} is not a checkpoint (no step)")
         self.queue.between_batches(lambda: self.runner.load_weights(state, step)).result()
+        self.source = source
         self.metrics.set_step(step)
+        self.metrics.set_folder(str(source.folder))
         self.metrics.reloads.inc()
