@@ -139,6 +139,26 @@ def test_a_call_the_model_writes_comes_back_as_tool_calls_and_the_round_trip_con
     assert again.usage.prompt_tokens == expected_prompt_tokens(tool_model, rendered, [LOOKUP])
 
 
+def test_a_message_object_as_openais_api_returns_it_is_accepted(client, tool_model):
+    """The assistant message of an answer from OpenAI's own API carries `annotations`,
+    `audio` and `function_call` beside `content: null` and `tool_calls`; passed back through
+    the SDK, it is rendered as Keel's own answer would be (the call in the model's format)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    message = ChatCompletionMessage.model_validate({
+        "role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
+        "function_call": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "lookup", "arguments": json.dumps({"word": "cat"})}}],
+    })  # fmt: skip
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "a small feline"}
+    out = client.chat.completions.create(
+        model="tools", messages=[*ASK, message, tool], tools=[LOOKUP], max_tokens=1
+    )
+    rendered = [*ASK, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": "a small feline"}]  # fmt: skip
+    assert out.usage.prompt_tokens == expected_prompt_tokens(tool_model, rendered, [LOOKUP])
+
+
 def test_tool_choice_none_returns_the_call_as_text(client):
     out = client.chat.completions.create(
         model="tools", messages=ASK, tools=[LOOKUP], tool_choice="none", max_tokens=80,
@@ -174,6 +194,11 @@ BAD = {
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{no"}}]}]},
         "messages[1].tool_calls"),
     "response_format": ({"response_format": {"type": "json_object"}}, None),
+    "an unknown key of a message": ({"messages": [{"role": "user", "content": "x", "colour": 1}]},
+                                    "messages[0].colour"),
+    "a function_call": ({"messages": [*ASK, {"role": "assistant", "content": "x",
+                         "function_call": {"name": "f", "arguments": "{}"}}]},
+                        "messages[1].function_call"),
 }  # fmt: skip
 
 

@@ -130,12 +130,24 @@ class Message(BaseModel):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None  # what the SDK echoes back of an answer; not rendered
+    # More of an answer the SDK echoes back when its message object is passed on (as OpenAI's
+    # own API returns it): accepted empty, not rendered.
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> Message:
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls: only an assistant message has tool calls (this "
                              f"one is {self.role!r})")  # fmt: skip
+        if self.function_call is not None:
+            raise ValueError("function_call: not supported (the deprecated form of a tool "
+                             "call): send tool_calls")  # fmt: skip
+        if self.audio is not None:
+            raise ValueError("audio: not supported (text only)")
+        if self.annotations and self.role != "assistant":
+            raise ValueError("annotations: only an assistant message has annotations")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"content: a {self.role} message needs a content (null only for "
                              "an assistant message with tool_calls)")  # fmt: skip
@@ -330,7 +342,9 @@ def _invalid(exc: ValidationError) -> APIError:
     errors = exc.errors()
     err = errors[0]
     param = plain_path(err["loc"]) or None
-    if err["type"] == "extra_forbidden":
+    if err["type"] == "extra_forbidden":  # the unknown key itself, whatever its name
+        param = plain_path(err["loc"][:-1])
+        param = f"{param}.{err['loc'][-1]}" if param else str(err["loc"][-1])
         return bad_request(f"unrecognized request argument: {param}", code="unknown_parameter",
                            param=param)  # fmt: skip
     if err["type"] == "missing":
