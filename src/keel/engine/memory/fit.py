@@ -266,16 +266,7 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
             work=work,
         )
     work = no_grad_work_bytes(shape, rows=rows, seq_len=seq, compute_bytes=b)
-    logits = 0
-    if head == "lm":
-        logits = logits_bytes(
-            rows=rows,
-            tokens=inputs.response_tokens,
-            vocab=shape.vocab_size,
-            compute_bytes=b,
-            chunk_tokens=inputs.logits_chunk_tokens,
-            training=False,
-        )
+    logits = _no_grad_logits(shape, inputs, rows) if head == "lm" else 0
     return RoleMemory(
         role=role.role,
         model=role.model,
@@ -310,12 +301,17 @@ def _no_grad_pass(shape: ModelShape | None, inputs: PlanInputs, group: GroupInpu
     if shape is None:
         return 0
     rows, seq = _rows_per_rank(inputs, group.workers)
-    b = inputs.compute_bytes
-    return no_grad_work_bytes(shape, rows=rows, seq_len=seq, compute_bytes=b) + logits_bytes(
+    work = no_grad_work_bytes(shape, rows=rows, seq_len=seq, compute_bytes=inputs.compute_bytes)
+    return work + _no_grad_logits(shape, inputs, rows)
+
+
+def _no_grad_logits(shape: ModelShape, inputs: PlanInputs, rows: int) -> int:
+    """Bytes of the response logits of a no-grad log-prob pass over `rows` rows."""
+    return logits_bytes(
         rows=rows,
         tokens=inputs.response_tokens,
         vocab=shape.vocab_size,
-        compute_bytes=b,
+        compute_bytes=inputs.compute_bytes,
         chunk_tokens=inputs.logits_chunk_tokens,
         training=False,
     )
