@@ -7,7 +7,7 @@ engine for `rollout.engine` is built from `EngineInputs` by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -101,6 +101,64 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One row for a `Decoder` to decode: `key` names it in the tokens it yields (the caller's
+    id, unique among the rows alive in one decoder); its prompt's token ids; its sampling
+    (temperature, top_p, max_new_tokens; n is ignored: one row is one response)."""
+
+    key: Hashable
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class RowToken:
+    """One token a `Decoder.step` produced for the row `key`: its id, its log-prob under
+    logits / temperature (logits for greedy rows), and `finish`: None while the row goes on,
+    "stop" when this token is one of the engine's EOS ids (the token is the row's last), or
+    "length" when it is the row's max_new_tokens-th. A finished row has left the decoder."""
+
+    key: Hashable
+    token: int
+    logprob: float
+    finish: str | None
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """A running decode batch that rows join and leave at token granularity (continuous
+    batching): the step API both the rollout and `keel serve` drive. One thread uses it.
+
+    `join(rows)` prefills the rows' prompts; they decode from the next `step` on, beside the
+    rows already running (which are neither restarted nor recomputed).
+    `step()` runs one decode step over every live row and returns one `RowToken` per live row
+    (rows that joined before it, in join order); finished rows are freed by it.
+    `leave(keys)` frees rows before they finish (a stop string, a client gone); unknown keys
+    are ignored. `live`: rows joined and not yet finished or left. `close()` frees everything.
+    Weights must not change while rows are live (`RolloutEngine.update_weights` between).
+    """
+
+    @property
+    def live(self) -> int: ...
+
+    def join(self, rows: Sequence[RowRequest]) -> None: ...
+
+    def step(self) -> list[RowToken]: ...
+
+    def leave(self, keys: Iterable[Hashable]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class DecodingEngine(Protocol):
+    """A `RolloutEngine` that can also be driven step by step: `decoder()` opens a `Decoder`
+    on the engine's current weights (serving's continuous batching holds one)."""
+
+    def decoder(self) -> Decoder: ...
 
 
 @dataclass(frozen=True)
