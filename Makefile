@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo gpu-wheels test test-tools lint typecheck format bench bench-trl bench-engines clean install mutants \
+.PHONY: demo gpu-wheels test test-tools lint typecheck format bench bench-trl bench-engines bench-serve \
+	clean install mutants \
 	golden learning install-vllm test-vllm test-portable
 
 install: $(STAMP)
@@ -120,6 +121,17 @@ bench: $(STAMP)
 bench-trl: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.compare_trl
+
+# keel serve under Locust, headless at a fixed offered rate (bench/serve_locust.py running
+# bench/locustfile.py; locust from the bench extra, installed when missing). One 60 s level at
+# 100 QPS, max_tokens 8, on builtin:tiny; BENCH_SERVE_ARGS changes it, e.g.
+#   make bench-serve BENCH_SERVE_ARGS="--batching batch --max-tokens 64 --find-max --qps 10 --qps-step 10"
+# docs/serving.md ("Load testing") has the figures.
+BENCH_SERVE_ARGS ?= --qps 100 --max-tokens 8 --duration 60
+bench-serve: $(STAMP)
+	$(BIN)/python -c "import importlib.metadata as m; assert m.version('locust') == '2.47.0'" 2>/dev/null \
+		|| $(BIN)/pip install --quiet -e '.[bench]'
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.serve_locust $(BENCH_SERVE_ARGS)
 
 # HF generate against vLLM, tokens/s on one workload and model (bench/engines.py; needs
 # .venv-vllm). A few minutes on 2 cores; docs/performance.md has the figures.
