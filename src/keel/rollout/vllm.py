@@ -7,10 +7,15 @@ the HF engine's encoding, chat template included) and given to vLLM as token ids
 decoded by Keel's tokenizer.
 
 Log-probs follow the trainer's convention, log-softmax(logits / temperature) of the sampled token
-with no top-p renormalisation. vLLM's "processed" log-probs are taken after top-p, its "raw" ones
-before the temperature, so the temperature is folded into the model's logits scale
-(`logits_processor.scale`): vLLM samples at temperature 1 from logits / T (top-p applied to
-them, as HF does) and its raw log-probs are those of logits / T.
+with no top-p renormalisation, per row: vLLM's "processed" log-probs are taken after top-p, its
+"raw" ones before the temperature, so Keel's sampler wrapper (`install_row_logprobs`, in vLLM's
+worker) computes them from the model's logits and each row's own temperature (1 for greedy
+rows) before vLLM samples, at that temperature, with top-p applied to logits / T as HF does.
+Rows of different temperatures therefore share one vLLM batch (the serving decoder's rows).
+
+`decoder()` opens a `Decoder` (keel.rollout.protocol) on vLLM's own engine step API
+(`LLMEngine.add_request` per row, `step`, `abort_request`): continuous batching by vLLM's
+scheduler, row by row (`VLLMDecoder`).
 
 Weights are pushed into the running engine (`update_weights`, no restart) by vLLM's in-place
 `reload_weights` in its worker (tensors handed over in-process, never serialised), then the
@@ -26,7 +31,9 @@ import json
 import os
 import random
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +45,7 @@ from keel.data.encoding import stop_ids
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
-from keel.rollout.protocol import Completions, SamplingParams
+from keel.rollout.protocol import Completions, RowRequest, RowToken, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
 
@@ -198,7 +205,7 @@ def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
         "dtype": inputs.dtype,
         "skip_tokenizer_init": True,  # Keel tokenizes and decodes
         "enforce_eager": rollout.compile is not True,  # rollout.compile: null or false
-        "logprobs_mode": "raw_logprobs",  # of logits / T: see set_logit_temperature
+        "logprobs_mode": "raw_logprobs",  # replaced by each row's: see install_row_logprobs
         "enable_prefix_caching": True,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
     }
@@ -242,7 +249,7 @@ class VLLMRolloutEngine:
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.weight_version = 0
-        self._temperature: float | None = None  # the one the model's logits are divided by
+        self._decoders: weakref.WeakSet[VLLMDecoder] = weakref.WeakSet()
         # the engine is shut down by close(), or at interpreter exit (a crash, a signal that
         # ends the run) when nothing closed it
         self._finalizer = weakref.finalize(self, _shutdown_quietly, llm)
@@ -256,6 +263,7 @@ class VLLMRolloutEngine:
             vllm = import_vllm()
             os.environ.update(engine_env())
             llm = vllm.LLM(**engine_args(rollout, inputs))
+            llm.collective_rpc(install_row_logprobs)
         model_len = llm.llm_engine.model_config.max_model_len
         generation = SimpleGenerationConfig.from_folder(inputs.model_path)
         return cls(
@@ -283,9 +291,9 @@ class VLLMRolloutEngine:
         self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> Completions:
         llm = self._engine()
+        self._check_idle("generate_ids")
         self._check_length(prompt_ids, sampling.max_new_tokens)
         greedy = sampling.temperature == 0
-        self._set_temperature(1.0 if greedy else sampling.temperature)
         # One request per row (vLLM's prefix cache shares a prompt's KV blocks between its n
         # rows). Row i samples with its own generator, seeded seed + i, whatever vLLM's
         # batching; seed is drawn from torch's generator (seeded by Keel), which vLLM's sampler
@@ -307,9 +315,16 @@ class VLLMRolloutEngine:
         """Load the policy's full weights into the running engine, then drop every cached KV
         block (they were computed under the old weights)."""
         llm = self._engine()
+        self._check_idle("update_weights")
         llm.collective_rpc(reload_worker_weights, args=(dict(state),))
         llm.reset_prefix_cache()
         self.weight_version = int(version)
+
+    def decoder(self) -> VLLMDecoder:
+        """A `Decoder` on this engine's vLLM engine and current weights (`VLLMDecoder`)."""
+        decoder = VLLMDecoder(self)
+        self._decoders.add(decoder)
+        return decoder
 
     def sleep(self) -> None:
         """vLLM's sleep mode (level 1: weights offloaded, KV cache freed) on GPUs; on a CPU
@@ -345,27 +360,186 @@ class VLLMRolloutEngine:
                 f"vLLM engine's max_model_len {self.max_model_len} (rollout.vllm.max_model_len)"
             )
 
-    def _set_temperature(self, temperature: float) -> None:
-        """Fold 1 / temperature into the model's logits scale (cached: one RPC per change)."""
-        if self._temperature != temperature:
-            self._engine().collective_rpc(set_logit_temperature, args=(temperature,))
-            self._temperature = temperature
+    def _check_idle(self, what: str) -> None:
+        """A RuntimeError when a decoder has live rows: vLLM's engine is shared, so LLM.generate
+        would run (and swallow) the decoder's requests, and weights must not change under them."""
+        busy = sum(d.live for d in self._decoders)
+        if busy:
+            raise RuntimeError(
+                f"{what} while a decoder of this vLLM engine has {busy} live rows: let them "
+                "finish or leave first"
+            )
 
-    def _sampling_params(self, sampling: SamplingParams, greedy: bool, seed: int) -> Any:
+    def _sampling_params(
+        self, sampling: SamplingParams, greedy: bool, seed: int, *, delta: bool = False
+    ) -> Any:
+        """vLLM's SamplingParams of one row (n=1); `delta`: each output holds only the tokens
+        new since the last one (the decoder's), else vLLM's default."""
         from vllm import (  # pyright: ignore[reportMissingImports] (the vllm extra)
             SamplingParams as VLLMSamplingParams,
         )
+        from vllm.sampling_params import (  # pyright: ignore[reportMissingImports]
+            RequestOutputKind,
+        )
 
+        extra = {"output_kind": RequestOutputKind.DELTA} if delta else {}
         return VLLMSamplingParams(
             n=1,
-            temperature=0.0 if greedy else 1.0,  # T is in the logits scale
+            temperature=0.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p,
             max_tokens=sampling.max_new_tokens,
             stop_token_ids=list(self.eos_ids),
-            logprobs=0,  # the sampled token's
+            logprobs=0,  # the sampled token's (install_row_logprobs: under logits / T)
             seed=None if greedy else seed,
             detokenize=False,
+            **extra,
         )
+
+    def _row_seed(self) -> int:
+        """A row's sampling seed, drawn from torch's generator (seeded by Keel)."""
+        return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+@dataclass
+class _Row:
+    """A decoder row: its vLLM request id, its tokens not yet handed out ((id, log-prob), in
+    order), and vLLM's finish reason once vLLM has ended it (its last tokens may still wait)."""
+
+    request_id: str
+    pending: deque[tuple[int, float]] = field(default_factory=deque)
+    finish: str | None = None
+
+
+class VLLMDecoder:
+    """A `Decoder` (keel.rollout.protocol) over vLLM's engine step API: `join` adds one vLLM
+    request per row (its SamplingParams: temperature, top_p, max_tokens, the EOS ids as stop
+    ids, the sampled token's log-prob, a seed drawn from torch's generator), `step` runs vLLM's
+    `LLMEngine.step` and hands out one token per live row, `leave` aborts the rows' requests.
+
+    Where vLLM's step differs from the protocol's, tokens are buffered so that the protocol
+    holds: vLLM prefills a joined row inside its next step (beside the running rows' decode)
+    and schedules by a token budget, so one of its steps may give a row no token (a prompt
+    longer than max_num_batched_tokens prefilled in chunks, rows past max_num_seqs waiting,
+    a row preempted under KV-cache pressure, the one-step lag of async scheduling) or several
+    (speculative decoding). `step` runs vLLM steps until every live row has a token, then gives
+    each row its oldest one; a row that ran ahead keeps the rest for the next steps (which run
+    no vLLM step while every row has one). Rows of different temperatures share the batch
+    (log-probs under each row's own temperature: `install_row_logprobs`).
+
+    vLLM's engine is the engine's: while rows are live, its `generate_ids` and
+    `update_weights` refuse (RuntimeError)."""
+
+    def __init__(self, engine: VLLMRolloutEngine):
+        self._owner = engine
+        self._rows: dict[Hashable, _Row] = {}  # join order
+        self._keys: dict[str, Hashable] = {}  # vLLM request id → key
+        self._count = 0
+        self._closed = False
+
+    @property
+    def live(self) -> int:
+        return len(self._rows)
+
+    def join(self, rows: Sequence[RowRequest]) -> None:
+        llm_engine = self._llm_engine()
+        keys = [row.key for row in rows]
+        clash = [k for k in keys if k in self._rows] or [k for k in keys if keys.count(k) > 1]
+        if clash:
+            raise ValueError(f"Decoder.join: the row key {clash[0]!r} is already live")
+        if any(d.live for d in self._owner._decoders if d is not self):
+            raise RuntimeError(
+                "Decoder.join: another decoder of this vLLM engine has live rows (vLLM's step "
+                "serves every request of the engine: one decoder at a time)"
+            )
+        for row in rows:
+            self._owner._check_length([row.prompt_ids], row.sampling.max_new_tokens)
+        added: list[str] = []
+        try:
+            for row in rows:
+                greedy = row.sampling.temperature == 0
+                params = self._owner._sampling_params(
+                    row.sampling, greedy, self._owner._row_seed(), delta=True
+                )
+                self._count += 1
+                request_id = f"keel-row-{self._count}"
+                prompt = {"prompt_token_ids": list(row.prompt_ids)}
+                llm_engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+                self._rows[row.key] = _Row(request_id)
+                self._keys[request_id] = row.key
+        except Exception:
+            self._drop([self._keys[r] for r in added], abort=True)
+            raise
+
+    def step(self) -> list[RowToken]:
+        if self._closed:
+            raise RuntimeError("this decoder is closed")
+        if not self._rows:
+            return []
+        llm_engine = self._llm_engine()
+        with eager_helpers(self._owner.eager):
+            while any(not r.pending for r in self._rows.values()):
+                if not llm_engine.has_unfinished_requests():
+                    raise RuntimeError("vLLM ended a live row without a token (an engine error)")
+                for output in llm_engine.step():
+                    self._take(output)
+        tokens: list[RowToken] = []
+        for key, row in list(self._rows.items()):
+            token, logprob = row.pending.popleft()
+            finish = row.finish if row.finish is not None and not row.pending else None
+            tokens.append(RowToken(key, token, logprob, finish))
+            if finish is not None:
+                self._drop([key], abort=False)
+        return tokens
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        self._drop([k for k in keys if k in self._rows], abort=True)
+
+    def close(self) -> None:
+        """Abort every live row's request (idempotent; the engine stays open)."""
+        if not self._closed:
+            if self._owner.llm is not None:
+                self._drop(list(self._rows), abort=True)
+            self._rows.clear()
+            self._keys.clear()
+            self._closed = True
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _llm_engine(self) -> Any:
+        if self._closed:
+            raise RuntimeError("this decoder is closed")
+        return self._owner._engine().llm_engine
+
+    def _take(self, output: Any) -> None:
+        """Buffer one vLLM RequestOutput's new tokens (DELTA outputs: only the new ones)."""
+        key = self._keys.get(output.request_id)
+        if key is None:  # a row that left: its last output may still arrive
+            return
+        row = self._rows[key]
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        row.pending.extend(zip(tokens, chosen_logprobs(completion.logprobs, tokens), strict=True))
+        if output.finished:
+            row.finish = finish_reason(completion.finish_reason)
+            if not row.pending:
+                raise RuntimeError(f"vLLM ended row {key!r} without a token")
+
+    def _drop(self, keys: Sequence[Hashable], *, abort: bool) -> None:
+        rows = [self._rows.pop(k) for k in keys]
+        for row in rows:
+            self._keys.pop(row.request_id, None)
+        running = [r.request_id for r in rows if r.finish is None]
+        if abort and running and self._owner.llm is not None:
+            self._owner.llm.llm_engine.abort_request(running)
+
+
+def finish_reason(vllm_reason: str | None) -> str:
+    """Keel's finish reason for vLLM's: "stop" (a stop token id: one of the EOS ids) or
+    "length" (max_tokens); anything else is an engine error."""
+    if vllm_reason in ("stop", "length"):
+        return vllm_reason
+    raise RuntimeError(f"vLLM ended a row with finish reason {vllm_reason!r}")
 
 
 class SimpleGenerationConfig:
@@ -406,10 +580,38 @@ def reload_worker_weights(worker: Any, weights: Mapping[str, torch.Tensor]) -> N
     worker.model_runner.reload_weights(weights_iterator=iter(weights.items()))
 
 
-def set_logit_temperature(worker: Any, temperature: float) -> None:
-    """Make the model's logits logits / temperature (its logits processor's scale, which
-    starts at the model's own logit scale, kept on first use)."""
-    processor = worker.model_runner.get_model().logits_processor
-    if not hasattr(processor, "keel_base_scale"):
-        processor.keel_base_scale = processor.scale
-    processor.scale = processor.keel_base_scale / temperature
+def install_row_logprobs(worker: Any) -> None:
+    """Wrap the model runner's sampler so that the log-probs it returns are Keel's: each
+    sampled token's log-softmax(logits / T) under its own row's temperature T (1 for greedy
+    rows), before top-p (idempotent)."""
+    sampler = worker.model_runner.sampler
+    if getattr(sampler, "keel_row_logprobs", False):
+        return
+    forward = sampler.forward
+
+    def row_logprobs_forward(logits: torch.Tensor, sampling_metadata: Any, *args, **kwargs):
+        meta = sampling_metadata
+        count = meta.max_num_logprobs
+        if count is None or meta.logprob_token_ids:
+            return forward(logits, meta, *args, **kwargs)
+        # before vLLM samples: it divides the logits by the temperature in place
+        logps = row_temperature_logprobs(logits, meta.temperature)
+        out = forward(logits, replace(meta, max_num_logprobs=None), *args, **kwargs)
+        sampled = out.sampled_token_ids[:, 0].long()
+        out.logprobs_tensors = sampler.gather_logprobs(logps, count, token_ids=sampled)
+        return out
+
+    sampler.forward = row_logprobs_forward
+    sampler.keel_row_logprobs = True
+
+
+def row_temperature_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor | None
+) -> torch.Tensor:
+    """log-softmax(logits / T) per row in float32: logits [N, V], temperature [N] (0 for a
+    greedy row, which gets T = 1; None: every row greedy) → [N, V]."""
+    logits = logits.float()
+    if temperature is not None:
+        t = temperature.float()
+        logits = logits / torch.where(t < 1e-5, torch.ones_like(t), t).unsqueeze(1)
+    return torch.log_softmax(logits, dim=-1)
