@@ -7,6 +7,7 @@ kind; a failed generation is a 500 and the server keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,11 +24,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from keel.serve.chat_tools import chat_prompt, with_tool_calls
 from keel.serve.config import ServeConfig
+from keel.serve.continuous import Delta
 from keel.serve.errors import APIError
-from keel.serve.handling import answers, authorize, check_model, plan_generation
+from keel.serve.handling import Plan, answers, authorize, check_model, plan_generation
 from keel.serve.policy import Prompt, ServedPolicy
 from keel.serve.responses import (
+    DONE,
     Reply,
+    StreamChunks,
     chat_body,
     chat_chunks,
     completion_body,
@@ -167,7 +171,9 @@ async def _generate(
         policy, cfg, req, prompts, max_tokens, logprobs or req.stream,
         prompt_param=endpoint.prompt_param, budget_param=budget_param, tools=tools,
     )  # fmt: skip
-    gens = await policy.generate(plan.prompts, plan.n, plan.sampling, plan.tools)
+    if req.stream and policy.streams and not read_calls:
+        return await _stream(policy, endpoint, req, plan, logprobs)
+    gens = await policy.generate(plan.prompts, plan.n, plan.sampling, plan.tools, plan.stops)
     answered = answers(policy, plan, gens)
     if read_calls:
         answered = [with_tool_calls(a, policy.chat_tools.format) for a in answered]
@@ -176,6 +182,51 @@ async def _generate(
         events = endpoint.chunks(reply, answered, plan.prompt_tokens, req.include_usage)
         return StreamingResponse(_iterate(events), media_type="text/event-stream")
     return _json(endpoint.body(reply, answered, plan.prompt_tokens, logprobs))
+
+
+async def _stream(
+    policy: ServedPolicy, endpoint: Endpoint, req: APIRequest, plan: Plan, logprobs: bool
+) -> Response:
+    """A stream of the tokens as they are decoded: the scheduler thread hands each row's new
+    text (`Delta`) to this request's event loop, which sends it as OpenAI's chunks. The
+    response starts with the first delta, so a generation that fails before it is a 500."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Delta | None] = asyncio.Queue()
+
+    def deliver(delta: Delta) -> None:  # on the scheduler thread
+        loop.call_soon_threadsafe(events.put_nowait, delta)
+
+    future = policy.submit(plan.prompts, plan.n, plan.sampling, plan.tools, plan.stops, deliver)
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+    try:
+        first = await events.get()
+        if first is None:  # it ended before any text: failed, or nothing to show
+            await policy.result(future)
+            events.put_nowait(None)
+    except BaseException:
+        future.cancel()  # the client is gone: its rows leave the decoder
+        raise
+    reply = Reply.new(endpoint.id_prefix, policy.name, policy.step)  # the rows run on these
+    chunks = StreamChunks(reply, endpoint is CHAT, plan.n * len(plan.prompts), logprobs)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for event in chunks.start():
+                yield event
+            delta = first
+            while delta is not None:
+                for event in chunks.delta(delta):
+                    yield event
+                delta = await events.get()
+            gens = await policy.result(future)
+            answered = answers(policy, plan, gens)
+            if req.include_usage:
+                yield chunks.usage(plan.prompt_tokens, answered)
+            yield DONE
+        finally:
+            future.cancel()  # a no-op once it is done; else the client left mid-stream
+
+    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 async def _iterate(events: Iterable[bytes]) -> AsyncIterator[bytes]:

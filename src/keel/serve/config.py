@@ -26,10 +26,18 @@ class ServeConfig(Section):
         None, description="the model id in /v1/models and requests; default: MODEL's folder name"
     )
     max_batch_size: int = Field(
-        64, ge=1, description="most rows (prompts × n) in one generate call; also one request's"
-    )
+        64, ge=1, description="most rows (prompts × n) in one generate call (continuous: rows "
+        "decoding at once); also one request's",
+    )  # fmt: skip
     max_wait_ms: float = Field(
-        5.0, ge=0, description="longest a request waits for others to share its generate call"
+        5.0, ge=0, description="serve.batching=batch: longest a request waits for others to share "
+        "its generate call",
+    )  # fmt: skip
+    batching: Literal["continuous", "batch"] | None = Field(
+        None,
+        description="continuous: requests join and leave the running decode batch per token "
+        "(an engine with a step API: HF, vLLM); batch: one generate call per batch of "
+        "requests; null: continuous where the engine can",
     )
     max_prompt_tokens: int = Field(512, ge=1, description="longest prompt, in tokens")
     max_new_tokens: int = Field(256, ge=1, description="largest max_tokens a request may ask")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
@@ -24,7 +26,9 @@ class Generation:
     token_ids: the response's tokens without a closing EOS; text: their decoded text;
     logprobs: each token's log-prob under logits / temperature (None when the engine gives none);
     tokens: every token the engine generated (the EOS included), for usage;
-    finish_reason: "stop" (an EOS) or "length"; step: the training step of the weights."""
+    finish_reason: "stop" (an EOS, or a stop string) or "length"; step: the training step of
+    the weights; pieces: the text each token adds (continuous batching detokenises as it
+    decodes; None: `keel.serve.responses.token_pieces` computes them when needed)."""
 
     token_ids: list[int]
     text: str
@@ -32,6 +36,7 @@ class Generation:
     tokens: int
     finish_reason: str
     step: int | None
+    pieces: list[str] | None = None
 
 
 class GenerationRunner:
@@ -47,6 +52,23 @@ class GenerationRunner:
     def __call__(self, key: SamplingParams, rows: Sequence[Example]) -> list[Generation]:
         batch = self.engine.generate(list(rows), key)
         return generations(batch, self.step)
+
+    @property
+    def tokenizer(self) -> Any:
+        engine: Any = self.engine  # both engines have one (keel.rollout.responses.PromptEncoding)
+        return engine.tokenizer
+
+    def encode(self, rows: Sequence[Example]) -> list[list[int]]:
+        """The rows' prompt token ids as `engine.generate` would encode them (its tokenizer,
+        chat template and prompt limit; continuous batching joins them to a decoder)."""
+        engine: Any = self.engine
+        return encode_prompts(
+            engine.tokenizer,
+            rows,
+            chat=engine.chat,
+            max_prompt_length=engine.max_prompt_length,
+            truncation=engine.truncation,
+        )
 
     def load_weights(self, state: Mapping[str, torch.Tensor], step: int) -> None:
         """The engine answers with `state` (HF names → tensors) from the next batch on."""

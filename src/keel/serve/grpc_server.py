@@ -16,9 +16,10 @@ traceback).
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from keel.config.loading import ConfigError
 from keel.serve import keel_serve_pb2 as pb
 from keel.serve import keel_serve_pb2_grpc as pb_grpc
 from keel.serve.config import ServeConfig
+from keel.serve.continuous import Delta
 from keel.serve.errors import APIError, bad_request
 from keel.serve.handling import Plan, answers, authorize, check_model, plan_generation
 from keel.serve.policy import Prompt, ServedPolicy
@@ -82,6 +84,10 @@ class KeelServicer(pb_grpc.KeelServicer):
         return self._answer("Generate", request, context, run)
 
     def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Any:
+        policy = self.served
+        if isinstance(policy, ServedPolicy) and policy.streams:
+            return self._stream(policy, request, context)
+
         def run() -> list[pb.GenerateChunk]:
             reply, plan, answered = self._generate(request, context, stream=True)
             chunks = []
@@ -96,8 +102,59 @@ class KeelServicer(pb_grpc.KeelServicer):
             chunks.append(pb.GenerateChunk(id=reply.id, usage=last))
             return chunks
 
-        # Answered in full before the first chunk (as the HTTP stream is): an error is a status.
+        # serve.batching=batch: answered in full before the first chunk (as the HTTP stream
+        # is then): an error is a status.
         return iter(self._answer("GenerateStream", request, context, run))
+
+    def _stream(
+        self, policy: ServedPolicy, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateChunk]:
+        """GenerateStream with continuous batching: each token's chunk leaves as it is decoded
+        (the scheduler thread puts the rows' `Delta`s on a queue this call's thread reads);
+        a refusal or a failure is the call's status, counted as `_answer` counts it."""
+        metrics = policy.metrics
+        endpoint, code = "grpc/GenerateStream", grpc.StatusCode.OK
+        start = time.perf_counter()
+        metrics.in_flight.inc()
+        failure: tuple[str, str] | None = None
+        finished = False
+        try:
+            authorize(dict(context.invocation_metadata()).get("authorization"), self.token)
+            if isinstance(request, Undecodable):
+                raise bad_request(str(request), code="invalid_message")
+            plan, prefix = self._plan(policy, request, stream=True)
+            deltas: queue.SimpleQueue[Delta | None] = queue.SimpleQueue()
+            future = policy.submit(plan.prompts, plan.n, plan.sampling, stops=plan.stops,
+                                   on_delta=deltas.put)  # fmt: skip
+            future.add_done_callback(lambda _: deltas.put(None))
+            context.add_callback(future.cancel)  # a cancelled call leaves the decoder
+            reply = Reply.new(prefix, policy.name, policy.step)
+            while (delta := deltas.get()) is not None:
+                for piece, logprob in zip(delta.pieces, delta.logprobs, strict=True):
+                    lp = {"logprob": logprob} if request.logprobs else {}
+                    yield pb.GenerateChunk(id=reply.id, index=delta.index, text=piece, **lp)
+                if delta.finish is not None:
+                    yield pb.GenerateChunk(id=reply.id, index=delta.index,
+                                           finish_reason=delta.finish)  # fmt: skip
+            answered = answers(policy, plan, policy.wait(future))
+            yield pb.GenerateChunk(id=reply.id, usage=pb.Usage(**usage(plan.prompt_tokens,
+                                                                       answered)))  # fmt: skip
+            finished = True
+        except APIError as err:
+            code = STATUS.get(err.status, grpc.StatusCode.INTERNAL)
+            failure = (err.code, f"{err.code}: {err.message}")
+        except Exception as exc:
+            log.exception("internal error answering gRPC GenerateStream")
+            code = grpc.StatusCode.INTERNAL
+            failure = ("internal_error", f"internal_error: {exc}")
+        finally:
+            if failure is None and not finished:
+                code = grpc.StatusCode.CANCELLED  # the client went away mid-stream
+            metrics.in_flight.dec()
+            metrics.answered(endpoint, code.name, time.perf_counter() - start)
+        if failure is not None:
+            metrics.error(failure[0])
+            context.abort(code, failure[1])  # raises
 
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> Any:
         def run() -> pb.ScoreResponse:
@@ -157,6 +214,18 @@ class KeelServicer(pb_grpc.KeelServicer):
         if not isinstance(policy, ServedPolicy):
             raise APIError(501, "this server serves a reward model: Score, not Generate",
                            code="unimplemented")  # fmt: skip
+        plan, prefix = self._plan(policy, request, stream)
+        future = policy.submit(plan.prompts, plan.n, plan.sampling, stops=plan.stops)
+        context.add_callback(future.cancel)  # a call cancelled while queued is not generated
+        gens = policy.wait(future)
+        answered = answers(policy, plan, gens)
+        reply = Reply.new(prefix, policy.name, gens[0].step if gens else policy.step)
+        return reply, plan, answered
+
+    def _plan(
+        self, policy: ServedPolicy, request: pb.GenerateRequest, stream: bool
+    ) -> tuple[Plan, str]:
+        """The request checked as the HTTP API checks its body; its response id prefix."""
         if bool(request.prompt) == bool(request.messages):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
         data: dict[str, Any] = {"model": request.model or policy.name, "n": request.n or 1}
@@ -182,12 +251,7 @@ class KeelServicer(pb_grpc.KeelServicer):
         check_model(policy, req.model)
         plan = plan_generation(policy, self.cfg, req, prompts, budget,
                                request.logprobs or stream, prompt_param=param)  # fmt: skip
-        future = policy.submit(plan.prompts, plan.n, plan.sampling)
-        context.add_callback(future.cancel)  # a call cancelled while queued is not generated
-        gens = policy.wait(future)
-        answered = answers(policy, plan, gens)
-        reply = Reply.new(prefix, policy.name, gens[0].step if gens else policy.step)
-        return reply, plan, answered
+        return plan, prefix
 
 
 def _token_logprobs(a: Answer) -> list[pb.TokenLogprob]:

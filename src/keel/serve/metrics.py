@@ -27,7 +27,7 @@ NAMES = (
     "keel_serve_generated_tokens_total", "keel_serve_tokens_per_second",
     "keel_serve_batch_rows", "keel_serve_batch_duration_seconds", "keel_serve_model_step",
     "keel_serve_reloads_total", "keel_serve_info", "keel_serve_scored_items_total",
-    "keel_serve_ready",
+    "keel_serve_ready", "keel_serve_ttft_seconds", "keel_serve_live_rows",
 )  # fmt: skip
 
 
@@ -69,11 +69,13 @@ class ServeMetrics:
             f"generated tokens per second over the last {RATE_WINDOW_S:g} s", registry=r,
         )  # fmt: skip
         self.batch_rows = Histogram(
-            "keel_serve_batch_rows", "rows (prompts) per generate call",
+            "keel_serve_batch_rows", "rows (prompts) per generate call (continuous: rows "
+            "joining the decode batch at once)",
             buckets=BATCH_BUCKETS, registry=r,
         )  # fmt: skip
         self.batch_duration = Histogram(
-            "keel_serve_batch_duration_seconds", "seconds of one generate call",
+            "keel_serve_batch_duration_seconds", "seconds of one generate call (continuous: "
+            "of one join, the joining rows' prefill)",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.model_step = Gauge(
@@ -88,6 +90,16 @@ class ServeMetrics:
             "keel_serve_ready", "1 while /readyz answers 200 (the queue accepts work), 0 while "
             "it answers 503 (loading, draining)", registry=r,
         )  # fmt: skip
+        self.ttft = Histogram(
+            "keel_serve_ttft_seconds", "time to first token: from a generation request's arrival "
+            "in the queue to its first generated token (serve.batching=batch: to its whole "
+            "answer, which is when its first token leaves)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.live_rows = Gauge(
+            "keel_serve_live_rows", "rows decoding now (serve.batching=continuous; 0 in batch)",
+            registry=r,
+        )  # fmt: skip
         self.info = Gauge("keel_serve_info", "1: the model served", ["model", "folder"], registry=r)
         self.model = model
         self.set_folder(folder)
@@ -98,6 +110,10 @@ class ServeMetrics:
     def watch_queue(self, depth: Callable[[], int], pending: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
         self.pending.set_function(pending)
+
+    def watch_live(self, live: Callable[[], int]) -> None:
+        """keel_serve_live_rows reads `live()` at every scrape."""
+        self.live_rows.set_function(live)
 
     def watch_ready(self, ready: Callable[[], bool]) -> None:
         """keel_serve_ready reads `ready()` (the condition of /readyz) at every scrape."""

@@ -3,7 +3,8 @@ feeds it, token counting, and swapping in newer weights (`--follow`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -12,15 +13,17 @@ from typing import Any
 import torch
 
 from keel.checkpoint.policy import PolicySource
+from keel.config.loading import ConfigError
 from keel.config.schema import RolloutConfig
 from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.data.examples import Example
 from keel.engine.devices import place, resolve_device
 from keel.models import check_vocab, load_causal_lm, load_tokenizer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
-from keel.rollout.protocol import RolloutEngine, SamplingParams
+from keel.rollout.protocol import DecodingEngine, RolloutEngine, SamplingParams
 from keel.serve.chat_tools import ChatTools
 from keel.serve.config import ServeFileConfig
+from keel.serve.continuous import ContinuousScheduler, OnDelta
 from keel.serve.generation import Generation, GenerationRunner
 from keel.serve.served import Served
 
@@ -76,6 +79,19 @@ def serving_rollout(cfg: ServeFileConfig) -> RolloutConfig:
     )
 
 
+def continuous_batching(cfg: ServeFileConfig, engine: RolloutEngine) -> bool:
+    """serve.batching resolved: continuous where the engine has a step API (`DecodingEngine`)
+    unless set; "continuous" on an engine without one is a ConfigError naming the key."""
+    can = isinstance(engine, DecodingEngine)
+    choice = cfg.serve.batching
+    if choice == "continuous" and not can:
+        raise ConfigError(
+            f"serve.batching=continuous: the {cfg.rollout.engine} engine "
+            f"({type(engine).__name__}) has no step API (decoder()); use serve.batching=batch"
+        )
+    return can if choice is None else choice == "continuous"
+
+
 def read_weights(folder: Path, cfg: ServeFileConfig) -> dict[str, torch.Tensor]:
     """The policy's weights at `folder` (HF names → tensors in models.dtype, on the CPU)."""
     model = load_causal_lm(
@@ -99,7 +115,24 @@ class ServedPolicy(Served):
             torch.set_num_threads(cfg.serve.torch_threads)
         self.chat_tools = ChatTools.of(self.tokenizer, cfg.serve.tool_format)
         runner = GenerationRunner(build_engine(source.folder, cfg, self.tokenizer), source.step)
+        self.continuous = continuous_batching(cfg, runner.engine)
         super().__init__(source, cfg, name, runner)
+
+    def make_queue(self, runner: Any) -> Any:
+        """serve.batching: the continuous scheduler, or the batch-at-a-time queue."""
+        if not self.continuous:
+            queue = super().make_queue(runner)
+            self.metrics.watch_live(lambda: 0)
+            return queue
+        scheduler = ContinuousScheduler(
+            runner,
+            max_rows=self.cfg.serve.max_batch_size,
+            max_pending=self.cfg.serve.max_pending_requests,
+            on_batch=self.metrics.observe_batch,
+            on_first_token=self.metrics.ttft.observe,
+        )
+        self.metrics.watch_live(lambda: scheduler.live)
+        return scheduler
 
     def prompt_tokens(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> int:
         """Tokens of `prompt` as the model sees it (chat messages through the template, with
@@ -113,12 +146,29 @@ class ServedPolicy(Served):
         n: int,
         sampling: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        stops: Sequence[str] = (),
+        on_delta: OnDelta | None = None,
     ) -> Future[list[Generation]]:
         """Queue n rows per prompt (prompt-major), rendered with `tools` (the engine's
-        encode_prompts gives them to the chat template); QueueFull → 429, QueueClosed → 503."""
+        encode_prompts gives them to the chat template); QueueFull → 429, QueueClosed → 503.
+        Continuous batching: `stops` end a row as soon as they appear, and `on_delta` (on the
+        scheduler thread) hears each row's text as it is decoded (`streams`); batch: the
+        answers cut at the stops afterwards (keel.serve.responses.answer)."""
         rows = [Example(prompt=p, source=f"prompt {i}", tools=tools) for i, p in enumerate(prompts)]
         rows = [row for row in rows for _ in range(n)]
-        return self.enqueue(replace(sampling, n=1), rows)
+        key = replace(sampling, n=1)
+        arrived = time.monotonic()
+        if self.continuous:
+            return self.enqueue(key, rows, stops=stops, on_delta=on_delta)
+        future = self.enqueue(key, rows)
+        # batch: the first token leaves with the whole answer
+        future.add_done_callback(lambda _: self.metrics.ttft.observe(time.monotonic() - arrived))
+        return future
+
+    @property
+    def streams(self) -> bool:
+        """Whether answers stream as they are decoded (continuous batching)."""
+        return self.continuous
 
     async def generate(
         self,
@@ -126,9 +176,10 @@ class ServedPolicy(Served):
         n: int,
         sampling: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        stops: Sequence[str] = (),
     ) -> list[Generation]:
         """n generations per prompt, prompt-major, from a batch shared with other requests."""
-        return await self.result(self.submit(prompts, n, sampling, tools))
+        return await self.result(self.submit(prompts, n, sampling, tools, stops))
 
     def swap_weights(self, state: Mapping[str, torch.Tensor], source: PolicySource) -> None:
         """Answer with `state`, the weights of checkpoint `source`, from the next batch on

@@ -1,13 +1,19 @@
 """Turning generations into OpenAI's response bodies and stream chunks.
 
-Stop sequences: the engine generates up to max_tokens (HF `generate` has no stop strings), then
-the text is cut before the first stop sequence it contains, the finish reason becomes "stop", and
-the tokens, log-probs and completion-token count keep only the tokens that produced the kept text.
+Stop sequences: the text is cut before the first stop sequence it contains, the finish reason
+becomes "stop", and the tokens, log-probs and completion-token count keep only the tokens that
+produced the kept text (`answer`). With continuous batching (serve.batching, keel.serve.continuous)
+the scheduler looks for them as each token is decoded and ends the row there, so nothing past a
+stop is generated; batch-at-a-time generation (HF `generate` has no stop strings) runs to
+max_tokens and is cut afterwards.
 
-Streaming: the engine returns a finished generation, so a stream delivers it as one chunk per
-token (the text each token adds) once the whole batch is done, then the finish reason and
-`data: [DONE]`: the chunks and the final text are OpenAI's, the time to the first token is the
-time to the last."""
+Streaming: with continuous batching a stream's chunks leave as the tokens are decoded
+(`StreamChunks`, one chunk per token that adds text, each choice's finish as it ends, then the
+usage when asked and `data: [DONE]`; text that may still begin a stop sequence is held back
+until it cannot). Batch-at-a-time generation returns finished generations, so its stream
+(`completion_chunks`, `chat_chunks`) delivers the same chunks once the whole batch is done: the
+time to the first token is then the time to the last. Chat with tools parses the calls from the
+whole answer, so such a stream is always delivered at the end."""
 
 from __future__ import annotations
 
@@ -54,7 +60,9 @@ def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 def answer(gen: Generation, stops: Sequence[str], tokenizer: Any, per_token: bool) -> Answer:
     """`gen` as answered: cut at the first stop sequence; per_token: with pieces and log-probs."""
-    pieces = token_pieces(tokenizer, gen.token_ids) if (per_token or stops) else None
+    pieces = gen.pieces
+    if pieces is None and (per_token or stops):
+        pieces = token_pieces(tokenizer, gen.token_ids)
     cut = first_stop(gen.text, stops)
     if cut is None:
         return Answer(gen.text, gen.finish_reason, gen.tokens, pieces, gen.logprobs)
@@ -246,6 +254,57 @@ def chat_chunks(
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, answers)})
     yield DONE
+
+
+class StreamChunks:
+    """The SSE events of a stream answered as it is decoded (continuous batching), in the
+    shapes of `completion_chunks` / `chat_chunks`: `start` (chat: each choice's role delta),
+    `delta` (one chunk per token that adds text, with its log-prob when asked, then the
+    row's finish), `usage`. The choices' chunks interleave as their tokens come."""
+
+    def __init__(self, reply: Reply, chat: bool, choices: int, logprobs: bool):
+        self.chat = chat
+        self.head = reply.head("chat.completion.chunk" if chat else "text_completion")
+        self.choices = choices
+        self.logprobs = logprobs
+        self.offsets = [0] * choices  # completions' text_offset of each choice's next token
+
+    def start(self) -> Iterator[bytes]:
+        if self.chat:
+            for i in range(self.choices):
+                yield self._event(i, {"delta": {"role": "assistant", "content": ""}})
+
+    def delta(self, d: Any) -> Iterator[bytes]:
+        """The chunks of a `keel.serve.continuous.Delta`."""
+        i = d.index
+        for piece, lp in zip(d.pieces, d.logprobs, strict=True):
+            if not piece:
+                continue
+            if self.chat:
+                logprobs = None
+                if self.logprobs:
+                    token = {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")),
+                             "top_logprobs": []}  # fmt: skip
+                    logprobs = {"content": [token], "refusal": None}
+                yield self._event(i, {"delta": {"content": piece}, "logprobs": logprobs})
+            else:
+                logprobs = None
+                if self.logprobs:
+                    logprobs = {"tokens": [piece], "token_logprobs": [lp], "top_logprobs": None,
+                                "text_offset": [self.offsets[i]]}  # fmt: skip
+                self.offsets[i] += len(piece)
+                yield self._event(i, {"text": piece, "logprobs": logprobs})
+        if d.finish is not None:
+            empty: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
+            yield self._event(i, {**empty, "finish_reason": d.finish})
+
+    def usage(self, prompt_tokens: int, answers: Sequence[Answer]) -> bytes:
+        return sse({**self.head, "choices": [], "usage": usage(prompt_tokens, answers)})
+
+    def _event(self, index: int, fields: dict[str, Any]) -> bytes:
+        choice = {"index": index, **({"delta": {}} if self.chat else {"text": ""}),
+                  "logprobs": None, "finish_reason": None, **fields}  # fmt: skip
+        return sse({**self.head, "choices": [choice]})
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -1,5 +1,7 @@
-"""What every served model has, whatever it answers: a name and folder, one `BatchingQueue` on
-one worker thread in front of its runner, the serving metrics, and the draining flag.
+"""What every served model has, whatever it answers: a name and folder, one queue on one worker
+thread in front of its runner (a `BatchingQueue`, or for a policy on an engine with a step API
+the continuous batching scheduler of keel.serve.continuous), the serving metrics, and the
+draining flag.
 
 `ServedPolicy` (policy.py: generation) and `ServedReward` (scoring.py: scores of a reward
 model) build on it; every front end (the HTTP app, the gRPC servicer) submits to the one queue
@@ -36,18 +38,23 @@ class Served:
         self.runner = runner
         self.metrics = ServeMetrics(name, str(source.folder))
         self.metrics.set_step(source.step)
-        s = cfg.serve
-        self.queue: BatchingQueue[Any, Any] = BatchingQueue(
+        self.queue = self.make_queue(runner)
+        self.metrics.watch_queue(lambda: self.queue.depth, lambda: self.queue.pending)
+        self.metrics.watch_ready(lambda: self.ready)
+        self.draining = False
+        self.loaded_at = time.time()
+
+    def make_queue(self, runner: Any) -> Any:
+        """The queue in front of `runner`: a `BatchingQueue` (a policy may have a continuous
+        batching scheduler instead, keel.serve.continuous, with the same surface)."""
+        s = self.cfg.serve
+        return BatchingQueue(
             runner,
             max_rows=s.max_batch_size,
             max_wait_s=s.max_wait_ms / 1000,
             max_pending=s.max_pending_requests,
             on_batch=self.metrics.observe_batch,
         )
-        self.metrics.watch_queue(lambda: self.queue.depth, lambda: self.queue.pending)
-        self.metrics.watch_ready(lambda: self.ready)
-        self.draining = False
-        self.loaded_at = time.time()
 
     @property
     def step(self) -> int | None:
@@ -57,12 +64,13 @@ class Served:
     def ready(self) -> bool:
         return self.queue.accepting and not self.draining
 
-    def enqueue(self, key: Hashable, rows: list[Any]) -> Future[list[Any]]:
-        """Queue one job; QueueFull → 429 queue_full, QueueClosed or draining → 503."""
+    def enqueue(self, key: Hashable, rows: list[Any], **options: Any) -> Future[list[Any]]:
+        """Queue one job (`options`: what the queue's submit takes besides); QueueFull → 429
+        queue_full, QueueClosed or draining → 503."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         try:
-            return self.queue.submit(key, rows)
+            return self.queue.submit(key, rows, **options)
         except QueueFull as exc:
             raise APIError(
                 429, f"too many requests: {exc}; retry later", code="queue_full",
