@@ -51,15 +51,20 @@ def test_a_reserved_layer_holds_what_a_dynamic_layer_holds():
     assert reserved.buffers[0].shape[-2] == 14
 
 
+@pytest.mark.parametrize("decode_loop", ["generate", "keel"])
 @pytest.mark.parametrize("share_prefill", [False, True])
-def test_generation_with_the_reserved_cache_equals_a_plain_generate(tiny_dir, share_prefill):
-    """The engine (reserved cache, with and without the shared prefill) samples the tokens and
-    log-probs of `model.generate` on transformers' default cache, left padding included; the
-    cache never outgrows the room it reserved."""
+def test_generation_with_the_reserved_cache_equals_a_plain_generate(
+    tiny_dir, share_prefill, decode_loop
+):
+    """The engine (reserved cache under HF generate, or Keel's decode loop; with and without
+    the shared prefill) samples the tokens and log-probs of `model.generate` on transformers'
+    default cache, left padding included; the reserved cache never outgrows its room."""
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir).eval()
     prompts = ["1+1=", "12+34=", "7="]
     sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=7)
-    engine = HFRolloutEngine(model, tok, return_logprobs=True, share_prefill=share_prefill)
+    engine = HFRolloutEngine(
+        model, tok, return_logprobs=True, share_prefill=share_prefill, decode_loop=decode_loop
+    )
     caches = []
     original = model.generate
 
@@ -99,6 +104,9 @@ def test_generation_with_the_reserved_cache_equals_a_plain_generate(tiny_dir, sh
     logps = torch.stack([lp.gather(-1, chosen[:, [t]])[:, 0] for t, lp in enumerate(step_logps)], 1)
     m = batch.response_mask.bool()
     torch.testing.assert_close(batch.rollout_logprobs[m], logps[:, : m.shape[1]][m])
+    if decode_loop == "keel":
+        assert not caches  # Keel's loop: generate never ran
+        return
     layers = caches[0].layers
     assert all(isinstance(layer, ReservedLayer) for layer in layers)
     assert all(layer.buffers[0].shape[-2] == width + 7 for layer in layers)  # never regrown
@@ -122,6 +130,7 @@ def test_a_generation_longer_than_the_reserved_room_grows_and_samples_the_same(
     batches = []
     for reserved in (1024, 2):
         monkeypatch.setattr("keel.rollout.hf.RESERVED_NEW_TOKENS", reserved)
+        monkeypatch.setattr("keel.rollout.decoding.RESERVED_NEW_TOKENS", reserved)
         torch.manual_seed(2)
         engine = HFRolloutEngine(model, tok, return_logprobs=True, share_prefill=True)
         batches.append(engine.generate(examples, sampling))

@@ -367,6 +367,13 @@ class RolloutConfig(Section):
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
         "repeated n times), with the reserved or the static KV cache",
     )
+    decode_loop: Literal["keel", "generate"] = Field(
+        "keel",
+        description="hf: keel, Keel's own decode loop on the reserved KV cache (a forward over "
+        "the live rows per step, finished rows dropped; models with sliding-window or other "
+        "non-full-attention layers fall back to generate); generate: HF generate (always with "
+        "static_cache)",
+    )
     static_cache: bool | None = Field(
         None,
         description="HF generate with transformers' static KV cache (what compiled decoding "

@@ -35,6 +35,7 @@ def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
         compile=on_cuda if rollout.compile is None else rollout.compile,
         share_prefill=rollout.share_prompt_prefill,
         shares_module=share,
+        decode_loop=rollout.decode_loop,
     )
 
 

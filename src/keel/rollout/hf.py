@@ -12,8 +12,9 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
+from keel.rollout.decoding import HFDecoder, decodes
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
-from keel.rollout.protocol import Completions, SamplingParams
+from keel.rollout.protocol import Completions, RowRequest, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
 
@@ -34,7 +35,11 @@ class HFRolloutEngine:
     static_cache: transformers' `StaticCache` instead (attention over all its positions, masked),
     which lets transformers compile the decode step on CUDA when `compile` is on.
     share_prefill: the n rows of a prompt share one prefill (`shared_prefill`), into either
-    cache."""
+    cache.
+    decode_loop: "keel" decodes with Keel's own loop (`keel.rollout.decoding.HFDecoder`: the
+    same tokens and log-probs as `generate` for the same seed, a forward over the live rows
+    only), unless static_cache is on or the model has other than full-attention layers;
+    "generate": HF `generate`. `decoder()` opens the loop's step API (serving)."""
 
     def __init__(
         self,
@@ -53,6 +58,7 @@ class HFRolloutEngine:
         share_prefill: bool = False,
         shares_module: bool = False,
         stop_on_turn_end: bool | None = None,
+        decode_loop: str = "keel",
     ):
         self.model = model
         self.shares_module = shares_module
@@ -73,6 +79,17 @@ class HFRolloutEngine:
         turn_end = chat if stop_on_turn_end is None else stop_on_turn_end
         self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, turn_end)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        self.decode_loop = decode_loop
+        self.lean = decode_loop == "keel" and not static_cache and decodes(model)
+
+    def decoder(self) -> HFDecoder:
+        """Keel's decode loop on this engine's model, rows joining and leaving at any step
+        (`keel.rollout.protocol.Decoder`), with the chosen tokens' log-probs; the model must
+        be in eval mode (a served policy is)."""
+        return HFDecoder(
+            self.model, self.eos_ids, self.pad_id, dtype=self.dtype,
+            share_prefill=self.share_prefill, logprobs=True,
+        )  # fmt: skip
 
     @torch.no_grad()
     def generate(
@@ -126,6 +143,8 @@ class HFRolloutEngine:
         self, rows: list[list[int]], sampling: SamplingParams, n: int = 1
     ) -> tuple[list[list[int]], list[list[float]]]:
         """rows: prompt token ids, each prompt's `n` copies adjacent."""
+        if self.lean:
+            return self._decode_chunk(rows, sampling)
         p = max(len(x) for x in rows)
         input_ids = torch.full((len(rows), p), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), p), dtype=torch.long)
@@ -176,6 +195,24 @@ class HFRolloutEngine:
         if recorder is not None:
             logps = recorder.finish(sequences).cpu().tolist()
         return sequences.cpu().tolist(), logps
+
+    def _decode_chunk(
+        self, rows: list[list[int]], sampling: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Keel's loop, every row joined at once, the sampling noise drawn for all of them
+        every step as `generate` draws it (so the same seed gives the same tokens)."""
+        decoder = HFDecoder(
+            self.model, self.eos_ids, self.pad_id, dtype=self.dtype, synced=self.synced,
+            share_prefill=self.share_prefill, logprobs=self.return_logprobs,
+            noise_rows=len(rows),
+        )  # fmt: skip
+        requests = [RowRequest(i, ids, sampling) for i, ids in enumerate(rows)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return decoder.decode(requests)
+        finally:
+            self.model.train(was_training)
 
 
 @torch.no_grad()

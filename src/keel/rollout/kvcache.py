@@ -45,6 +45,15 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
         return self.keys, self.values
 
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take `keys`, `values` [B, H, capacity, D] as this layer's buffers, their first
+        `length` positions filled (the decode loop's rebuilt batch, `keel.rollout.decoding`)."""
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.capacity = keys.shape[-2]
+        self.buffers = (keys, values)
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row `repeats` times (the shared prefill's n rows per prompt), copied once,
         straight into a reserved buffer of the repeated batch."""
