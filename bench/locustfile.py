@@ -40,6 +40,7 @@ from typing import Any
 
 import gevent
 import gevent.pool
+import locust.stats
 from locust import FastHttpUser, constant_throughput, events, task
 from locust.exception import StopUser
 
@@ -126,6 +127,14 @@ _MODEL: dict[str, str] = {}
 @events.test_stop.add_listener
 def _print_tally(**_: Any) -> None:
     print("KEEL_LOAD " + json.dumps(TALLY.summary()), flush=True)
+
+
+@events.quitting.add_listener
+def _let_the_csv_catch_up(environment: Any, **_: Any) -> None:
+    """Locust rewrites its --csv files every CSV_STATS_INTERVAL_SEC and not at exit, so the last
+    answers (the tail of the latencies) would be missing from them: wait one interval more."""
+    if getattr(environment.parsed_options, "csv_prefix", None):
+        gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC + 0.5)
 
 
 def _served_model(host: str, api_key: str) -> str:

@@ -12,7 +12,7 @@ misses, then halves the gap between the last level that held and the first that 
   # one level (what `make bench-serve` runs)
   python -m bench.serve_locust --qps 100 --max-tokens 8 --duration 60
   # the batching mode of keel serve (serve.batching), and the highest rate with p99 < 1 s
-  python -m bench.serve_locust --batching batch --max-tokens 64 --find-max --qps 10 --qps-step 10
+  python -m bench.serve_locust --batching batch --max-tokens 64 --find-max --qps 5 --qps-factor 2
   # any OpenAI-compatible server already running
   python -m bench.serve_locust --url http://127.0.0.1:8000 --qps 50
 
@@ -25,6 +25,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "bench" / "locustfile.py"
 HOLD_P99_S = 1.0
 PLAIN, STREAM, TTFT = "completions", "completions stream", "ttft"
+CAUGHT = re.compile(r"CatchResponseError\(['\"](.*)['\"]\)")
 
 
 @dataclass
@@ -90,7 +92,14 @@ def read_failures(csv_prefix: Path) -> dict[str, int]:
     if not path.exists():
         return {}
     with open(path, newline="") as f:
-        return {f"{r['Name']}: {r['Error']}": int(r["Occurrences"]) for r in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    errors: dict[str, int] = {}
+    for r in rows:
+        # a failure the locustfile marked reads CatchResponseError('HTTP 400') in the CSV
+        caught = CAUGHT.fullmatch(r["Error"])
+        key = f"{r['Name']}: {caught.group(1) if caught else r['Error']}"
+        errors[key] = errors.get(key, 0) + int(r["Occurrences"])
+    return errors
 
 
 def _seconds(row: dict[str, str] | None, column: str) -> float | None:
@@ -144,7 +153,10 @@ def locust_command(
 ) -> list[str]:
     """`python -m locust --headless …` for one level."""
     users = args.users or (1 if args.arrival != "users" else max(1, round(qps)))
-    run_time = duration + args.request_timeout + 30  # a cap: the open loop stops itself
+    # users: Locust stops at --run-time (in-flight requests get --stop-timeout); the open loop
+    # stops itself after its last answer, and --run-time is only a cap
+    closed = args.arrival == "users"
+    run_time = duration if closed else duration + args.request_timeout + 30
     cmd = [
         sys.executable,
         "-m",
@@ -182,7 +194,7 @@ def locust_command(
         "--request-timeout",
         str(args.request_timeout),
     ]
-    if args.arrival != "users":
+    if not closed:
         cmd += ["--duration", str(duration)]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
@@ -246,8 +258,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 def find_max(
     args: argparse.Namespace, host: str, workdir: Path
 ) -> tuple[list[Level], float | None]:
-    """Step the rate up from --qps by --qps-step until a level misses (or --qps-max), then
-    bisect the gap --refine times. (levels, highest rate that held or None)."""
+    """Step the rate up from --qps (by --qps-step, or times --qps-factor) until a level misses
+    (or the next rate passes --qps-max), then bisect the gap --refine times. (levels, the
+    highest rate that held or None)."""
     levels: list[Level] = []
     held: list[float] = []
     qps = args.qps
@@ -259,9 +272,10 @@ def find_max(
             missed_at = qps
             break
         held.append(qps)
-        if qps + args.qps_step > args.qps_max:
+        following = qps * args.qps_factor if args.qps_factor else qps + args.qps_step
+        if following > args.qps_max:
             break
-        qps += args.qps_step
+        qps = round(following, 1)
     if missed_at is not None:
         low = max(held) if held else 0.0
         high = missed_at
@@ -346,7 +360,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="step the rate up, then bisect: the highest with p99 < 1 s and no errors",
     )
-    p.add_argument("--qps-step", type=float, default=25.0)
+    p.add_argument("--qps-step", type=float, default=25.0, help="find-max: the rate's step up")
+    p.add_argument(
+        "--qps-factor", type=float, help="find-max: step up times this (over --qps-step)"
+    )
     p.add_argument("--qps-max", type=float, default=2000.0)
     p.add_argument("--refine", type=int, default=2, help="find-max: bisections after the miss")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of unreported load first")
@@ -357,6 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.qps <= 0 or args.qps_step <= 0:
         p.error("--qps and --qps-step must be > 0")
+    if args.qps_factor is not None and args.qps_factor <= 1:
+        p.error(f"--qps-factor must be > 1, got {args.qps_factor}")
     if not 0.0 <= args.stream_share <= 1.0:
         p.error(f"--stream-share must be in [0, 1], got {args.stream_share}")
     if args.url and args.batching:
