@@ -268,6 +268,38 @@ def test_limits_pause_and_a_draining_close(engine):
         submit(s, "short")
 
 
+def test_a_row_the_decoder_refuses_fails_its_job_only(engine):
+    reports = []
+    s = scheduler(engine, on_batch=reports.append)
+    s.pause()
+    good, bad = submit(s, "short"), submit(s, "no script")  # the decoder's join raises
+    s.resume()
+    engine.release(3)
+    assert good.result(30)[0].text == "xy"
+    with pytest.raises(KeyError):
+        bad.result(30)
+    assert [len(k) for k in engine.decoders[0].steps] == [1, 1, 1]
+    assert [(r.rows, r.jobs, r.error) for r in reports] == [(1, 1, None)]
+    s.close()
+
+
+def test_serve_batching_continuous_needs_an_engine_with_a_step_api(engine):
+    from keel.config.loading import ConfigError
+    from keel.serve.config import load_serve_config
+    from keel.serve.policy import continuous_batching
+
+    default = load_serve_config(None, [])
+    assert continuous_batching(default, engine)  # the default where the engine can
+    assert not continuous_batching(default, object())
+    batch = load_serve_config(None, ["serve.batching=batch"])
+    assert not continuous_batching(batch, engine)
+    asked = load_serve_config(None, ["serve.batching=continuous"])
+    with pytest.raises(ConfigError, match=r"serve\.batching"):
+        continuous_batching(asked, object())
+    with pytest.raises(ConfigError, match=r"serve\.batching"):
+        load_serve_config(None, ["serve.batching=eager"])
+
+
 def test_the_incremental_detokeniser_gives_the_whole_text_pieces():
     text = "12+30= forty-two, é!"
     ids = TOKENIZER.encode(text, add_special_tokens=False)

@@ -402,33 +402,54 @@ class ContinuousScheduler:
             self._decoder = None
 
     def _join(self, jobs: list[_Job]) -> None:
+        """The jobs' rows join the decoder in one call (one prefill); if it refuses them (a
+        prompt too long for the engine), each job joins alone, and only those it refuses fail."""
         start = time.monotonic()
         waited = start - min(job.enqueued for job in jobs)
-        requests = []
-        for job in jobs:
-            job.results = [None] * len(job.requests)
-            job.remaining = len(job.requests)
-            for i, req in enumerate(job.requests):
-                key = next(self._keys)
-                self._rows[key] = _Row(job, i, TextStream(self.runner.tokenizer), self.runner.step)
-                requests.append(RowRequest(key, req.prompt_ids, req.sampling))
+        every = [req for job in jobs for req in self._rows_of(job)]
         error: BaseException | None = None
+        joined: list[_Job] = []
         try:
-            self._open().join(requests)
-        except Exception as exc:  # these requests fail, the scheduler lives on
+            self._open().join(every)
+            joined = jobs
+        except Exception as exc:
+            self._forget(every)
             error = exc
+            if len(jobs) == 1:
+                jobs[0].future.set_exception(exc)
+            else:
+                for job in jobs:
+                    mine = self._rows_of(job)
+                    try:
+                        self._open().join(mine)
+                        joined.append(job)
+                    except Exception as alone:
+                        self._forget(mine)
+                        job.future.set_exception(alone)
         with contextlib.suppress(Exception):  # a metrics hook must never stop the scheduler
             seconds = time.monotonic() - start
-            self.on_batch(BatchReport(len(requests), len(jobs), seconds, waited, error))
-        if error is not None:
-            for req in requests:
-                self._rows.pop(req.key, None)
-            with contextlib.suppress(Exception):
-                self._open().leave([req.key for req in requests])
-            for job in jobs:
-                job.future.set_exception(error)
-            return
-        self._live_jobs.extend(jobs)
+            size = sum(len(job.requests) for job in joined or jobs)
+            failed = error if not joined else None
+            self.on_batch(BatchReport(size, len(joined or jobs), seconds, waited, failed))
+        self._live_jobs.extend(joined)
+
+    def _rows_of(self, job: _Job) -> list[RowRequest]:
+        """The job's rows under fresh keys, live from now on (its results reset)."""
+        job.results = [None] * len(job.requests)
+        job.remaining = len(job.requests)
+        out = []
+        for i, req in enumerate(job.requests):
+            key = next(self._keys)
+            self._rows[key] = _Row(job, i, TextStream(self.runner.tokenizer), self.runner.step)
+            out.append(RowRequest(key, req.prompt_ids, req.sampling))
+        return out
+
+    def _forget(self, requests: list[RowRequest]) -> None:
+        """Rows a join refused: no longer live here, nor in the decoder if any got in."""
+        for req in requests:
+            self._rows.pop(req.key, None)
+        with contextlib.suppress(Exception):
+            self._open().leave([req.key for req in requests])
 
     def _step(self) -> None:
         try:
