@@ -439,3 +439,64 @@ def test_the_scaledobject_scales_the_deployment_by_its_queue_depth():
     assert 0 < int(trigger["metadata"]["threshold"]) <= batch
     (endpoint,) = operator_objects()["ServiceMonitor"]["spec"]["endpoints"]
     assert scaled["pollingInterval"] >= seconds(endpoint["interval"])
+
+
+# --------------------------------------------- deploy/serve/vllm: vLLM's own server on GPUs
+VLLM_OVERLAY = SERVE / "vllm"
+
+
+def vllm_flags(args: list[str]) -> dict[str, str]:
+    """`--name=value` arguments by name (vLLM's CLI; every flag here is written so)."""
+    return dict(a[2:].split("=", 1) for a in args if a.startswith("--"))
+
+
+def test_the_vllm_overlay_patches_the_gpu_overlay():
+    kust = yaml.safe_load((VLLM_OVERLAY / "kustomization.yaml").read_text())
+    assert [(VLLM_OVERLAY / r).resolve() for r in kust["resources"]] == [(SERVE / "gpu").resolve()]
+    assert all((VLLM_OVERLAY / p["path"]).is_file() for p in kust["patches"])
+
+
+@needs_kubectl
+def test_the_vllm_overlay_runs_vllm_serve_on_the_bases_model_behind_the_same_services():
+    """The rendered resources validate strictly; the container runs `vllm serve` on the
+    model the base serves (the kuberay PVC, read only), on the port the Services target, under
+    serve.yaml's model name, with the Secret's key as VLLM_API_KEY (never Keel's variable, never
+    without it), probed at /health; SIGTERM's drain (vLLM's --shutdown-timeout) fits the grace
+    period after preStop; the GPU stays. (vLLM's own parser and routes read the arguments in
+    tests/serve/test_vllm_serve.py, in the vLLM environment.)"""
+    out = rendered(VLLM_OVERLAY)
+    assert sorted(d["kind"] for d in out) == ["ConfigMap", "Deployment", "PodDisruptionBudget",
+                                              "Service", "Service"]  # fmt: skip
+    for doc in out:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert LABELS.items() <= doc["metadata"]["labels"].items(), doc["kind"]
+    deployment = next(d for d in out if d["kind"] == "Deployment")
+    c = container(deployment)
+    assert c["command"] == ["vllm"] and c["args"][0] == "serve"
+    base = container(base_resources()["Deployment"])
+    keel_args = build_parser().parse_args(base["args"])
+    assert c["args"][1] == keel_args.model  # the same exported model folder
+    spec = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert set(volumes) == {"data"}  # Keel's serve config is not mounted
+    assert volumes["data"] == base_resources()["Deployment"]["spec"]["template"]["spec"][
+        "volumes"][0]  # fmt: skip
+    (mount,) = c["volumeMounts"]
+    assert mount["readOnly"] and c["args"][1].startswith(mount["mountPath"] + "/")
+    flags = vllm_flags(c["args"][2:])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert int(flags["port"]) == ports["http"] == keel_args.port and flags["host"] == "0.0.0.0"
+    services = [d for d in out if d["kind"] == "Service"]
+    assert all(s["spec"]["ports"][0]["targetPort"] == "http" for s in services)
+    serve_cfg = load_serve_config(BASE / "serve.yaml")
+    assert flags["served-model-name"] == serve_cfg.serve.model_name
+    env = {e["name"]: e for e in c["env"]}
+    assert serve_cfg.serve.api_key_env not in env
+    ref = env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "keel-serve", "key": "api-key"} and not ref.get("optional")
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[kind]["httpGet"] == {"path": "/health", "port": "http"}, kind
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + int(flags["shutdown-timeout"])
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert flags["dtype"] == "bfloat16"

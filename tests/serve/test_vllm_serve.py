@@ -8,18 +8,21 @@ against the trainer's log-probs; the server through the official `openai` client
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 
 import openai
 import pytest
 import torch
+import yaml
 
 from keel.config.schema import RolloutConfig
 from keel.models import TinyModelSpec, create_tiny_model, load_causal_lm, load_tokenizer
 from keel.rollout import SamplingParams
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest
-from tests.serve.live_server import LiveServer
+from tests.serve.live_server import REPO, LiveServer
 
 pytestmark = pytest.mark.vllm
 
@@ -260,3 +263,40 @@ def test_stop_cuts_the_text_and_ends_with_stop(client):
     assert cut.text == greedy[: greedy.find(stop)]
     assert cut.finish_reason == "stop"
     assert "".join(cut.logprobs.tokens) == cut.text
+
+
+# ------------------------------------------------ deploy/serve/vllm as vLLM itself reads it
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="rendering needs kubectl")
+def test_the_vllm_overlays_arguments_parse_with_vllms_parser_and_probe_its_app(monkeypatch):
+    """The rendered container's `vllm serve` arguments, read by vLLM's own parser (a flag it
+    does not know would fail), and the app vLLM builds from them: the probed /health answers
+    without the API key, /v1 needs the key from VLLM_API_KEY (tests/deploy checks the rest)."""
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    out = subprocess.run(["kubectl", "kustomize", str(REPO / "deploy" / "serve" / "vllm")],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    deployment = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["vllm"] and c["args"][0] == "serve"
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(c["args"][1:])
+    validate_parsed_serve_args(args)
+    assert args.model_tag == "/data/models/policy" and args.port == 8000
+    assert args.served_model_name == ["policy"] and args.shutdown_timeout == 30
+    assert args.api_key is None  # from the environment: the Secret
+    with pytest.raises(SystemExit):
+        parser.parse_args([*c["args"][1:], "--no-such-flag=1"])
+    monkeypatch.setenv("VLLM_API_KEY", "from-the-secret")
+    app = build_app(args, ("generate",))
+    routes = {getattr(r, "path", None) for r in app.routes}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics"} <= routes
+    probed = {c[kind]["httpGet"]["path"] for kind in ("startupProbe", "livenessProbe",
+                                                       "readinessProbe")}  # fmt: skip
+    assert probed == {"/health"}
+    app.state.engine_client = None  # no engine here: /health answers 200 without one
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200  # kubelet sends no key
+    assert client.get("/v1/models").status_code == 401
