@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.keel-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo gpu-wheels test test-tools lint typecheck format bench bench-trl bench-engines bench-serve \
+.PHONY: demo gpu-wheels test test-tools lint typecheck format bench bench-trl bench-engines bench-serve bench-availability \
 	clean install mutants \
 	golden learning install-vllm test-vllm test-portable
 
@@ -132,6 +132,11 @@ bench-serve: $(STAMP)
 	$(BIN)/python -c "import importlib.metadata as m; assert m.version('locust') == '2.47.0'" 2>/dev/null \
 		|| $(BIN)/pip install --quiet -e '.[bench]'
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.serve_locust $(BENCH_SERVE_ARGS)
+
+# Two keel serve replicas behind HAProxy through a rolling restart and a --follow swap at 50 QPS
+# for 2 minutes (bench/serve_availability.py; about 2.5 minutes); docs/serving.md has the figures.
+bench-availability: $(STAMP) test-tools
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.serve_availability
 
 # HF generate against vLLM, tokens/s on one workload and model (bench/engines.py; needs
 # .venv-vllm). A few minutes on 2 cores; docs/performance.md has the figures.
