@@ -12,6 +12,13 @@ last byte, so time spent waiting behind the client is counted too. Reports the a
   python -m bench.serve_load --serve builtin:tiny --qps 100 --duration 60 --max-tokens 8
   # step the rate up to find the knee: the highest QPS with p99 < 1 s and no errors
   python -m bench.serve_load --serve builtin:tiny --knee --qps 50 --qps-step 25 --duration 20
+  # continuous batching against batch-at-a-time at one load, streamed (TTFT per request)
+  python -m bench.serve_load --serve builtin:tiny --batching both --stream --qps 20 \
+      --max-tokens 64 --duration 30
+
+--batching (with --serve) sets serve.batching; `both` runs the load once per mode, each on a
+fresh server. --stream asks for SSE streams and reports the time to the first chunk (TTFT,
+from the moment the request was due) beside the latency to the last byte.
 
 Prints one JSON line per load level (and a summary line with the knee). Needs aiohttp (the
 `bench` extra)."""
@@ -53,6 +60,10 @@ class LevelResult:
     p99_s: float | None
     max_s: float | None
     errors: dict[str, int] = field(default_factory=dict)
+    ttft_p50_s: float | None = None  # --stream: time to the first chunk
+    ttft_p99_s: float | None = None
+    tokens_per_s: float | None = None  # completion tokens answered per second (non-stream)
+    batching: str | None = None  # --serve --batching: the mode it ran
 
     @property
     def error_count(self) -> int:
@@ -75,6 +86,8 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 def request_body(args: argparse.Namespace, model: str, i: int) -> tuple[str, dict]:
     prompt = args.prompt.format(i=i % 100)
     common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.stream:
+        common["stream"] = True
     if args.endpoint == "chat":
         return "/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
     return "/completions", {**common, "prompt": prompt}
@@ -82,15 +95,24 @@ def request_body(args: argparse.Namespace, model: str, i: int) -> tuple[str, dic
 
 async def one_request(
     client: aiohttp.ClientSession, url: str, body: dict, due: float
-) -> tuple[float, str | None]:
-    """(latency from `due`, None or the error's kind)."""
+) -> tuple[float, str | None, float | None, int]:
+    """(latency from `due`, None or the error's kind, a stream's time from `due` to its first
+    chunk, the completion tokens of a JSON answer)."""
+    first, tokens = None, 0
     try:
         async with client.post(url, json=body) as response:
-            await response.read()
             kind = None if response.status == 200 else f"http_{response.status}"
+            if body.get("stream") and kind is None:
+                async for line in response.content:
+                    if first is None and line.startswith(b"data: "):
+                        first = time.perf_counter() - due
+            else:
+                raw = await response.read()
+                if kind is None:
+                    tokens = json.loads(raw).get("usage", {}).get("completion_tokens", 0)
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = type(exc).__name__
-    return time.perf_counter() - due, kind
+    return time.perf_counter() - due, kind, first, tokens
 
 
 async def run_level(
@@ -119,8 +141,10 @@ async def run_level(
             due += rng.expovariate(qps) if args.poisson else 1.0 / qps
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    latencies = sorted(lat for lat, kind in results if kind is None)
-    errors = Counter(kind for _, kind in results if kind is not None)
+    latencies = sorted(lat for lat, kind, _, _ in results if kind is None)
+    errors = Counter(kind for _, kind, _, _ in results if kind is not None)
+    firsts = sorted(first for _, kind, first, _ in results if kind is None and first is not None)
+    tokens = sum(n for _, kind, _, n in results if kind is None)
     ok = len(latencies)
     return LevelResult(
         target_qps=qps,
@@ -133,6 +157,10 @@ async def run_level(
         p99_s=_round(percentile(latencies, 0.99)),
         max_s=_round(latencies[-1] if latencies else None),
         errors=dict(errors),
+        ttft_p50_s=_round(percentile(firsts, 0.50)),
+        ttft_p99_s=_round(percentile(firsts, 0.99)),
+        tokens_per_s=round(tokens / elapsed, 1) if tokens else None,
+        batching=getattr(args, "mode", None),
     )
 
 
@@ -148,8 +176,8 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`keel serve MODEL` on 127.0.0.1 and a free port; (process, base URL) once /readyz says
-    ready."""
+    """`keel serve MODEL` on 127.0.0.1 and a free port (serve.batching=args.mode when set);
+    (process, base URL) once /readyz says ready."""
     port = free_port()
     env = {
         **os.environ,
@@ -159,6 +187,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "keel.cli.main", "serve", args.serve, "--port", str(port)]
     for item in args.set:
         cmd += ["--set", item]
+    if getattr(args, "mode", None):
+        cmd += ["--set", f"serve.batching={args.mode}"]
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -197,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--serve", metavar="MODEL", help="start `keel serve MODEL` and load it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="--serve: a serve config override passed to keel serve")  # fmt: skip
+    p.add_argument("--batching", choices=("continuous", "batch", "both"),
+                   help="--serve: serve.batching (both: one run per mode, each on a fresh "
+                   "server; default: the server's)")  # fmt: skip
+    p.add_argument("--stream", action="store_true",
+                   help="stream (SSE) and report the time to the first chunk")  # fmt: skip
     p.add_argument("--model", help="model id in requests (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -233,16 +268,22 @@ async def run(args: argparse.Namespace, base_url: str) -> list[LevelResult]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    proc = None
-    base_url = args.url
-    if args.serve:
-        proc, base_url = start_server(args)
-    try:
-        levels = asyncio.run(run(args, base_url))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
+    if args.batching and not args.serve:
+        raise SystemExit("--batching needs --serve (it sets the started server's serve.batching)")
+    modes = ["continuous", "batch"] if args.batching == "both" else [args.batching]
+    levels = []
+    for mode in modes:
+        args.mode = mode
+        proc = None
+        base_url = args.url
+        if args.serve:
+            proc, base_url = start_server(args)
+        try:
+            levels += asyncio.run(run(args, base_url))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
     held = [lv.target_qps for lv in levels if lv.holds]
     summary = {"knee_qps": max(held) if held else None} if args.knee else {}
     summary["all_hold"] = all(lv.holds for lv in levels)

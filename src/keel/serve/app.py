@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -188,21 +189,16 @@ async def _stream(
     policy: ServedPolicy, endpoint: Endpoint, req: APIRequest, plan: Plan, logprobs: bool
 ) -> Response:
     """A stream of the tokens as they are decoded: the scheduler thread hands each row's new
-    text (`Delta`) to this request's event loop, which sends it as OpenAI's chunks. The
-    response starts with the first delta, so a generation that fails before it is a 500."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Delta | None] = asyncio.Queue()
-
-    def deliver(delta: Delta) -> None:  # on the scheduler thread
-        loop.call_soon_threadsafe(events.put_nowait, delta)
-
-    future = policy.submit(plan.prompts, plan.n, plan.sampling, plan.tools, plan.stops, deliver)
-    future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+    text (`Delta`) to this request's event loop (`Feed`), which sends what came since it last
+    looked as OpenAI's chunks, in one write. The response starts with the first delta, so a
+    generation that fails before it is a 500."""
+    feed = Feed(asyncio.get_running_loop())
+    future = policy.submit(plan.prompts, plan.n, plan.sampling, plan.tools, plan.stops, feed.put)
+    future.add_done_callback(lambda _: feed.put(None))
     try:
-        first = await events.get()
-        if first is None:  # it ended before any text: failed, or nothing to show
+        first = await feed.take()
+        if first[0] is None:  # it ended before any text: it failed
             await policy.result(future)
-            events.put_nowait(None)
     except BaseException:
         future.cancel()  # the client is gone: its rows leave the decoder
         raise
@@ -211,22 +207,56 @@ async def _stream(
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            for event in chunks.start():
-                yield event
-            delta = first
-            while delta is not None:
-                for event in chunks.delta(delta):
-                    yield event
-                delta = await events.get()
-            gens = await policy.result(future)
-            answered = answers(policy, plan, gens)
-            if req.include_usage:
-                yield chunks.usage(plan.prompt_tokens, answered)
-            yield DONE
+            events = list(chunks.start())
+            deltas = first
+            while True:
+                for delta in deltas:
+                    if delta is not None:
+                        events.extend(chunks.delta(delta))
+                if events:
+                    yield b"".join(events)
+                    events = []
+                if deltas and deltas[-1] is None:
+                    break
+                deltas = await feed.take()
+            answered = answers(policy, plan, await policy.result(future))
+            tail = [chunks.usage(plan.prompt_tokens, answered)] if req.include_usage else []
+            yield b"".join([*tail, DONE])
         finally:
             future.cancel()  # a no-op once it is done; else the client left mid-stream
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+class Feed:
+    """Deltas from the scheduler thread to one stream on the event loop: `put` from any thread
+    (it wakes the loop once for however many deltas arrive before the loop looks), `take` on
+    the loop: every delta that came, in order (None: the job ended, always last)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque[Delta | None] = deque()
+        self.ready = asyncio.Event()
+        self.waking = False
+
+    def put(self, item: Delta | None) -> None:
+        self.items.append(item)
+        if not self.waking:
+            self.waking = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self.waking = False
+        self.ready.set()
+
+    async def take(self) -> list[Delta | None]:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        out = []
+        while self.items:
+            out.append(self.items.popleft())
+        return out
 
 
 async def _iterate(events: Iterable[bytes]) -> AsyncIterator[bytes]:
