@@ -5,7 +5,9 @@ requests share batches.
 grpcio's synchronous server runs each call on a thread of its pool (serve.grpc_workers); a call
 checks the bearer token in its `authorization` metadata, turns the message into the HTTP API's
 request model (the same validation, limits and error codes: keel.serve.schema and
-keel.serve.handling), submits its rows and blocks on their future. Refusals are status codes
+keel.serve.handling), submits its rows and blocks on their future (GenerateStream with
+continuous batching: reads each token's text from a queue the scheduler thread fills, and
+yields its chunk at once; a cancelled call's rows leave the decoder). Refusals are status codes
 (`STATUS`), their detail `CODE: message` with the HTTP API's error code; every call is counted in
 the same metrics as HTTP's, with endpoint `grpc/METHOD` and its status code's name. Bytes that
 do not decode as the method's message (malformed, or nested past protobuf's depth limit) are the
