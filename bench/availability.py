@@ -49,6 +49,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_BY = "X-Served-By"  # the response header naming the replica that answered
+STOPPED = b"keel serve: stopped"  # what keel serve prints once its drain is over
 
 
 def free_ports(count: int) -> list[int]:
@@ -117,13 +118,25 @@ class Replica:
         }
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self._log_from = 0
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "keel.cli.main", "serve", str(self.model), *self.args,
                "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("a") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out, stderr=out)
         self.starts += 1
+
+    def drained(self) -> bool:
+        """Whether the process last started has said `keel serve: stopped` (its drain is over
+        and its port free; the interpreter may still be exiting) or has exited."""
+        assert self.proc is not None, "start() first"
+        if self.proc.poll() is not None:
+            return True
+        with self.log.open("rb") as log:
+            log.seek(self._log_from)
+            return STOPPED in log.read()
 
     def ready(self) -> bool:
         """Whether /readyz answers 200 (RuntimeError when the process has exited)."""
@@ -265,7 +278,11 @@ class Balancer:
         with self.log.open("w") as out:
             self.proc = subprocess.Popen([binary, "-f", str(self.config), "-db"],
                                          stdout=out, stderr=out)  # fmt: skip
-        wait_for(self._listening, "haproxy to listen", timeout=30)
+        try:
+            wait_for(self._listening, "haproxy to listen", timeout=30)
+        except BaseException:
+            self.stop()
+            raise
 
     def _listening(self) -> bool:
         if self.proc.poll() is not None:
@@ -411,17 +428,26 @@ class SteadyLoad:
 # ------------------------------------------------------------------------------- events
 def rolling_restart(replicas: list[Replica], balancer: Balancer, load: SteadyLoad | None = None,
                     timeout: float = 240) -> None:  # fmt: skip
-    """One replica at a time: SIGTERM (it drains and exits 0), start it again, wait until it is
-    ready and HAProxy has it back in rotation; then the next. With `load`, each replica's turn
-    is marked as the event `restart NAME`."""
+    """One replica at a time: SIGTERM (it drains and exits 0), start it again once its drain is
+    over (while the old interpreter finishes exiting), wait until it is ready and HAProxy has it
+    back in rotation; then the next. With `load`, each replica's turn is marked as the event
+    `restart NAME`."""
     for replica in replicas:
         with load.event(f"restart {replica.name}") if load else contextlib.nullcontext():
-            code = replica.stop()
+            old = replica.proc
+            assert old is not None, "start the replicas first"
+            replica.terminate()
+            wait_for(replica.drained, f"replica {replica.name} to drain", timeout)
+            replica.start()
+            try:
+                code = old.wait(timeout)
+            except subprocess.TimeoutExpired:
+                old.kill()
+                code = old.wait()
             if code != 0:
                 raise RuntimeError(
                     f"replica {replica.name} exited {code} on SIGTERM:\n{replica.text()}"
                 )
-            replica.start()
             replica.wait_ready(timeout)
             balancer.wait_up(replica.name)
 
