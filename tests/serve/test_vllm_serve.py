@@ -289,7 +289,14 @@ def test_the_vllm_overlays_arguments_parse_with_vllms_parser_and_probe_its_app(m
     assert args.api_key is None  # from the environment: the Secret
     with pytest.raises(SystemExit):
         parser.parse_args([*c["args"][1:], "--no-such-flag=1"])
+    import vllm.envs
+
     monkeypatch.setenv("VLLM_API_KEY", "from-the-secret")
+    # vLLM reads the variable through its envs table, cached once an engine has started in
+    # this process (the decoder tests'): read it through the table's own getter
+    key = vllm.envs.environment_variables["VLLM_API_KEY"]()
+    assert key == "from-the-secret"
+    monkeypatch.setattr(vllm.envs, "VLLM_API_KEY", key, raising=False)
     app = build_app(args, ("generate",))
     routes = {getattr(r, "path", None) for r in app.routes}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics"} <= routes

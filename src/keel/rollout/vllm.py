@@ -193,8 +193,10 @@ def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
 
 
 def engine_env() -> dict[str, str]:
-    """The variables vLLM reads while it starts: its engine core in this process."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    """The variables vLLM reads while it starts (and caches then): its engine core in this
+    process, and its V1 model runner, whose sampler `install_row_logprobs` wraps (vLLM's CPU
+    runner is a V1 runner; on CUDA, 0.32 would pick its V2 runner, whose sampler differs)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
@@ -587,6 +589,12 @@ def install_row_logprobs(worker: Any) -> None:
     sampler = worker.model_runner.sampler
     if getattr(sampler, "keel_row_logprobs", False):
         return
+    if not hasattr(sampler, "forward") or not hasattr(sampler, "gather_logprobs"):
+        raise RuntimeError(
+            f"vLLM's model runner {type(worker.model_runner).__name__} has a sampler "
+            f"({type(sampler).__name__}) that Keel cannot wrap: Keel runs vLLM's V1 model "
+            "runner (VLLM_USE_V2_MODEL_RUNNER=0, set by keel.rollout.vllm.engine_env)"
+        )
     forward = sampler.forward
 
     def row_logprobs_forward(logits: torch.Tensor, sampling_metadata: Any, *args, **kwargs):
