@@ -162,3 +162,42 @@ def test_leaving_rows_free_their_slots_and_the_batch_stays_small(tiny_dir):
     assert decoder.live == 0 and decoder.step() == []
     with pytest.raises(ValueError, match="unique"):
         decoder.join([RowRequest("k", prompt, long), RowRequest("k", prompt, long)])
+
+
+def test_the_generation_config_suppressed_tokens_and_what_falls_back(tiny_dir):
+    """suppress_tokens are never sampled, as generate never samples them (equal tokens and
+    log-probs); a generation config that changes logits otherwise keeps HF generate."""
+    tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir).eval()
+    model.generation_config.suppress_tokens = [tok.eos_token_id]
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=16)
+    out = {}
+    for loop in ("generate", "keel"):
+        engine = HFRolloutEngine(model, tok, return_logprobs=True, decode_loop=loop)
+        assert engine.lean == (loop == "keel")
+        torch.manual_seed(1)
+        out[loop] = engine.generate_ids(_prompts(tok, TEXTS), sampling)
+    assert out["keel"].token_ids == out["generate"].token_ids
+    assert all(len(t) == 16 for t in out["keel"].token_ids)  # EOS never sampled
+    torch.testing.assert_close(torch.tensor(out["keel"].logprobs),
+                               torch.tensor(out["generate"].logprobs))  # fmt: skip
+    model.generation_config.repetition_penalty = 1.1
+    assert not HFRolloutEngine(model, tok).lean
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        HFDecoder(model, [tok.eos_token_id], tok.pad_token_id)
+    model.generation_config.repetition_penalty = None
+    model.generation_config.suppress_tokens = None
+
+
+def test_the_eager_attention_kernel_decodes_as_generate(tiny_dir):
+    """With attn_implementation eager the decode step's mask is additive: generate's tokens."""
+    tok = load_tokenizer(tiny_dir)
+    model = load_causal_lm(tiny_dir, attn_implementation="eager").eval()
+    sampling = SamplingParams(n=2, temperature=0.8, max_new_tokens=12)
+    out = {}
+    for loop in ("generate", "keel"):
+        engine = HFRolloutEngine(model, tok, return_logprobs=True, decode_loop=loop)
+        torch.manual_seed(4)
+        out[loop] = engine.generate_ids(_prompts(tok, TEXTS), sampling)
+    assert out["keel"].token_ids == out["generate"].token_ids
+    for x, y in zip(out["keel"].logprobs, out["generate"].logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)

@@ -29,8 +29,11 @@ for every row of its batch, finished or not: the same seed gives the same tokens
 (up to the float rounding of a forward over fewer rows; tested). Every step has one host
 sync: the count of rows that finished.
 
-Models whose cache is not all full attention (sliding windows, linear attention) are not
-supported (`decodes(model)`): their engine keeps HF `generate`.
+The model's generation config: its `suppress_tokens` are never sampled (their logits are
+−inf before everything, as generate's processor makes them). Models whose generation config
+changes the logits in other ways (a repetition penalty, min_new_tokens, bad words, …;
+`GENERATION_CHANGES`) or whose cache is not all full attention (sliding windows, linear
+attention) are not supported (`decodes(model)`): their engine keeps HF `generate`.
 """
 
 from __future__ import annotations
@@ -54,10 +57,52 @@ from keel.rollout.protocol import RowRequest, RowToken
 RETIRE_FRACTION = 0.25
 
 
+# Generation-config keys that make generate change the logits, with the values that do not.
+GENERATION_CHANGES: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None, []),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "sequence_bias": (None, {}),
+    "begin_suppress_tokens": (None, []),
+    "typical_p": (None, 1.0),
+    "min_p": (None, 0.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "exponential_decay_length_penalty": (None,),
+    "renormalize_logits": (None, False),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+}
+
+
+def generation_changes(model: Any) -> list[str]:
+    """The keys of `model`'s generation config that change the logits in ways `HFDecoder`
+    does not (`GENERATION_CHANGES`)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return []
+    return [
+        k for k, neutral in GENERATION_CHANGES.items() if getattr(config, k, None) not in neutral
+    ]
+
+
 def decodes(model: Any) -> bool:
-    """Whether `HFDecoder` can run `model`: every layer of its cache is full attention."""
+    """Whether `HFDecoder` can run `model`: every layer of its cache is full attention and its
+    generation config changes no logits but by suppress_tokens."""
     cache = DynamicCache(config=model.config)
-    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    full = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    return full and not generation_changes(model)
+
+
+def suppressed_ids(model: Any) -> list[int]:
+    """The ids `model`'s generation config never lets generate sample (suppress_tokens)."""
+    config = getattr(model, "generation_config", None)
+    return list(getattr(config, "suppress_tokens", None) or [])
 
 
 def sample_tokens(
@@ -175,13 +220,20 @@ class HFDecoder:
         noise_rows: int | None = None,
     ):
         if not decodes(model):
-            raise ValueError(
-                f"{type(model).__name__}: Keel's decode loop needs a cache of full-attention "
-                "layers only (this model has sliding-window or other layers); HF generate runs it"
+            changes = generation_changes(model)
+            why = (
+                f"its generation config sets {', '.join(changes)}"
+                if changes
+                else "its cache has sliding-window or other layers than full attention"
             )
+            raise ValueError(f"{type(model).__name__}: Keel's decode loop cannot run it ({why})")
         self.model = model
         self.device = model_device(model)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
+        suppress = suppressed_ids(model)
+        self.suppress = (
+            torch.tensor(suppress, dtype=torch.long, device=self.device) if suppress else None
+        )
         self.pad_id = pad_id
         self.dtype = dtype
         self.synced = synced
@@ -189,6 +241,9 @@ class HFDecoder:
         self.logprobs = logprobs
         self.noise_rows = noise_rows
         self.keep_one = synced  # an FSDP2 rank keeps a row to step with while others decode
+        # the decode step's mask, built here as attention reads it (sdpa: bool, eager: additive)
+        # rather than by transformers every step; other kernels get the 2D mask
+        self._attention = getattr(model.config, "_attn_implementation", None)
         params = inspect.signature(model.forward).parameters
         self._keep_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._reset()
@@ -300,7 +355,10 @@ class HFDecoder:
             use_cache=True,
             **self._keep_logits,
         )
-        return out.logits[:, -1].float()
+        logits = out.logits[:, -1].float()
+        if self.suppress is not None:
+            logits[:, self.suppress] = -math.inf
+        return logits
 
     def _prefill(self, rows: Sequence[RowRequest]) -> _Joined:
         prompts = [list(row.prompt_ids) for row in rows]
@@ -369,8 +427,8 @@ class HFDecoder:
             assert self.cache is not None
             r = self.rows
             positions = (self.T - r.start)[:, None]
-            parts.append(self._forward(r.last[:, None], _mask(r.start, self.T + 1), self.cache,
-                                       positions))  # fmt: skip
+            mask = self._step_mask(r.start, self.T + 1)
+            parts.append(self._forward(r.last[:, None], mask, self.cache, positions))
             self.T += 1
         parts.extend(j.logits for j in self.joined)
         rows = _Rows.cat([self.rows, *(j.rows for j in self.joined)])
@@ -391,6 +449,23 @@ class HFDecoder:
         rows.last = tokens
         self._settle(rows, finished)
         return keys, alive, tokens, logprobs, finished
+
+    def _step_mask(self, start: torch.Tensor, width: int) -> torch.Tensor:
+        """A decode step's attention mask over `width` columns: [N, 1, 1, width] for sdpa
+        (True: attend) and eager (0 or the dtype's lowest), else [N, width] long."""
+        mask = _mask(start, width)
+        if self._attention == "sdpa":
+            return mask.bool()[:, None, None, :]
+        if self._attention == "eager":
+            assert self.cache is not None
+            layer = self.cache.layers[0]
+            assert isinstance(layer, ReservedLayer) and layer.keys is not None
+            dtype = layer.keys.dtype
+            low = torch.finfo(dtype).min
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                mask == 0, low
+            )[:, None, None, :]
+        return mask
 
     def _noise(self, rows: _Rows, vocab: int) -> torch.Tensor:
         if self.noise_rows is None:
