@@ -86,6 +86,9 @@ def test_a_rolling_restart_under_load_loses_no_request(pair):
         # HAProxy saw it go: its /readyz check failed while it drained and restarted
         assert int(balancer.stats()[replica.name]["chkdown"]) > down_before[replica.name]
     assert set(summary["by_replica"]) == {"a", "b"}, summary
+    stats = balancer.stats()  # HAProxy's own count agrees: both replicas answered through it
+    assert all(int(stats[r.name]["hrsp_2xx"]) > 0 for r in replicas), stats
+    assert int(stats["BACKEND"]["hrsp_2xx"]) >= len(outcomes), stats
 
 
 def test_a_checkpoint_swap_under_load_loses_no_request(pair, tiny_dir):
