@@ -196,7 +196,7 @@ def starting_server(model_dir, tmp_path_factory):
             made["server"] = LiveServer(
                 model_dir,
                 "--set", "rollout.engine=vllm", "--set", "serve.model_name=tiny",
-                "--set", "serve.max_prompt_tokens=64", "--set", "serve.max_new_tokens=128",
+                "--set", "serve.max_prompt_tokens=64", "--set", "serve.max_new_tokens=200",
                 log=log, env={"KEEL_API_KEY": KEY},
             )  # fmt: skip
         except BaseException as e:  # the server fixture raises it
@@ -263,6 +263,27 @@ def test_stop_cuts_the_text_and_ends_with_stop(client):
     assert cut.text == greedy[: greedy.find(stop)]
     assert cut.finish_reason == "stop"
     assert "".join(cut.logprobs.tokens) == cut.text
+
+
+def test_a_stream_arrives_while_its_row_still_decodes(client, server):
+    """Continuous batching streams on vLLM: when the first piece of a long greedy answer
+    reaches the client, its row is still decoding on the server (keel_serve_live_rows, read
+    from /metrics then, is 1; batch-at-a-time generates the whole answer before the first
+    piece leaves). The streamed text is the answer's, to its finish reason."""
+    stream = client.completions.create(model="tiny", prompt="12+34=", max_tokens=200,
+                                       temperature=0, stream=True)  # fmt: skip
+    pieces, live_at_first, finish = [], None, None
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.text and live_at_first is None:
+                live_at_first = server.metric("keel_serve_live_rows")
+            pieces.append(c.text)
+            finish = c.finish_reason or finish
+    assert live_at_first == 1
+    whole = client.completions.create(model="tiny", prompt="12+34=", max_tokens=200,
+                                      temperature=0).choices[0]  # fmt: skip
+    assert "".join(pieces) == whole.text and finish == whole.finish_reason
+    assert len(pieces) > 10
 
 
 # ------------------------------------------------ deploy/serve/vllm as vLLM itself reads it
