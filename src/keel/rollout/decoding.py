@@ -431,7 +431,7 @@ class HFDecoder:
             parts.append(self._forward(r.last[:, None], mask, self.cache, positions))
             self.T += 1
         parts.extend(j.logits for j in self.joined)
-        rows = _Rows.cat([self.rows, *(j.rows for j in self.joined)])
+        rows = _Rows.cat([self.rows, *(j.rows for j in self.joined)]) if self.joined else self.rows
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         tokens, logprobs = sample_tokens(
             logits,
