@@ -147,6 +147,13 @@ def _served_model(host: str, api_key: str) -> str:
     return _MODEL["id"]
 
 
+def refusal(response: Any) -> str:
+    """Why a request failed: its HTTP status, or (status 0: no answer) the client's error."""
+    if response.status_code:
+        return f"HTTP {response.status_code}"
+    return f"no answer: {type(getattr(response, 'error', None)).__name__}"
+
+
 class CompletionsUser(FastHttpUser):
     """Sends /v1/completions at the offered rate (see the module docstring)."""
 
@@ -231,7 +238,7 @@ class CompletionsUser(FastHttpUser):
         ) as response:
             response.request_meta["response_time"] = (time.perf_counter() - due) * 1000
             if response.status_code != 200:
-                response.failure(f"HTTP {response.status_code}")
+                response.failure(refusal(response))
                 return False
             try:
                 choices = json.loads(response.content)["choices"]
@@ -254,7 +261,7 @@ class CompletionsUser(FastHttpUser):
         ) as response:
             if response.status_code != 200:
                 response.request_meta["response_time"] = (time.perf_counter() - due) * 1000
-                response.failure(f"HTTP {response.status_code}")
+                response.failure(refusal(response))
                 return False
             try:
                 head = response.read(6)  # blocks only until the first event's first bytes
