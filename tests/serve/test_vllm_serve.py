@@ -17,11 +17,14 @@ import pytest
 import torch
 import yaml
 
+from keel.config.loading import ConfigError
 from keel.config.schema import RolloutConfig
 from keel.models import TinyModelSpec, create_tiny_model, load_causal_lm, load_tokenizer
 from keel.rollout import SamplingParams
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest
+from keel.serve.config import load_serve_config
+from keel.serve.policy import check_context_length
 from tests.serve.live_server import REPO, LiveServer
 
 pytestmark = pytest.mark.vllm
@@ -183,6 +186,21 @@ def test_the_engine_refuses_what_would_break_live_rows_and_frees_them_on_close(e
     assert len(engine.generate_ids([prompt], GREEDY).token_ids[0]) >= 1  # free again
 
 
+def test_a_serve_config_past_vllms_context_is_a_config_error(engine):
+    """The longest request a serve config allows must fit vLLM's max_model_len (256 here), or
+    `keel serve` refuses to start, naming the keys (such a request would fail at its join)."""
+    assert engine.max_model_len == 256
+    check_context_length(engine, load_serve_config(None, ["serve.max_prompt_tokens=56",
+                                                          "serve.max_new_tokens=200"]))  # fmt: skip
+    too_long = load_serve_config(None, ["serve.max_prompt_tokens=64", "serve.max_new_tokens=200"])
+    with pytest.raises(
+        ConfigError,
+        match=r"max_prompt_tokens \(64\) \+ serve.max_new_tokens "
+        r"\(200\) = 264 exceed the engine's context of 256",
+    ):
+        check_context_length(engine, too_long)
+
+
 # ---------------------------------------------------------------- keel serve on vLLM, HTTP
 @pytest.fixture(scope="module", autouse=True)
 def starting_server(model_dir, tmp_path_factory):
@@ -196,7 +214,7 @@ def starting_server(model_dir, tmp_path_factory):
             made["server"] = LiveServer(
                 model_dir,
                 "--set", "rollout.engine=vllm", "--set", "serve.model_name=tiny",
-                "--set", "serve.max_prompt_tokens=64", "--set", "serve.max_new_tokens=200",
+                "--set", "serve.max_prompt_tokens=48", "--set", "serve.max_new_tokens=200",
                 log=log, env={"KEEL_API_KEY": KEY},
             )  # fmt: skip
         except BaseException as e:  # the server fixture raises it

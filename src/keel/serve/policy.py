@@ -58,7 +58,28 @@ def build_engine(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> RolloutE
         autocast=None,
         load_copy=lambda: load_frozen_model(folder, cfg, tokenizer),
     )
-    return build_rollout_engine(rollout, inputs)
+    engine = build_rollout_engine(rollout, inputs)
+    try:
+        check_context_length(engine, cfg)
+    except ConfigError:
+        engine.close()
+        raise
+    return engine
+
+
+def check_context_length(engine: RolloutEngine, cfg: ServeFileConfig) -> None:
+    """A ConfigError naming the keys when the longest request the serve config allows
+    (serve.max_prompt_tokens + serve.max_new_tokens) exceeds the engine's context (vLLM's
+    max_model_len; engines without one are not checked): such a request would fail."""
+    limit = getattr(engine, "max_model_len", None)
+    longest = cfg.serve.max_prompt_tokens + cfg.serve.max_new_tokens
+    if limit is not None and longest > limit:
+        raise ConfigError(
+            f"serve.max_prompt_tokens ({cfg.serve.max_prompt_tokens}) + serve.max_new_tokens "
+            f"({cfg.serve.max_new_tokens}) = {longest} exceed the engine's context of {limit} "
+            "tokens (vLLM's max_model_len: rollout.vllm.max_model_len, or the model's own): "
+            "lower them"
+        )
 
 
 def serving_rollout(cfg: ServeFileConfig) -> RolloutConfig:
