@@ -21,7 +21,14 @@ fresh server. --stream asks for SSE streams and reports the time to the first ch
 from the moment the request was due) beside the latency to the last byte.
 
 Prints one JSON line per load level (and a summary line with the knee). Needs aiohttp (the
-`bench` extra)."""
+`bench` extra).
+
+The load tool of record is Locust (bench/locustfile.py, run by bench/serve_locust.py and `make
+bench-serve`), which offers the same open loop. This script stays for what Locust does not
+give: exact percentiles, from every latency by nearest rank (Locust's come from a histogram
+that keeps two significant digits, so near the 1 s line a p99 of 0.996 s reads 1.0 s), the
+generated tokens per second (from the answers' usage), and both batching modes, each on a fresh
+server, in one command (--batching both)."""
 
 from __future__ import annotations
 
