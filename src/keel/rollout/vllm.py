@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import random
@@ -52,6 +53,10 @@ from keel.types import Batch, Tokenizer
 if TYPE_CHECKING:
     from keel.config.schema import RolloutConfig
     from keel.rollout.protocol import EngineInputs
+
+# The decoders' vLLM request ids, unique in the process (an id is never reused, even by another
+# decoder: a late output of an aborted request cannot reach a newer row).
+ROW_REQUEST_IDS = itertools.count(1)
 
 # vLLM's attention kernels need a head size of at least this (measured on CPU: a head size of
 # 16 kills the engine at its first generate).
@@ -435,7 +440,6 @@ class VLLMDecoder:
         self._owner = engine
         self._rows: dict[Hashable, _Row] = {}  # join order
         self._keys: dict[str, Hashable] = {}  # vLLM request id → key
-        self._count = 0
         self._closed = False
 
     @property
@@ -462,8 +466,7 @@ class VLLMDecoder:
                 params = self._owner._sampling_params(
                     row.sampling, greedy, self._owner._row_seed(), delta=True
                 )
-                self._count += 1
-                request_id = f"keel-row-{self._count}"
+                request_id = f"keel-row-{next(ROW_REQUEST_IDS)}"
                 prompt = {"prompt_token_ids": list(row.prompt_ids)}
                 llm_engine.add_request(request_id, prompt, params)
                 added.append(request_id)
