@@ -4,6 +4,7 @@ of its floor).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python -m bench.decode_step [--size tiny|small]
         [--rows 128] [--prompts 16] [--prompt-length 4] [--lengths 32,128] [--repeats 5]
+        [--compile]
 
 For each loop (`rollout.decode_loop` keel and generate) and each response length R it times
 `HFRolloutEngine.generate_ids` of rows = prompts × n (the rollout's call, shared prefill on, a
@@ -12,7 +13,9 @@ warm-up) and prints seconds per call, ms per decode step ((call − prefill) / (
 prefill timed alone), and the floor multiple (call / `bench.phase_floor.generation_flops` at
 the measured single-thread GFLOP/s of a decode step's MLP matmul). From two lengths it fits a
 step's cost as fixed + per-position × context: the fixed part is the loop's overhead (Python,
-sampling, masks), the per-position part attention over the cache.
+sampling, masks), the per-position part attention over the cache. `--compile` adds Keel's loop
+with `rollout.compile` (a `torch.compile` of the model, dynamic shapes): its first call (the
+compile) is timed apart, and its tokens are checked against the eager loop's for one seed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-length", type=int, default=4)
     p.add_argument("--lengths", default="32,128")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also Keel's loop compiled")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from keel.models import load_causal_lm, load_tokenizer
@@ -73,8 +77,22 @@ def main(argv: list[str] | None = None) -> None:
     print("| loop | R | s per call | ms per step | floor s | × floor |")
     print("|---|---|---|---|---|---|")
     fits = {}
-    for loop in ("keel", "generate"):
-        engine = HFRolloutEngine(model, tok, share_prefill=True, decode_loop=loop)
+    loops = ["keel", "generate"] + (["keel+compile"] if a.compile else [])
+    for loop in loops:
+        engine = HFRolloutEngine(
+            model, tok, share_prefill=True, decode_loop=loop.split("+")[0],
+            compile=loop.endswith("compile"),
+        )  # fmt: skip
+        if loop.endswith("compile"):
+            check = SamplingParams(n=n, temperature=1.0, max_new_tokens=lengths[0])
+            eager = HFRolloutEngine(model, tok, share_prefill=True)
+            torch.manual_seed(0)
+            want = eager.generate_ids(prompts, check).token_ids
+            t = time.perf_counter()
+            torch.manual_seed(0)
+            got = engine.generate_ids(prompts, check).token_ids
+            print(f"keel+compile: first call (compiling) {time.perf_counter() - t:.1f} s; "
+                  f"tokens equal to the eager loop's: {got == want}")  # fmt: skip
         prefill = _time(
             lambda e=engine: e.generate_ids(prompts, SamplingParams(n=n, max_new_tokens=1)),
             a.repeats,

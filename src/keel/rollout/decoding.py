@@ -99,6 +99,13 @@ def decodes(model: Any) -> bool:
     return full and not generation_changes(model)
 
 
+def compiled_forward(model: Any) -> Any:
+    """`torch.compile` of `model` for the loop's forwards, with dynamic shapes (the rows and
+    the filled columns change every step): the first forwards of each kind (prefill, decode)
+    compile, once per process; the module itself stays eager (training uses it)."""
+    return torch.compile(model, dynamic=True)
+
+
 def suppressed_ids(model: Any) -> list[int]:
     """The ids `model`'s generation config never lets generate sample (suppress_tokens)."""
     config = getattr(model, "generation_config", None)
@@ -205,7 +212,9 @@ class HFDecoder:
     share_prefill: adjacent rows with equal prompts share one prefill of all but their last
     token. logprobs: compute the chosen tokens' log-probs (else 0.0).
     noise_rows: draw the sampling noise for that many rows every step, each row taking the row
-    `noise_index` of its `join` (the rollout's parity with `generate`); None: for live rows."""
+    `noise_index` of its `join` (the rollout's parity with `generate`); None: for live rows.
+    compiled: run the forwards through this `torch.compile` of the model (dynamic shapes;
+    `compiled_forward`), not the eager module."""
 
     def __init__(
         self,
@@ -218,6 +227,7 @@ class HFDecoder:
         share_prefill: bool = False,
         logprobs: bool = True,
         noise_rows: int | None = None,
+        compiled: Any = None,
     ):
         if not decodes(model):
             changes = generation_changes(model)
@@ -228,6 +238,7 @@ class HFDecoder:
             )
             raise ValueError(f"{type(model).__name__}: Keel's decode loop cannot run it ({why})")
         self.model = model
+        self.call = compiled if compiled is not None else model
         self.device = model_device(model)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         suppress = suppressed_ids(model)
@@ -347,7 +358,7 @@ class HFDecoder:
         self, input_ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, positions=None
     ) -> torch.Tensor:
         """The last position's logits [N, V] float32 of one forward into `cache`."""
-        out = self.model(
+        out = self.call(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask) if positions is None else positions,

@@ -12,7 +12,7 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
-from keel.rollout.decoding import HFDecoder, decodes
+from keel.rollout.decoding import HFDecoder, compiled_forward, decodes
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, RowRequest, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
@@ -81,6 +81,8 @@ class HFRolloutEngine:
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.decode_loop = decode_loop
         self.lean = decode_loop == "keel" and not static_cache and decodes(model)
+        # compile with Keel's loop: a torch.compile of the model for its forwards (not FSDP2)
+        self._compiled = compiled_forward(model) if self.lean and compile and not synced else None
 
     def decoder(self) -> HFDecoder:
         """Keel's decode loop on this engine's model, rows joining and leaving at any step
@@ -88,7 +90,7 @@ class HFRolloutEngine:
         be in eval mode (a served policy is)."""
         return HFDecoder(
             self.model, self.eos_ids, self.pad_id, dtype=self.dtype,
-            share_prefill=self.share_prefill, logprobs=True,
+            share_prefill=self.share_prefill, logprobs=True, compiled=self._compiled,
         )  # fmt: skip
 
     @torch.no_grad()
@@ -204,7 +206,7 @@ class HFRolloutEngine:
         decoder = HFDecoder(
             self.model, self.eos_ids, self.pad_id, dtype=self.dtype, synced=self.synced,
             share_prefill=self.share_prefill, logprobs=self.return_logprobs,
-            noise_rows=len(rows),
+            noise_rows=len(rows), compiled=self._compiled,
         )  # fmt: skip
         requests = [RowRequest(i, ids, sampling) for i, ids in enumerate(rows)]
         was_training = self.model.training

@@ -28,6 +28,10 @@ class ReservedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        # whether self.keys / values are views of the buffers (from position 0): False once a
+        # batch select or a reorder replaced them (a flag, not a data-pointer comparison, so
+        # that a compiled forward traces through update without a graph break)
+        self.backed = False
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -43,6 +47,7 @@ class ReservedLayer(DynamicLayer):
         keys[:, :, held:length] = key_states
         values[:, :, held:length] = value_states
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.backed = True
         return self.keys, self.values
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
@@ -53,6 +58,7 @@ class ReservedLayer(DynamicLayer):
         self.capacity = keys.shape[-2]
         self.buffers = (keys, values)
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.backed = True
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row `repeats` times (the shared prefill's n rows per prompt), copied once,
@@ -69,18 +75,24 @@ class ReservedLayer(DynamicLayer):
             repeated.append(buffer)
         self.buffers = (repeated[0], repeated[1])
         self.keys, self.values = repeated[0][:, :, :held], repeated[1][:, :, :held]
+        self.backed = True
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.backed = False  # the selected rows are a copy: the next update reserves anew
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.backed = False
 
     def _holds(self, length: int, rows: int) -> bool:
-        """Whether the buffers still back `self.keys` (a batch select or repeat replaces them;
-        a crop keeps them) and have room for `length` positions of `rows` rows."""
-        if self.buffers is None or self.keys is None:
+        """Whether the buffers still back `self.keys` (a batch select or reorder replaces
+        them; a crop and a repeat keep them) and have room for `length` positions of `rows`
+        rows."""
+        if self.buffers is None or not self.backed:
             return False
         keys = self.buffers[0]
-        return (
-            self.keys.data_ptr() == keys.data_ptr()
-            and length <= keys.shape[-2]
-            and rows == keys.shape[0]
-        )
+        return length <= keys.shape[-2] and rows == keys.shape[0]
 
     def _reserve(
         self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, length: int
