@@ -381,7 +381,8 @@ class RolloutConfig(Section):
     )
     compile: bool | None = Field(
         None,
-        description="compiled decoding: hf torch.compiles the decode step (static cache only); "
+        description="compiled decoding: hf torch.compiles the model for Keel's decode loop "
+        "(dynamic shapes) or, with static_cache, transformers' decode step; "
         "vllm uses CUDA graphs and torch.compile (vLLM's enforce_eager off: slower start-up, "
         "faster decoding); null: hf on CUDA, vllm off",
     )
