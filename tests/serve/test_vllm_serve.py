@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 import yaml
+from bench.availability import write_checkpoint
 
 from keel.config.loading import ConfigError
 from keel.config.schema import RolloutConfig
@@ -25,7 +26,7 @@ from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest
 from keel.serve.config import load_serve_config
 from keel.serve.policy import check_context_length
-from tests.serve.live_server import REPO, LiveServer
+from tests.serve.live_server import REPO, LiveServer, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -202,17 +203,26 @@ def test_a_serve_config_past_vllms_context_is_a_config_error(engine):
 
 
 # ---------------------------------------------------------------- keel serve on vLLM, HTTP
+@pytest.fixture(scope="module")
+def run_dir(model_dir, tmp_path_factory):
+    """A run whose one checkpoint (step 1) holds the perturbed model (the server follows it)."""
+    path = tmp_path_factory.mktemp("vllm-serve") / "run"
+    write_checkpoint(path, 1, model_dir)
+    return path
+
+
 @pytest.fixture(scope="module", autouse=True)
-def starting_server(model_dir, tmp_path_factory):
-    """`keel serve` on vLLM, started in the background while the decoder tests run (starting
-    it is most of this file's cost); yields (the thread starting it, what it made)."""
+def starting_server(run_dir, tmp_path_factory):
+    """`keel serve RUN --follow` on vLLM, started in the background while the decoder tests
+    run (starting it is most of this file's cost); yields (the thread starting it, what it
+    made)."""
     made: dict = {}
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
 
     def start() -> None:
         try:
             made["server"] = LiveServer(
-                model_dir,
+                run_dir, "--follow", "--set", "serve.follow_interval_s=0.2",
                 "--set", "rollout.engine=vllm", "--set", "serve.model_name=tiny",
                 "--set", "serve.max_prompt_tokens=48", "--set", "serve.max_new_tokens=200",
                 log=log, env={"KEEL_API_KEY": KEY},
@@ -302,6 +312,45 @@ def test_a_stream_arrives_while_its_row_still_decodes(client, server):
                                       temperature=0).choices[0]  # fmt: skip
     assert "".join(pieces) == whole.text and finish == whole.finish_reason
     assert len(pieces) > 10
+
+
+def test_follow_loads_a_newer_checkpoint_into_vllm_once_the_live_rows_end(
+    client, server, run_dir, model_dir
+):
+    """--follow on vLLM: a stream decoding when checkpoint 2 appears ends on the weights it
+    began with (the swap waits for the live rows); then the answers are step 2's, whose log-probs
+    on a prompt seen before the swap (vLLM's prefix cache reset) are the new weights' own."""
+    prompt = "12+34="
+    before = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
+    assert before.system_fingerprint == "keel-step-1"
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                       temperature=0, stream=True)  # fmt: skip
+    chunks = iter(stream)
+    pieces: list[str] = []
+    while not "".join(pieces):  # a decoded piece: the row is live now
+        pieces += [c.text for c in next(chunks).choices]
+    newest = write_checkpoint(run_dir, 2, model_dir, scale=1.5)
+    pieces += [c.text for chunk in chunks for c in chunk.choices]
+    assert "".join(pieces) == before.choices[0].text  # step 1's weights to its end
+    wait_until(lambda: server.metric("keel_serve_model_step") == 2, "the server to load step 2")
+    after = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      logprobs=1)  # fmt: skip
+    assert after.system_fingerprint == "keel-step-2"
+    assert server.metric("keel_serve_reloads_total") == 1
+    (choice,) = after.choices
+    assert choice.logprobs.tokens
+    tok = load_tokenizer(newest / "actor")
+    prompt_ids = ids(tok, prompt)
+    full = ids(tok, prompt + choice.text)
+    assert full[: len(prompt_ids)] == prompt_ids and len(full) - len(prompt_ids) == len(
+        choice.logprobs.tokens
+    )
+    policy = load_causal_lm(newest / "actor").eval()
+    with torch.no_grad():
+        logits = policy(torch.tensor([full])).logits[0, len(prompt_ids) - 1 : -1].float()
+    answered = torch.tensor(full[len(prompt_ids) :])[:, None]
+    expected = torch.log_softmax(logits, -1).gather(1, answered)
+    assert choice.logprobs.token_logprobs == pytest.approx(expected[:, 0].tolist(), abs=1e-4)
 
 
 # ------------------------------------------------ deploy/serve/vllm as vLLM itself reads it
