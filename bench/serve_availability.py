@@ -5,6 +5,7 @@ target is 99.9 % of requests answered 200.
 
   python -m bench.serve_availability                    # 50 QPS, 120 s (about 2.5 minutes)
   python -m bench.serve_availability --no-retry         # the same with HAProxy's retries off
+  python -m bench.serve_availability --replicas 1       # one replica: its restart refuses requests
   python -m bench.serve_availability --qps 100 --duration 60 --max-tokens 8
 
 Prints one JSON line: success %, failures by kind, p50/p99/max latency over the whole run and
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-at", type=float, default=10.0, help="s into the load")
     p.add_argument("--swap-at", type=float, default=70.0, help="s into the load")
     p.add_argument("--no-retry", action="store_true", help="HAProxy retries nothing (retries 0)")
+    p.add_argument("--replicas", type=int, default=2, choices=range(1, 9), metavar="1..8",
+                   help="replicas behind HAProxy (1: a lone process restarts)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the folder with the logs")
     return p.parse_args(argv)
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     serve_args += ["--set", f"serve.model_name={MODEL}"]
     replicas = [
         Replica(name, run_dir, serve_args, port, folder / f"{name}.log")
-        for name, port in zip("ab", free_ports(2), strict=True)
+        for name, port in zip("abcdefgh", free_ports(args.replicas), strict=False)
     ]
     balancer = None
     try:
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         stop_replicas(replicas)
     result = {
         "qps": args.qps, "duration_s": args.duration, "max_tokens": args.max_tokens,
-        "retries": not args.no_retry, "target_pct": 99.9,
+        "replicas": args.replicas, "retries": not args.no_retry, "target_pct": 99.9,
         "holds": summary["success_pct"] is not None and summary["success_pct"] >= 99.9,
         **summary,
     }  # fmt: skip
