@@ -336,6 +336,7 @@ class HFDecoder:
         self.joined: list[_Joined] = []
         self._eos_set = set(self.eos.tolist())
         self._live = 0  # rows joined and neither finished nor left
+        self._padded = False  # some running row starts after column 0
         self.last_index = torch.zeros(0, dtype=torch.long)  # the last step's rows' noise_index
 
     @contextmanager
@@ -355,13 +356,21 @@ class HFDecoder:
         return bool(live.item())
 
     def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, positions=None
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: DynamicCache,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The last position's logits [N, V] float32 of one forward into `cache`."""
+        """The last position's logits [N, V] float32 of one forward into `cache`; positions
+        default to the 2D mask's counts."""
+        if positions is None:
+            assert mask is not None and mask.dim() == 2
+            positions = position_ids_from_mask(mask)
         out = self.call(
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=position_ids_from_mask(mask) if positions is None else positions,
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             **self._keep_logits,
@@ -438,7 +447,8 @@ class HFDecoder:
             assert self.cache is not None
             r = self.rows
             positions = (self.T - r.start)[:, None]
-            mask = self._step_mask(r.start, self.T + 1)
+            # no row padded: no mask (sdpa's fast path, as transformers would choose)
+            mask = self._step_mask(r.start, self.T + 1) if self._padded else None
             parts.append(self._forward(r.last[:, None], mask, self.cache, positions))
             self.T += 1
         parts.extend(j.logits for j in self.joined)
@@ -545,6 +555,7 @@ class HFDecoder:
             shifts.append(torch.full((len(picked),), width - w, device=self.device))
         kept.start = kept.start + torch.cat(shifts)
         self.cache, self.T, self.rows, self.joined = cache, width, kept, []
+        self._padded = bool((kept.start > 0).any())
 
 
 def _merged(

@@ -33,6 +33,9 @@ class ReservedLayer(DynamicLayer):
         # that a compiled forward traces through update without a graph break)
         self.backed = False
 
+    # eager under torch.compile (a graph break): the buffers and their views would be aliased
+    # graph inputs, which AOT autograd cannot take with dynamic shapes
+    @torch.compiler.disable
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
