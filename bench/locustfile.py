@@ -20,7 +20,10 @@ last byte, so time spent behind a late client is counted too. `--stream-share` o
 ask `stream: true` and report two rows: `completions stream` (due to the end of the stream,
 `data: [DONE]`) and `ttft` (due to the first SSE `data:` bytes, the time to first token as a
 client sees it). The rest report `completions`. An answer that is not 200 with one choice, or
-a stream that does not begin with `data:` and end with `[DONE]`, is a failure.
+a stream that does not begin with `data:` and end with `[DONE]`, is a failure. A request that
+got no answer because its pooled keep-alive connection had just been closed by the server is
+sent once more on a fresh connection (as HTTP clients do) and counted in a `retried connection`
+row.
 
 With `--duration` the open loop offers load for that many seconds, waits for the last answers
 (at most `--request-timeout`) and stops the test; `--run-time` is then only a cap. At the end
@@ -154,6 +157,26 @@ def refusal(response: Any) -> str:
     return f"no answer: {type(getattr(response, 'error', None)).__name__}"
 
 
+def answered(response: Any) -> bool:
+    """A 200 whose body has one choice; else the failure is marked on `response`."""
+    if response.status_code != 200:
+        response.failure(refusal(response))
+        return False
+    try:
+        choices = json.loads(response.content)["choices"]
+    except (ValueError, KeyError, TypeError) as exc:
+        response.failure(f"bad body: {type(exc).__name__}")
+        return False
+    if len(choices) != 1:
+        response.failure(f"{len(choices)} choices, wanted 1")
+        return False
+    return True
+
+
+STALE_CONNECTION = {"HTTPConnectionClosed", "ConnectionResetError", "BrokenPipeError"}
+RETRIED = "retried connection"
+
+
 class CompletionsUser(FastHttpUser):
     """Sends /v1/completions at the offered rate (see the module docstring)."""
 
@@ -228,7 +251,19 @@ class CompletionsUser(FastHttpUser):
         ok = self.streamed(due) if stream else self.plain(due)
         TALLY.done(ok)
 
-    def plain(self, due: float) -> bool:
+    def stale(self, response: Any, may_retry: bool) -> bool:
+        """A pooled keep-alive connection the server had closed (uvicorn closes one idle for
+        5 s; reusing it as it closes gets no answer): report it under `retried connection`
+        and send the request once more on a fresh one, as HTTP clients do. Nothing reached
+        the server's app, so the retry is not a second completion."""
+        error = type(getattr(response, "error", None)).__name__
+        if not may_retry or response.status_code or error not in STALE_CONNECTION:
+            return False
+        response.request_meta["name"] = RETRIED
+        response.success()
+        return True
+
+    def plain(self, due: float, may_retry: bool = True) -> bool:
         with self.client.post(
             "/v1/completions",
             name="completions",
@@ -237,20 +272,12 @@ class CompletionsUser(FastHttpUser):
             catch_response=True,
         ) as response:
             response.request_meta["response_time"] = (time.perf_counter() - due) * 1000
-            if response.status_code != 200:
-                response.failure(refusal(response))
-                return False
-            try:
-                choices = json.loads(response.content)["choices"]
-            except (ValueError, KeyError, TypeError) as exc:
-                response.failure(f"bad body: {type(exc).__name__}")
-                return False
-            if len(choices) != 1:
-                response.failure(f"{len(choices)} choices, wanted 1")
-                return False
-            return True
+            retry = self.stale(response, may_retry)
+            if not retry:
+                return answered(response)
+        return self.plain(due, may_retry=False) if retry else False
 
-    def streamed(self, due: float) -> bool:
+    def streamed(self, due: float, may_retry: bool = True) -> bool:
         with self.client.post(
             "/v1/completions",
             name="completions stream",
@@ -261,6 +288,8 @@ class CompletionsUser(FastHttpUser):
         ) as response:
             if response.status_code != 200:
                 response.request_meta["response_time"] = (time.perf_counter() - due) * 1000
+                if self.stale(response, may_retry):
+                    return self.streamed(due, may_retry=False)
                 response.failure(refusal(response))
                 return False
             try:

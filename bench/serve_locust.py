@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "bench" / "locustfile.py"
 HOLD_P99_S = 1.0
 PLAIN, STREAM, TTFT = "completions", "completions stream", "ttft"
+RETRIED = "retried connection"  # the locustfile's row of requests resent on a fresh connection
 CAUGHT = re.compile(r"CatchResponseError\(['\"](.*)['\"]\)")
 
 
@@ -62,6 +63,7 @@ class Level:
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     max_send_lag_s: float | None
+    retried: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -144,6 +146,7 @@ def level_from(
         ttft_p50_s=_seconds(ttft, "50%"),
         ttft_p99_s=_seconds(ttft, "99%"),
         max_send_lag_s=tally.get("max_send_lag_s"),
+        retried=int(stats[RETRIED]["Request Count"]) if RETRIED in stats else 0,
         errors=read_failures(csv_prefix),
     )
 
