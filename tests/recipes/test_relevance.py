@@ -75,6 +75,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "max_new_tokens",
         "batch_size",
         "static_cache",
+        "decode_loop",
         "compile",
         "env",  # evaluation plays episodes too when it is set
     }

@@ -103,7 +103,7 @@ def serving_rollout(cfg: ServeFileConfig) -> RolloutConfig:
 def continuous_batching(cfg: ServeFileConfig, engine: RolloutEngine) -> bool:
     """serve.batching resolved: continuous where the engine has a step API (`DecodingEngine`)
     unless set; "continuous" on an engine without one is a ConfigError naming the key."""
-    can = isinstance(engine, DecodingEngine)
+    can = isinstance(engine, DecodingEngine) and getattr(engine, "lean", True)
     choice = cfg.serve.batching
     if choice == "continuous" and not can:
         raise ConfigError(
