@@ -181,6 +181,31 @@ def test_a_job_too_big_for_the_free_slots_waits_for_them_oldest_first(engine):
     s.close()
 
 
+def test_under_load_waiting_rows_join_every_few_steps_or_once_they_are_many(engine):
+    """With PACED_ROWS live rows a new row joins at the JOIN_EVERY-th step after the last join
+    (not the next one); a quarter of the live rows waiting join at the next step."""
+    from keel.serve.continuous import JOIN_EVERY, PACED_ROWS
+
+    s = scheduler(engine, max_rows=64, max_pending=64)
+    long = submit(s, "long", n=PACED_ROWS)  # joins at once: nothing was live
+    engine.blocked(1)
+    one = submit(s, "short")  # 1 row waiting beside 16 live: it waits for the paced join
+    engine.release(JOIN_EVERY)
+    engine.blocked(JOIN_EVERY + 1)
+    decoder = engine.decoders[0]
+    assert [len(k) for k in decoder.steps] == [PACED_ROWS] * JOIN_EVERY  # no join before
+    many = submit(s, "short", n=PACED_ROWS // 4 + 1)  # a quarter of the live rows: at once
+    engine.release(1)
+    engine.blocked(JOIN_EVERY + 2)
+    assert len(decoder.steps[JOIN_EVERY]) == PACED_ROWS + 1  # the one row joined at step 5
+    engine.release(1)
+    engine.blocked(JOIN_EVERY + 3)
+    assert len(decoder.steps[JOIN_EVERY + 1]) == PACED_ROWS + 1 + PACED_ROWS // 4 + 1
+    long.cancel(), engine.release(400)
+    one.result(30), many.result(30)
+    s.close()
+
+
 def test_a_stop_string_ends_the_row_in_the_loop_and_the_stream_never_shows_it(engine):
     deltas: list[Delta] = []
     s = scheduler(engine)
