@@ -6,7 +6,8 @@ of its floor).
         [--rows 128] [--prompts 16] [--prompt-length 4] [--lengths 32,128] [--repeats 5]
         [--compile]
 
-For each loop (`rollout.decode_loop` keel and generate) and each response length R it times
+For each loop (`rollout.decode_loop` keel, static and generate; static runs eagerly off CUDA,
+at padded buckets over a static cache's masked columns) and each response length R it times
 `HFRolloutEngine.generate_ids` of rows = prompts × n (the rollout's call, shared prefill on, a
 model whose EOS is never sampled so every row runs R tokens; median of `repeats` calls after a
 warm-up) and prints seconds per call, ms per decode step ((call − prefill) / (R − 1), the
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| loop | R | s per call | ms per step | floor s | × floor |")
     print("|---|---|---|---|---|---|")
     fits = {}
-    loops = ["keel", "generate"] + (["keel+compile"] if a.compile else [])
+    loops = ["keel", "static", "generate"] + (["keel+compile"] if a.compile else [])
     for loop in loops:
         engine = HFRolloutEngine(
             model, tok, share_prefill=True, decode_loop=loop.split("+")[0],

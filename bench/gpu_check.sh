@@ -26,6 +26,8 @@
 #   step:  python -m bench.gpu_step: one GRPO step of a 0.5B model, Keel then TRL when trl is
 #          importable (a few minutes on an H100-class GPU);
 #   chunk: bench.gpu_step, Keel only, with train.logits_chunk_tokens 8192 (peak memory);
+#   decode: bench.gpu_step, Keel only, once per rollout.decode_loop (generate, keel, static:
+#          the CUDA-graph decode step), for their rollout tokens/s;
 #   smoke: the same checks' logic on the CPU (KEEL_GPU_TEST_DEVICE=cpu, gpu_step --smoke), for a
 #          machine without a GPU (under a minute).
 # Logs go to DIR: --out DIR, else $KEEL_GPU_CHECK_OUT, else runs/gpu-check/ under the repository
@@ -38,7 +40,7 @@ usage() { sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; }
 what=all out=${KEEL_GPU_CHECK_OUT:-} dry=0
 while (($#)); do
     case $1 in
-        all | tests | step | chunk | smoke) what=$1 ;;
+        all | tests | step | chunk | decode | smoke) what=$1 ;;
         --out) out=${2:?--out needs a folder}; shift ;;
         --out=*) out=${1#--out=} ;;
         --dry-run) dry=1 ;;
@@ -94,6 +96,12 @@ if [[ $what == all || $what == step ]]; then
 fi
 if [[ $what == chunk ]]; then
     run gpu_step_chunk.log "$python" -m bench.gpu_step --no-trl --logits-chunk 8192 || status=1
+fi
+if [[ $what == decode ]]; then
+    for loop in generate keel static; do
+        run "gpu_step_$loop.log" "$python" -m bench.gpu_step --no-trl --decode-loop "$loop" \
+            || status=1
+    done
 fi
 if [[ $what == smoke ]]; then
     run tests_cpu.log env KEEL_GPU_TEST_DEVICE=cpu OMP_NUM_THREADS=1 "${pytest[@]}" || status=1

@@ -209,7 +209,10 @@ def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path)
         device=device,
         dtype="bfloat16",
         prompt_length=args.prompt_length,
-        extra_config={"train.logits_chunk_tokens": args.logits_chunk},
+        extra_config={
+            "train.logits_chunk_tokens": args.logits_chunk,
+            **({"rollout.decode_loop": args.decode_loop} if args.decode_loop else {}),
+        },
     )
     try:
         placed = next(keel.actor_model.parameters()).device.type
@@ -377,6 +380,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="Keel's train.logits_chunk_tokens (the LM head in chunks: less memory, one more "
         "LM-head matmul per token); default: off",
+    )
+    p.add_argument(
+        "--decode-loop",
+        choices=["keel", "static", "generate"],
+        default=None,
+        help="Keel's rollout.decode_loop (static: the decode step at padded buckets on a "
+        "static cache, a CUDA graph each); default: the config's (on CUDA, HF generate on "
+        "transformers' static cache, compiled)",
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--peak-tflops", dest="peak", type=float, default=None)

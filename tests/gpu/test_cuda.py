@@ -125,3 +125,26 @@ def test_the_example_yaml_trains_through_the_cli_on_the_gpu(tmp_path, tiny_dir):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 2
     assert (run / "model" / "config.json").exists()
+
+
+def test_the_graphed_decode_step_gives_the_dynamic_loops_tokens(tiny_dir):
+    """rollout.decode_loop static on the GPU: each (rows, columns) bucket's decode step is a
+    CUDA graph (captured once, replayed), in bfloat16 autocast too; greedy tokens equal the
+    dynamic loop's, rows ending at different steps, and a second call replays the graphs."""
+    from keel.models import load_causal_lm, load_tokenizer
+    from keel.rollout import HFRolloutEngine, SamplingParams
+
+    tok = load_tokenizer(tiny_dir)
+    model = load_causal_lm(tiny_dir).to(DEVICE).eval()
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("1+1=", "12+34=", "7")]
+    greedy = SamplingParams(n=3, temperature=0, max_new_tokens=40)
+    for dtype in (None, torch.bfloat16):
+        out = {}
+        for loop in ("keel", "static"):
+            engine = HFRolloutEngine(model, tok, decode_loop=loop, dtype=dtype)
+            out[loop] = [engine.generate_ids(prompts, greedy).token_ids for _ in range(2)]
+        assert out["static"][0] == out["keel"][0] and out["static"][1] == out["keel"][1]
+        steps = list(engine._steps.steps.values())
+        assert steps and all(s.graphed == (DEVICE == "cuda") for s in steps)
+        if DEVICE == "cuda":
+            assert all(s.graph is not None for s in steps)

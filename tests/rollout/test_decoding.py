@@ -67,7 +67,7 @@ def test_the_loop_samples_generates_tokens_as_rows_finish(eager_eos, temperature
     texts = TEXTS
     sampling = SamplingParams(n=4, temperature=temperature, top_p=0.95, max_new_tokens=24)
     results = {}
-    for loop in ("generate", "keel"):
+    for loop in ("generate", "keel", "static"):
         engine = HFRolloutEngine(
             model, tok, return_logprobs=True, share_prefill=share_prefill, decode_loop=loop
         )
@@ -77,16 +77,18 @@ def test_the_loop_samples_generates_tokens_as_rows_finish(eager_eos, temperature
         turn = [_prompts(tok, texts)[0] + first.token_ids[0] + _prompts(tok, [" and 3+4="])[0]]
         second = engine.generate_ids(turn, sampling)
         results[loop] = (first, second, torch.rand(4))
-    (a1, a2, ra), (b1, b2, rb) = results["generate"], results["keel"]
+    a1, a2, ra = results["generate"]
     lengths = {len(t) for t in a1.token_ids}
     assert len(lengths) >= (2 if temperature == 0 else 4)  # rows ended at different steps
-    assert b1.token_ids == a1.token_ids and b2.token_ids == a2.token_ids
-    assert b1.finish_reasons == a1.finish_reasons
-    for got, want in ((b1, a1), (b2, a2)):
-        assert got.logprobs is not None and want.logprobs is not None
-        for x, y in zip(got.logprobs, want.logprobs, strict=True):
-            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)
-    assert torch.equal(ra, rb)
+    for loop in ("keel", "static"):  # static: padded buckets, attention over masked columns
+        b1, b2, rb = results[loop]
+        assert b1.token_ids == a1.token_ids and b2.token_ids == a2.token_ids
+        assert b1.finish_reasons == a1.finish_reasons
+        for got, want in ((b1, a1), (b2, a2)):
+            assert got.logprobs is not None and want.logprobs is not None
+            for x, y in zip(got.logprobs, want.logprobs, strict=True):
+                torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)
+        assert torch.equal(ra, rb)
 
 
 def _alone(model, tok, prompt, sampling):
@@ -98,11 +100,12 @@ def _alone(model, tok, prompt, sampling):
     return [t.token for t in out], [t.logprob for t in out]
 
 
-def test_rows_join_a_running_batch_and_decode_as_alone(tiny_dir):
+@pytest.mark.parametrize("loop", ["keel", "static"])
+def test_rows_join_a_running_batch_and_decode_as_alone(tiny_dir, loop):
     """A row joining at step 5, another at step 9: each yields the tokens and log-probs it yields
     alone, the running rows go on undisturbed, and tokens come back in join order."""
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir).eval()
-    engine = HFRolloutEngine(model, tok)
+    engine = HFRolloutEngine(model, tok, decode_loop=loop)
     assert isinstance(engine, DecodingEngine)
     decoder = engine.decoder()
     assert isinstance(decoder, Decoder)
@@ -194,10 +197,11 @@ def test_the_eager_attention_kernel_decodes_as_generate(tiny_dir):
     model = load_causal_lm(tiny_dir, attn_implementation="eager").eval()
     sampling = SamplingParams(n=2, temperature=0.8, max_new_tokens=12)
     out = {}
-    for loop in ("generate", "keel"):
+    for loop in ("generate", "keel", "static"):
         engine = HFRolloutEngine(model, tok, return_logprobs=True, decode_loop=loop)
         torch.manual_seed(4)
         out[loop] = engine.generate_ids(_prompts(tok, TEXTS), sampling)
-    assert out["keel"].token_ids == out["generate"].token_ids
-    for x, y in zip(out["keel"].logprobs, out["generate"].logprobs, strict=True):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)
+    for loop in ("keel", "static"):
+        assert out[loop].token_ids == out["generate"].token_ids
+        for x, y in zip(out[loop].logprobs, out["generate"].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)

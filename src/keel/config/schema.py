@@ -367,11 +367,13 @@ class RolloutConfig(Section):
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
         "repeated n times), with the reserved or the static KV cache",
     )
-    decode_loop: Literal["keel", "generate"] = Field(
+    decode_loop: Literal["keel", "static", "generate"] = Field(
         "keel",
         description="hf: keel, Keel's own decode loop on the reserved KV cache (a forward over "
         "the live rows per step, finished rows dropped; models with sliding-window or other "
-        "non-full-attention layers fall back to generate); generate: HF generate (always with "
+        "non-full-attention layers fall back to generate); static: the same loop, its decode "
+        "steps at padded batch buckets on a static cache, on CUDA each captured once in a CUDA "
+        "graph (not with FSDP2, which keeps keel); generate: HF generate (always with "
         "static_cache)",
     )
     static_cache: bool | None = Field(

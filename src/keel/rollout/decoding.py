@@ -50,6 +50,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
+from keel.rollout.graphs import StaticStep, StaticSteps
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, ReservedLayer, reserved_cache
 from keel.rollout.protocol import RowRequest, RowToken
 
@@ -214,7 +215,10 @@ class HFDecoder:
     noise_rows: draw the sampling noise for that many rows every step, each row taking the row
     `noise_index` of its `join` (the rollout's parity with `generate`); None: for live rows.
     compiled: run the forwards through this `torch.compile` of the model (dynamic shapes;
-    `compiled_forward`), not the eager module."""
+    `compiled_forward`), not the eager module.
+    static: run the decode steps at padded (rows, columns) buckets on a static cache, taken
+    from this pool of the engine's steps (`keel.rollout.graphs`; on CUDA each a CUDA graph);
+    not with synced or compiled. Prefills stay eager at their own shapes."""
 
     def __init__(
         self,
@@ -228,6 +232,7 @@ class HFDecoder:
         logprobs: bool = True,
         noise_rows: int | None = None,
         compiled: Any = None,
+        static: StaticSteps | None = None,
     ):
         if not decodes(model):
             changes = generation_changes(model)
@@ -237,8 +242,11 @@ class HFDecoder:
                 else "its cache has sliding-window or other layers than full attention"
             )
             raise ValueError(f"{type(model).__name__}: Keel's decode loop cannot run it ({why})")
+        if static is not None and (synced or compiled is not None):
+            raise ValueError("the static decode step runs neither with FSDP2 nor compiled")
         self.model = model
         self.call = compiled if compiled is not None else model
+        self.static = static
         self.device = model_device(model)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         suppress = suppressed_ids(model)
@@ -330,6 +338,9 @@ class HFDecoder:
 
     # ------------------------------------------------------------------ internals
     def _reset(self) -> None:
+        if getattr(self, "running", None) is not None:
+            assert self.static is not None and self.running is not None
+            self.static.release(self.running, self)
         self.cache: DynamicCache | None = None
         self.T = 0  # filled columns of self.cache
         self.rows = _empty_rows(self.device)
@@ -338,6 +349,7 @@ class HFDecoder:
         self._live = 0  # rows joined and neither finished nor left
         self._padded = False  # some running row starts after column 0
         self.last_index = torch.zeros(0, dtype=torch.long)  # the last step's rows' noise_index
+        self.running: StaticStep | None = None  # static: the running rows' step (self.cache's)
 
     @contextmanager
     def _mode(self) -> Iterator[None]:
@@ -375,7 +387,9 @@ class HFDecoder:
             use_cache=True,
             **self._keep_logits,
         )
-        logits = out.logits[:, -1].float()
+        return self._suppressed(out.logits[:, -1].float())
+
+    def _suppressed(self, logits: torch.Tensor) -> torch.Tensor:
         if self.suppress is not None:
             logits[:, self.suppress] = -math.inf
         return logits
@@ -446,10 +460,13 @@ class HFDecoder:
         if len(self.rows):
             assert self.cache is not None
             r = self.rows
-            positions = (self.T - r.start)[:, None]
-            # no row padded: no mask (sdpa's fast path, as transformers would choose)
-            mask = self._step_mask(r.start, self.T + 1) if self._padded else None
-            parts.append(self._forward(r.last[:, None], mask, self.cache, positions))
+            if self.running is not None:
+                parts.append(self._suppressed(self.running.run(r.last, r.start, self.T).float()))
+            else:
+                positions = (self.T - r.start)[:, None]
+                # no row padded: no mask (sdpa's fast path, as transformers would choose)
+                mask = self._step_mask(r.start, self.T + 1) if self._padded else None
+                parts.append(self._forward(r.last[:, None], mask, self.cache, positions))
             self.T += 1
         parts.extend(j.logits for j in self.joined)
         rows = _Rows.cat([self.rows, *(j.rows for j in self.joined)]) if self.joined else self.rows
@@ -502,7 +519,8 @@ class HFDecoder:
             for i in finished.nonzero().flatten().tolist():
                 rows.keys[i] = None
             self._live -= ended
-        if not self.joined and dead < max(1, RETIRE_FRACTION * len(rows)):
+        outgrown = self.running is not None and self.running.capacity <= self.T
+        if not self.joined and dead < max(1, RETIRE_FRACTION * len(rows)) and not outgrown:
             self.rows = rows
             return
         keep = rows.alive.nonzero().flatten().tolist()
@@ -541,12 +559,23 @@ class HFDecoder:
         kept = rows.select(torch.tensor(keep, device=self.device), [rows.keys[i] for i in keep])
         room = min(int((kept.budget - kept.produced).max()), RESERVED_NEW_TOKENS)
         only = sources[0]
-        if (
+        whole = (
             len(sources) == 1
             and only[2] == 0
             and len(only[3]) == len(keep)
             and keep == list(range(len(rows)))
-        ):
+        )
+        step = None
+        if self.static is not None:
+            step = self.static.get(
+                self.model, len(keep), width + max(room, 1), self, pad_id=self.pad_id,
+                attention=self._attention, keep_logits=self._keep_logits, dtype=self.dtype,
+            )  # fmt: skip
+            if not (whole and step is self.running and step.capacity > self.T):
+                step.load(_merged(self.model.config, sources, width, width), len(keep), width)
+            assert step.cache is not None
+            cache = step.cache
+        elif whole:
             cache = only[0]  # nothing to move: the one source, whole
         else:
             cache = _merged(self.model.config, sources, width, width + max(room, 1))
@@ -555,6 +584,10 @@ class HFDecoder:
             shifts.append(torch.full((len(picked),), width - w, device=self.device))
         kept.start = kept.start + torch.cat(shifts)
         self.cache, self.T, self.rows, self.joined = cache, width, kept, []
+        if self.running is not None and self.running is not step:
+            assert self.static is not None
+            self.static.release(self.running, self)
+        self.running = step
         self._padded = bool((kept.start > 0).any())
 
 

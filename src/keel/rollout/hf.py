@@ -13,6 +13,7 @@ from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
 from keel.rollout.decoding import HFDecoder, compiled_forward, decodes
+from keel.rollout.graphs import StaticSteps
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, RowRequest, SamplingParams
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
@@ -39,6 +40,9 @@ class HFRolloutEngine:
     decode_loop: "keel" decodes with Keel's own loop (`keel.rollout.decoding.HFDecoder`: the
     same tokens and log-probs as `generate` for the same seed, a forward over the live rows
     only), unless static_cache is on or the model has other than full-attention layers;
+    "static": the same loop with its decode steps at padded (rows, columns) buckets on a
+    static cache, each captured in a CUDA graph on CUDA (`keel.rollout.graphs`; static_cache
+    and compile do not apply to it, nor does it run with FSDP2: synced falls back to "keel");
     "generate": HF `generate`. `decoder()` opens the loop's step API (serving)."""
 
     def __init__(
@@ -80,9 +84,17 @@ class HFRolloutEngine:
         self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, turn_end)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.decode_loop = decode_loop
-        self.lean = decode_loop == "keel" and not static_cache and decodes(model)
+        graphs = decode_loop == "static" and not synced
+        self.lean = (
+            decode_loop == "static" or (decode_loop == "keel" and not static_cache)
+        ) and decodes(model)
+        self._steps = StaticSteps() if graphs and self.lean else None
         # compile with Keel's loop: a torch.compile of the model for its forwards (not FSDP2)
-        self._compiled = compiled_forward(model) if self.lean and compile and not synced else None
+        self._compiled = (
+            compiled_forward(model)
+            if self.lean and compile and not synced and self._steps is None
+            else None
+        )
 
     def decoder(self) -> HFDecoder:
         """Keel's decode loop on this engine's model, rows joining and leaving at any step
@@ -91,6 +103,7 @@ class HFRolloutEngine:
         return HFDecoder(
             self.model, self.eos_ids, self.pad_id, dtype=self.dtype,
             share_prefill=self.share_prefill, logprobs=True, compiled=self._compiled,
+            static=self._steps,
         )  # fmt: skip
 
     @torch.no_grad()
@@ -206,7 +219,7 @@ class HFRolloutEngine:
         decoder = HFDecoder(
             self.model, self.eos_ids, self.pad_id, dtype=self.dtype, synced=self.synced,
             share_prefill=self.share_prefill, logprobs=self.return_logprobs,
-            noise_rows=len(rows), compiled=self._compiled,
+            noise_rows=len(rows), compiled=self._compiled, static=self._steps,
         )  # fmt: skip
         requests = [RowRequest(i, ids, sampling) for i, ids in enumerate(rows)]
         was_training = self.model.training
