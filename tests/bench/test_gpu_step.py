@@ -13,10 +13,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # Runs the script as `python -m bench.gpu_step` would, after making `import ray` / `import
-# fastapi` fail (the GPU machine has neither; the script must not need them).
+# fastapi` / `import mlflow` fail (the GPU machine has none of them; the script must not need
+# them; with the bench extra installed, TRL would import the dev extra's mlflow, which imports
+# fastapi).
 LAUNCH = """
 import runpy, sys
-for name in ("ray", "fastapi"):
+for name in ("ray", "fastapi", "mlflow"):
     sys.modules[name] = None
 sys.argv = ["bench.gpu_step", *sys.argv[1:]]
 runpy.run_module("bench.gpu_step", run_name="__main__", alter_sys=True)
