@@ -68,7 +68,95 @@ class BatchReport:
     error: BaseException | None = None
 
 
-class BatchingQueue(Generic[Row, Result]):
+class WorkQueue:
+    """What keel serve's two schedulers share (this module's `BatchingQueue` and
+    `keel.serve.continuous.ContinuousScheduler`): jobs (each with a `future`) submitted from any
+    thread, at most `max_pending` unfinished; work queued `between_batches`; `pause` / `resume`;
+    a draining `close`; all under one condition, for one worker thread running `_work`, which
+    the subclass starts (`self._thread.start()`) once its own state is set."""
+
+    def __init__(self, max_pending: int, name: str):
+        self.max_pending = max_pending
+        self._jobs: deque[Any] = deque()
+        self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._pending = 0
+        self._closed = False
+        self._paused = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+
+    def _enqueue(self, job: Any) -> None:
+        """Queue `job` (raises QueueClosed, QueueFull); it is pending until its future is done."""
+        with self._cond:
+            if self._closed:
+                raise QueueClosed("the server is shutting down")
+            if self._pending >= self.max_pending:
+                raise QueueFull(f"{self._pending} requests are already pending (the limit)")
+            self._pending += 1
+            self._jobs.append(job)
+            self._cond.notify()
+        job.future.add_done_callback(self._finished)
+
+    def between_batches(self, task: Callable[[], Any]) -> Future[Any]:
+        """Run `task` on the worker thread between two batches (continuous batching: once no
+        row is live, no row joining meanwhile); the future gives its result."""
+        done: Future[Any] = Future()
+        with self._cond:
+            self._tasks.append((task, done))
+            self._cond.notify()
+        return done
+
+    @property
+    def depth(self) -> int:
+        """Rows waiting (not counting those being generated)."""
+        with self._cond:
+            return sum(self._row_count(job) for job in self._jobs)
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished."""
+        with self._cond:
+            return self._pending
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    def pause(self) -> None:
+        """Start nothing new until `resume()`: no batch and no work between batches (a batch
+        running finishes, continuous batching's live rows decode on, no row joins); jobs
+        submitted meanwhile wait, counted as pending, and `close()` resumes."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Let the worker go on: what waited goes as usual, the oldest job first."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no new jobs, finish the queued (and live) ones, stop the worker (waits up to
+        `timeout`)."""
+        with self._cond:
+            self._closed = True
+            self._paused = False
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _finished(self, _: Future[Any]) -> None:
+        with self._cond:
+            self._pending -= 1
+
+    def _row_count(self, job: Any) -> int:
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+
+class BatchingQueue(WorkQueue, Generic[Row, Result]):
     """Jobs in, batched runner calls on one worker thread, results out (see the module doc).
 
     max_rows: most rows in one call (a job larger than that runs alone). max_wait_s: longest the
@@ -85,85 +173,23 @@ class BatchingQueue(Generic[Row, Result]):
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         name: str = "keel-batching",
     ):
+        super().__init__(max_pending, name)
         self.runner = runner
         self.max_rows = max_rows
         self.max_wait_s = max_wait_s
-        self.max_pending = max_pending
         self.on_batch = on_batch
         self._jobs: deque[Job[Row, Result]] = deque()
-        self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._pending = 0
-        self._closed = False
-        self._paused = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ the submitting side
     def submit(self, key: Hashable, rows: list[Row]) -> Future[list[Result]]:
         """Queue a job; its future gives the rows' results. Raises QueueFull, QueueClosed."""
         job: Job[Row, Result] = Job(key, rows)
-        with self._cond:
-            if self._closed:
-                raise QueueClosed("the server is shutting down")
-            if self._pending >= self.max_pending:
-                raise QueueFull(f"{self._pending} requests are already pending (the limit)")
-            self._pending += 1
-            self._jobs.append(job)
-            self._cond.notify()
-        job.future.add_done_callback(self._finished)
+        self._enqueue(job)
         return job.future
 
-    def between_batches(self, task: Callable[[], Any]) -> Future[Any]:
-        """Run `task` on the worker thread between two batches; the future gives its result."""
-        done: Future[Any] = Future()
-        with self._cond:
-            self._tasks.append((task, done))
-            self._cond.notify()
-        return done
-
-    @property
-    def depth(self) -> int:
-        """Rows waiting for a batch (not counting the batch being generated)."""
-        with self._cond:
-            return sum(len(job.rows) for job in self._jobs)
-
-    @property
-    def pending(self) -> int:
-        """Jobs submitted and not yet finished."""
-        with self._cond:
-            return self._pending
-
-    @property
-    def accepting(self) -> bool:
-        return not self._closed and self._thread.is_alive()
-
-    def pause(self) -> None:
-        """Start no batch and no work between batches until `resume()` (the running batch
-        finishes; one still waiting for company goes back to the queue); jobs submitted
-        meanwhile wait, counted as pending, and `close()` resumes."""
-        with self._cond:
-            self._paused = True
-            self._cond.notify_all()
-
-    def resume(self) -> None:
-        """Let the worker go on: what waited is batched as usual (the oldest job first, with
-        the later ones of its key that fit)."""
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def close(self, timeout: float | None = None) -> None:
-        """Take no new jobs, finish the queued ones, stop the worker (waits up to `timeout`)."""
-        with self._cond:
-            self._closed = True
-            self._paused = False
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _finished(self, _: Future[list[Result]]) -> None:
-        with self._cond:
-            self._pending -= 1
+    def _row_count(self, job: Job[Row, Result]) -> int:
+        return len(job.rows)
 
     # ------------------------------------------------------------------ the worker thread
     def _work(self) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,7 +39,7 @@ from typing import Any
 
 from keel.data.examples import Example
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest, RowToken, SamplingParams
-from keel.serve.batching import BatchReport, QueueClosed, QueueFull, _run_task
+from keel.serve.batching import BatchReport, WorkQueue, _run_task
 from keel.serve.generation import Generation, GenerationRunner
 from keel.serve.responses import first_stop
 
@@ -228,7 +227,7 @@ class _Row:
         )
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(WorkQueue):
     """Jobs in, one decoder stepped on one thread, rows joining and leaving per token (see
     the module doc).
 
@@ -249,23 +248,17 @@ class ContinuousScheduler:
     ):
         if not isinstance(runner.engine, DecodingEngine):
             raise TypeError(f"{type(runner.engine).__name__} has no decoder() (no step API)")
+        super().__init__(max_pending, name)
         self.runner = runner
         self.max_rows = max_rows
-        self.max_pending = max_pending
         self.on_batch = on_batch
         self.on_first_token = on_first_token
         self._decoder: Decoder | None = None  # opened on the scheduler thread
         self._jobs: deque[_Job] = deque()
-        self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._rows: dict[int, _Row] = {}  # the live rows by key (the scheduler thread's)
         self._live_jobs: list[_Job] = []
         self._keys = itertools.count()
         self._since_join = 0  # decode steps since the last join
-        self._pending = 0
-        self._closed = False
-        self._paused = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ the submitting side
@@ -282,72 +275,16 @@ class ContinuousScheduler:
         prompt_ids = self.runner.encode(rows)  # on the caller's thread, not the scheduler's
         requests = [RowRequest(None, ids, key) for ids in prompt_ids]
         job = _Job(requests, tuple(s for s in stops if s), on_delta)
-        with self._cond:
-            if self._closed:
-                raise QueueClosed("the server is shutting down")
-            if self._pending >= self.max_pending:
-                raise QueueFull(f"{self._pending} requests are already pending (the limit)")
-            self._pending += 1
-            self._jobs.append(job)
-            self._cond.notify()
-        job.future.add_done_callback(self._finished)
+        self._enqueue(job)
         return job.future
-
-    def between_batches(self, task: Callable[[], Any]) -> Future[Any]:
-        """Run `task` on the scheduler thread once no row is live (no row joins meanwhile);
-        the future gives its result."""
-        done: Future[Any] = Future()
-        with self._cond:
-            self._tasks.append((task, done))
-            self._cond.notify()
-        return done
-
-    @property
-    def depth(self) -> int:
-        """Rows waiting to join (not counting the live ones)."""
-        with self._cond:
-            return sum(len(job.requests) for job in self._jobs)
 
     @property
     def live(self) -> int:
         """Rows decoding now."""
         return len(self._rows)
 
-    @property
-    def pending(self) -> int:
-        """Jobs submitted and not yet finished."""
-        with self._cond:
-            return self._pending
-
-    @property
-    def accepting(self) -> bool:
-        return not self._closed and self._thread.is_alive()
-
-    def pause(self) -> None:
-        """Let no row join and run no task until `resume()` (live rows decode on); jobs
-        submitted meanwhile wait, counted as pending; `close()` resumes."""
-        with self._cond:
-            self._paused = True
-            self._cond.notify_all()
-
-    def resume(self) -> None:
-        """What waited joins as usual (oldest first, as many as fit)."""
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def close(self, timeout: float | None = None) -> None:
-        """Take no new jobs, finish the queued and live ones, stop the thread (waits up to
-        `timeout`), close the decoder."""
-        with self._cond:
-            self._closed = True
-            self._paused = False
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _finished(self, _: Future[list[Generation]]) -> None:
-        with self._cond:
-            self._pending -= 1
+    def _row_count(self, job: _Job) -> int:
+        return len(job.requests)
 
     # ------------------------------------------------------------------ the scheduler thread
     def _work(self) -> None:
