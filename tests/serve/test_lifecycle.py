@@ -82,6 +82,13 @@ def test_https_and_a_graceful_drain_on_sigterm(tiny_dir, tmp_path):
         model, "--set", f"serve.tls_certfile={cert}", "--set", f"serve.tls_keyfile={key}",
         "--set", "serve.max_new_tokens=400", log=tmp_path / "serve.log", cafile=cert,
     )  # fmt: skip
+    try:
+        _drain_on_sigterm(server)
+    finally:
+        server.stop(signal.SIGKILL)  # a failed check leaves no server running
+
+
+def _drain_on_sigterm(server: LiveServer) -> None:
     assert server.base_url.startswith("https://")
     assert server.request("GET", "/healthz") == (200, {"status": "ok"})
     body = {"model": "model", "prompt": "1+1=", "max_tokens": 300}
