@@ -37,21 +37,22 @@ def test_prometheus_reads_every_serving_panel_from_a_live_server(server, tmp_pat
     body = {"model": "policy", "prompt": "1+1=", "max_tokens": 4}
     with running_prometheus(tmp_path, f"127.0.0.1:{server.port}", job="keel-serve") as prom:
         wait_for("up == 1", lambda: query(prom, 'up{job="keel-serve"} == 1'))
-        for _ in range(6):  # requests spread over several scrapes (rates need two samples)
+        # Requests spread over several scrapes: a labelled series appears in the scrape after its
+        # first request, already counting it, so a rate needs later scrapes that count more. Each
+        # round waits for the scrape that counts its requests (a round done between two scrapes
+        # would leave the latency histogram's rate at 0 and its quantile NaN).
+        chat = {"model": "policy", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        for round_ in range(1, 7):
             assert server.request("POST", "/v1/completions", body, auth)[0] == 200
-            chat = {"model": "policy", "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
             assert server.request("POST", "/v1/chat/completions", chat, auth)[0] == 200
             assert server.request("POST", "/v1/completions", body)[0] == 401  # an error kind
-            wait_for("a scrape", lambda: query(prom, "keel_serve_requests_total"), every=0.3)
-        wait_for(
-            "the requests in Prometheus",
-            lambda: query(prom, 'sum(keel_serve_requests_total{status="200"}) >= 12'),
-        )
+            counted = f'sum(keel_serve_requests_total{{status="200"}}) >= {2 * round_}'
+            wait_for(f"round {round_} in Prometheus", lambda q=counted: query(prom, q))
         panels = sections(dashboard())["serving"]
         for panel in panels:
             for target in panel["targets"]:
-                promql = dashboard_promql(target["expr"], rate_interval="1m")
+                promql = dashboard_promql(target["expr"], rate_interval="5m")
                 result = wait_for(
                     f"data for {panel['title']!r}: {promql}", lambda q=promql: query(prom, q),
                     timeout=15,
@@ -60,9 +61,9 @@ def test_prometheus_reads_every_serving_panel_from_a_live_server(server, tmp_pat
                     assert all(r["value"][1] != "NaN" for r in result), promql
         variables = {v["name"]: v["query"]["query"] for v in dashboard()["templating"]["list"]
                      if v["type"] == "query"}  # fmt: skip
-        (served,) = query(prom, dashboard_promql(variables["model"], "1m"))
+        (served,) = query(prom, dashboard_promql(variables["model"], "5m"))
         assert served["metric"]["model"] == "policy"
-        (instance,) = query(prom, dashboard_promql(variables["instance"], "1m"))
+        (instance,) = query(prom, dashboard_promql(variables["instance"], "5m"))
         assert instance["metric"]["instance"] == f"127.0.0.1:{server.port}"
 
         groups = yaml.safe_load((REPO_DEPLOY / "prometheus/alerts.yml").read_text())["groups"]
