@@ -27,7 +27,7 @@ exceeds the control's by the margin (the gain over the control).
 Thresholds come from measured runs on three seeds (`python -m tests.learning.cases --seeds
 0,1,2`, which prints every case's change next to its margin); docs/testing.md has the table.
 The warm start of the RL cases is the policy that the SFT case trains (`sft`), so every RL case
-starts from the same ~40-50% accurate policy, where a group of 8 answers usually mixes right and
+starts from the same ~50% accurate policy, where a group of 8 answers usually mixes right and
 wrong ones.
 
 Where an example starts from `builtin:tiny-arith`, the cases start from the stored copy the
