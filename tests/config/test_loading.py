@@ -264,3 +264,69 @@ def test_multi_turn_settings_need_an_environment():
     cfg.rollout.env.max_episode_tokens = 10
     assert cfg.rollout.response_budget() == 10
     assert validate({**BASE}, source="t.yaml").rollout.response_budget() == 16
+
+
+# --------------------------------------------------- anchors, aliases, duplicates, size
+HEAD = "models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\n"
+
+
+def write_text(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_an_alias_bomb_is_refused_at_its_line_before_it_expands(tmp_path):
+    """Each level of ten aliases multiplies the leaves by ten (nine levels: 10^9); refused at
+    the first anchor, before anything expands."""
+    levels = ["    l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 4)]
+    path = write_text(tmp_path, HEAD + "reward:\n  kwargs:\n" + "\n".join(levels) + "\n")
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:5: YAML anchors and aliases are not allowed"), msg
+    assert "&l0" in msg
+
+
+def test_a_merge_key_alias_is_refused_naming_the_line(tmp_path):
+    path = write_text(tmp_path, HEAD + "train: {lr: 0.1}\neval:\n  <<: *base\n")
+    assert load_error(path).startswith(f"{path}:5: YAML anchors and aliases"), load_error(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        (HEAD + "train: {steps: 3}\nseed: 1\ntrain: {lr: 0.1}\n", 5, "'train'"),
+        (HEAD + "train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n", 6, "'steps'"),
+        (HEAD + "reward:\n  kwargs:\n    deep: {a: 1, b: 2, a: 3}\n", 5, "'a'"),
+    ],
+)
+def test_a_duplicate_key_at_any_level_names_file_line_and_key(tmp_path, text, line, key):
+    path = write_text(tmp_path, text)
+    msg = load_error(path)
+    assert msg.startswith(f"{path}:{line}: duplicate key {key}"), msg
+
+
+def test_a_config_file_over_the_size_bound_is_refused_unread(tmp_path):
+    from keel.config.loading import MAX_CONFIG_BYTES
+
+    path = write_text(tmp_path, HEAD + "# " + "x" * MAX_CONFIG_BYTES + "\n")
+    msg = load_error(path)
+    assert str(path) in msg and f"at most {MAX_CONFIG_BYTES} bytes" in msg
+
+
+def test_an_alias_or_duplicate_in_an_override_names_the_override(tmp_path):
+    path = write_config(tmp_path)
+    item = "reward.kwargs={a: &x [1], b: *x}"
+    assert load_error(path, [item]).startswith(f"--set {item}: YAML anchors and aliases")
+    msg = load_error(path, environ={"KEEL__REWARD__KWARGS": "{a: 1, a: 2}"})
+    assert msg.startswith("KEEL__REWARD__KWARGS: duplicate key 'a'"), msg
+
+
+def test_a_dumped_config_has_no_anchors_even_for_repeated_values(tmp_path):
+    """RUN_DIR/config.yaml is read back on resume: a value that appears twice is written out."""
+    shared = [1, 2]
+    cfg = validate({**BASE, "reward": {"kwargs": {"a": shared, "b": shared}}})
+    cfg.reward.kwargs["b"] = cfg.reward.kwargs["a"]  # one object in two places
+    path = write_text(tmp_path, dump_config(cfg))
+    assert "&" not in path.read_text()
+    assert load_config(path, environ={}).reward.kwargs == {"a": [1, 2], "b": [1, 2]}

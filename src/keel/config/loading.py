@@ -25,6 +25,7 @@ from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
 
 ENV_PREFIX = "KEEL__"
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; more is a mistake or a YAML bomb's output
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -62,18 +63,71 @@ def upgrade_file(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return raw
 
 
+class _RefusedYAML(Exception):
+    """YAML that Keel does not read (an anchor, an alias, a duplicate key), at a 0-based line."""
+
+    def __init__(self, line: int, problem: str) -> None:
+        super().__init__(problem)
+        self.line, self.problem = line, problem
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without anchors and aliases (`&name`, `*name`: one alias can expand
+    to millions of values, a "billion laughs") and without duplicate keys (a second `train:`
+    silently replaced the first)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            what = (
+                f"alias *{event.anchor}"
+                if isinstance(event, yaml.AliasEvent)
+                else f"anchor &{event.anchor}"
+            )
+            raise _RefusedYAML(
+                event.start_mark.line,
+                f"YAML anchors and aliases are not allowed in a Keel config (the {what}); "
+                "write the value out in full",
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise _RefusedYAML(
+                    line,
+                    f"duplicate key {key!r} (first at line {seen[key] + 1}); a second one would "
+                    "replace the first: keep one",
+                )
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
-    """The mapping in a YAML file; a missing or unreadable file, bytes that are not UTF-8, bad
-    YAML or a top level that is not a mapping are ConfigErrors naming the file (and line)."""
+    """The mapping in a YAML file; a missing or unreadable file, a file over MAX_CONFIG_BYTES,
+    bytes that are not UTF-8, bad YAML, YAML anchors or aliases, a duplicate key at any level,
+    or a top level that is not a mapping are ConfigErrors naming the file (and line)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: the config file is {size} bytes; a Keel config may be at most "
+                f"{MAX_CONFIG_BYTES} bytes (1 MiB)"
+            )
         raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
     text = decode_text(raw, str(path))
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=ConfigLoader)  # ConfigLoader is a SafeLoader
+    except _RefusedYAML as exc:
+        raise ConfigError(f"{path}:{exc.line + 1}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -105,7 +159,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-6")
     key, _, text = item.partition("=")
-    return key.strip(), _parse_scalar(text)
+    return key.strip(), _parse_scalar(text, f"--set {item}")
 
 
 def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
@@ -114,14 +168,17 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
     for name in sorted(environ):
         if name.upper().startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
             dotted = ".".join(p.lower() for p in name[len(ENV_PREFIX) :].split("__"))
-            found.append((dotted, _parse_scalar(environ[name])))
+            found.append((dotted, _parse_scalar(environ[name], name)))
     return found
 
 
-def _parse_scalar(text: str) -> Any:
-    """YAML typing, plus floats YAML 1.1 misses (`1e-6` has no dot, so YAML calls it text)."""
+def _parse_scalar(text: str, source: str) -> Any:
+    """YAML typing, plus floats YAML 1.1 misses (`1e-6` has no dot, so YAML calls it text);
+    anchors, aliases and duplicate keys are ConfigErrors naming `source`, as in a file."""
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = yaml.load(text, Loader=ConfigLoader) if text.strip() else ""
+    except _RefusedYAML as exc:
+        raise ConfigError(f"{source}: {exc.problem}") from None
     except yaml.YAMLError:
         return text
     if isinstance(value, str) and value == text.strip() and _FLOAT.fullmatch(value):
@@ -220,6 +277,13 @@ def config_tree(cfg: KeelConfig) -> dict[str, Any]:
     return tree
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a value seen twice in full, never as an anchor and alias (which read_yaml refuses)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_config(cfg: KeelConfig) -> str:
     """The resolved config as YAML (what RUN_DIR/config.yaml holds)."""
-    return yaml.safe_dump(config_tree(cfg), sort_keys=False)
+    return yaml.dump(config_tree(cfg), Dumper=_PlainDumper, sort_keys=False)
