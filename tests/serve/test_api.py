@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from keel.serve.metrics import NAMES
-from tests.serve.live_server import InProcessServer, LiveServer, ServerClient
+from tests.serve.live_server import InProcessServer, LiveServer, ServerClient, wait_until
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -174,6 +174,60 @@ def test_client_disconnects_do_not_break_the_server(server):
             )
     assert completion(server, prompt="1", max_tokens=1)[0] == 200
     assert server.request("GET", "/readyz")[0] == 200
+
+
+NOT_NUMBERS = {  # (endpoint, body, the parameter named): strict numbers and booleans
+    "max_tokens true": ("/v1/completions", {"prompt": "1", "max_tokens": True}, "max_tokens"),
+    "max_tokens 2.0": ("/v1/completions", {"prompt": "1", "max_tokens": 2.0}, "max_tokens"),
+    "n as text": ("/v1/completions", {"prompt": "1", "n": "2"}, "n"),
+    "n true": ("/v1/completions", {"prompt": "1", "n": True}, "n"),
+    "temperature true": ("/v1/completions", {"prompt": "1", "temperature": True},
+                         "temperature"),
+    "logprobs true": ("/v1/completions", {"prompt": "1", "logprobs": True}, "logprobs"),
+    "stream as text": ("/v1/completions", {"prompt": "1", "stream": "true"}, "stream"),
+    "chat max_tokens true": ("/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "1"}], "max_tokens": True},
+                             "max_tokens"),
+    "chat n as text": ("/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "1"}], "n": "2"}, "n"),
+    "chat logprobs 1": ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "1"}], "logprobs": 1},
+                        "logprobs"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(NOT_NUMBERS))
+def test_a_number_or_boolean_of_another_type_is_a_400_naming_the_parameter(server, case):
+    """`max_tokens: true` and `n: "2"` were taken as 1 and 2 (pydantic's lax mode): now a 400
+    naming the parameter; an integer where a number is asked stays valid (`temperature: 0`)."""
+    path, body, param = NOT_NUMBERS[case]
+    status, answer = server.request("POST", path, {"model": "tiny", **body}, AUTH)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and param in answer["error"]["message"]
+    assert completion(server, prompt="1", max_tokens=1, temperature=0, top_p=1)[0] == 200
+
+
+def test_a_client_that_hangs_up_mid_body_is_not_an_internal_error(server):
+    """A Content-Length of 1000, 10 bytes sent, the connection closed: status 499, kind
+    client_disconnected, no traceback in the log (before: a 500 internal_error, logged with two
+    tracebacks)."""
+    gone = 'keel_serve_requests_total{endpoint="/v1/completions",status="499"}'
+    internal = 'keel_serve_requests_total{endpoint="/v1/completions",status="500"}'
+    before = {name: server.metric(name) for name in (gone, internal)}
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head + b'{"model": ')  # 10 of the 1000 bytes
+    wait_until(lambda: sum(server.metric(n) - before[n] for n in before) > 0,
+               "the request to be counted")  # fmt: skip
+    assert server.metric(gone) - before[gone] == 1
+    assert server.metric(internal) == before[internal]
+    assert server.metric('keel_serve_errors_total{kind="internal_error"}') == 0
+    assert server.metric('keel_serve_errors_total{kind="client_disconnected"}') >= 1
+    assert "Traceback" not in server.text()
+    assert completion(server, prompt="1", max_tokens=1)[0] == 200
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 (`--reward`), and /healthz, /readyz, /metrics.
 
 Every refusal is an OpenAI-shaped JSON error (keel.serve.errors) with a 4xx status, counted by
-kind; a failed generation is a 500 and the server keeps serving."""
+kind; a failed generation is a 500 and the server keeps serving. A client that hangs up before
+its whole body came is counted as status 499, kind `client_disconnected`, never as an internal
+error."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from keel.serve.chat_tools import chat_prompt, with_tool_calls
@@ -53,6 +56,7 @@ from keel.serve.served import Served
 log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/score")  # in flight
 KNOWN_PATHS = (*GENERATION_PATHS, "/v1/models", "/healthz", "/readyz", "/metrics")
+CLIENT_GONE = 499  # the status recorded for a request whose client hung up mid-body
 
 
 def build_app(served: Served, cfg: ServeConfig) -> FastAPI:
@@ -316,6 +320,16 @@ def _error_handlers(app: FastAPI, served: Served) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return respond(APIError(exc.status_code, msg, code=code))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client hung up before its whole body came (a Content-Length it never sent): its
+        # doing, not the server's. No traceback; 499 (nginx's "client closed request"), which
+        # nobody receives, is what the request and error counters record.
+        log.info("the client of %s %s hung up before its whole request came",
+                 request.method, request.url.path)  # fmt: skip
+        return respond(APIError(CLIENT_GONE, "the client closed the connection before its "
+                                "whole request came", code="client_disconnected"))  # fmt: skip
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:

@@ -2,8 +2,10 @@
 
 Unknown parameters are refused (400, naming the parameter), as OpenAI refuses them; parameters
 OpenAI has and Keel does not implement are accepted only at their neutral value (penalties 0, no
-logit bias, no echo). `seed` and `user` are accepted and ignored: rows of many requests share one
-sampling pass, so a seed cannot make one request reproducible."""
+logit bias, no echo). Numbers and booleans are strict, as OpenAI's are: `max_tokens: true`,
+`n: "2"` or `max_tokens: 2.0` is a 400 naming the parameter (an integer is a number, so
+`temperature: 1` stays valid). `seed` and `user` are accepted and ignored: rows of many
+requests share one sampling pass, so a seed cannot make one request reproducible."""
 
 from __future__ import annotations
 
@@ -25,16 +27,16 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
-    n: int = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stream: bool = False
+    n: int = Field(1, ge=1, strict=True)
+    temperature: float = Field(1.0, ge=0, le=2, strict=True)
+    top_p: float = Field(1.0, gt=0, le=1, strict=True)
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, strict=True)
+    frequency_penalty: float = Field(0.0, strict=True)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, strict=True)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -64,17 +66,17 @@ class Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class CompletionRequest(Request):
     """POST /v1/completions."""
 
     prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    best_of: int | None = None
+    max_tokens: int = Field(16, ge=1, strict=True)
+    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
+    echo: bool = Field(False, strict=True)
+    best_of: int | None = Field(None, strict=True)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -182,7 +184,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class Tool(BaseModel):
@@ -205,13 +207,13 @@ class ChatCompletionRequest(Request):
     """POST /v1/chat/completions."""
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
