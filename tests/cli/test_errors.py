@@ -208,3 +208,24 @@ def test_config_validate_does_not_import_transformers():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"  # 4 s of imports a config check skips
+
+
+BAD_CONFIGS = [  # (the file's text after its first two lines, what the error must name)
+    ("seed: -1\n", ["run.yaml", "seed: must be an integer from 0 to 2147483647"]),
+    (f"seed: {2**70}\n", ["run.yaml", "seed: must be an integer from 0 to 2147483647"]),
+    ("train: {steps: true}\n", ["run.yaml", "train.steps: a boolean where a number is meant"]),
+    ("train: {steps: 2}\nseed: 1\ntrain: {lr: 0.1}\n", ["run.yaml:5: duplicate key 'train'"]),
+    ("reward:\n  kwargs: {a: &a [1, 2], b: *a}\n", ["run.yaml:4: YAML anchors and aliases"]),
+]
+
+
+@pytest.mark.parametrize(("text", "needles"), BAD_CONFIGS, ids=lambda v: str(v)[:24])
+def test_bad_config_values_exit_2_before_any_model_loads(keel_main, tmp_path, text, needles):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("models: {actor: /nonexistent/model}\nalgorithm: {name: grpo}\n" + text)
+    for command in (["config", "validate"], ["train", "--run-dir", str(tmp_path / "r")]):
+        proc = keel_main(*command, str(cfg))
+        assert_clean_error(proc, *needles)
+        assert "/nonexistent/model" not in proc.stderr  # refused before any model loads
+        assert len(proc.stderr.strip().splitlines()) <= 2  # the file, then the key
+    assert not (tmp_path / "r").exists()

@@ -23,6 +23,7 @@ from keel.config.algorithms import ALGORITHMS
 from keel.config.legacy import override, upgrade, warn_renamed
 from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
+from keel.config.section import BOOL_FOR_NUMBER
 
 ENV_PREFIX = "KEEL__"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; more is a mistake or a YAML bomb's output
@@ -223,6 +224,9 @@ def _describe(err: Mapping[str, Any], raw: dict[str, Any]) -> str:
     loc = _clean_loc(err["loc"], raw)
     key = ".".join(str(p) for p in loc)
     kind = err["type"]
+    if kind == BOOL_FOR_NUMBER:  # raised by the section: its context holds the rest of the key
+        path = err["ctx"]["path"]
+        return f"{key}.{path}{err['msg'].removeprefix(path)}" if key else err["msg"]
     if kind == "extra_forbidden":
         hint = _suggest(loc, raw)
         return f"{key}: unknown key{hint}"

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 from keel.config.algorithms import Algorithm
 from keel.config.derived import check_batch_algebra, check_logits_chunks, check_lora
 from keel.config.legacy import upgrade, warn_renamed
-from keel.config.section import FiniteMapping, Section
+from keel.config.section import FiniteMapping, Section, Seed
 
 
 class LoraConfig(Section):
@@ -79,7 +79,7 @@ class ArithmeticConfig(Section):
     max_operand: int = Field(99, ge=1, description="operands are drawn from [0, max_operand]")
     ops: str = Field("+", pattern=r"^[+\-*]+$", description="operators to draw from: + - *")
     eval_size: int = Field(200, ge=1, description="held-out problems, never seen in training")
-    seed: int = 0
+    seed: Seed = 0
 
 
 class DataColumns(Section):
@@ -790,7 +790,7 @@ class KeelConfig(Section):
     """A whole run."""
 
     run_dir: str = "runs/keel"
-    seed: int = 0
+    seed: Seed = 0
     models: ModelsConfig
     algorithm: Algorithm
     data: DataConfig = DataConfig()
