@@ -303,3 +303,24 @@ def test_keel_train_runs_such_a_folder_with_models_trust_remote_code(
     exported = tmp_path / "run" / "model"  # ships the code it needs, as transformers saves it
     assert (exported / "modeling_tinyx.py").read_text() == MODEL_CODE
     assert json.loads((exported / "config.json").read_text())["model_type"] == "tinyx"
+
+
+def test_a_config_that_lies_about_shapes_names_the_file_and_the_tensor(tiny_dir, tmp_path):
+    """transformers' own message only says "look at the above report", a report Keel's quiet
+    logging hides; Keel's names config.json and the first tensor whose shape differs."""
+    from keel.models import load_value_model
+
+    folder = _copy_without(tiny_dir, tmp_path / "lying")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (folder / "config.json").write_text(json.dumps(config))
+    tensor = "model.layers.0.mlp.down_proj.weight"
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    for load in (load_causal_lm, load_value_model):
+        with pytest.raises(ModelLoadError) as info:
+            load(folder)
+        assert str(info.value) == (
+            f"{folder / 'config.json'} does not match the weights: tensor {tensor} is "
+            f"[{hidden}, {inner // 2}] in model.safetensors, but config.json makes it "
+            f"[{hidden}, {inner}] (a config.json from another model?)"
+        )

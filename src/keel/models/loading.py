@@ -1,14 +1,19 @@
-"""Load tokenizers and causal LMs from local HF folders (or built-in names) with clear errors."""
+"""Resolve model specs (built-in names, folders, hub ids, GGUF files) to HF folders with their
+tokenizer facts checked, and load tokenizers and causal LMs from them with clear errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +29,7 @@ from transformers import (
 
 from keel.config.paths import missing_hint
 from keel.models.factory import create_tiny_model
+from keel.models.sanity import TokenizerFacts, tokenizer_facts, tokenizer_problems
 from keel.types import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -87,12 +93,49 @@ def keel_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path("~/.cache/keel").expanduser()
 
 
+class TokenizerWarning(UserWarning):
+    """A model's tokenizer, chat template or generation config look wrong
+    (`keel.models.sanity.tokenizer_problems`); the message names the folder and the ids."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model spec resolved: the HF folder every consumer loads, its tokenizer facts (None
+    when the folder has no tokenizer Keel could load), and the GGUF file it was converted from
+    (else None)."""
+
+    folder: Path
+    facts: TokenizerFacts | None = None
+    gguf: Path | None = None
+
+
+def resolve_model(spec: str | os.PathLike[str], revision: str | None = None) -> ModelSource:
+    """The one resolver from a model spec to a loadable folder and its tokenizer facts: a
+    `builtin:NAME`, a folder, a hub id (`resolve_model_path`'s rules) or a GGUF file (converted
+    once into the Keel cache, `keel.models.gguf.resolve_gguf`). The tokenizer checks run here
+    (`check_tokenizer`): a TokenizerWarning per problem, ModelLoadError for a fatal one."""
+    text = os.fspath(spec)
+    if not text.startswith(BUILTIN_PREFIX):
+        from keel.models.gguf import looks_like_gguf, resolve_gguf
+
+        path = Path(text).expanduser()
+        if looks_like_gguf(path):
+            folder = resolve_gguf(path)
+            return ModelSource(folder, check_tokenizer(folder, where=f"{path} (as {folder})"), path)
+    folder = _resolve_folder(text, revision)
+    return ModelSource(folder, check_tokenizer(folder))
+
+
 def resolve_model_path(spec: str | os.PathLike[str], revision: str | None = None) -> Path:
+    """The folder of a model spec (`resolve_model`, its checks included)."""
+    return resolve_model(spec, revision).folder
+
+
+def _resolve_folder(text: str, revision: str | None) -> Path:
     """Map a model spec to a local folder: `builtin:NAME` is created in the Keel cache on first
     use; an existing path is itself; a hub id (`org/name` or `name`) that is no path is its
     snapshot in the Hugging Face cache at `revision` (`hub_snapshot`); anything else is returned
     as a path, for the loader's error to name."""
-    text = os.fspath(spec)
     if not text.startswith(BUILTIN_PREFIX):
         path = Path(text).expanduser()
         if not path.exists() and is_hub_id(text):
@@ -106,8 +149,59 @@ def resolve_model_path(spec: str | os.PathLike[str], revision: str | None = None
     target = builtin_folder(name)
     if target.is_dir() and (target / "config.json").is_file():
         return target
-    _build_atomically(target, builder)
+    build_atomically(target, builder)
     return target
+
+
+_CHECKED: dict[tuple[Any, ...], TokenizerFacts | None] = {}  # folder and file times -> facts
+_FACT_FILES = ("tokenizer_config.json", "tokenizer.json", "generation_config.json", "config.json")
+
+
+def check_tokenizer(folder: Path, *, where: str | None = None) -> TokenizerFacts | None:
+    """The tokenizer facts of a model folder, checked (`keel.models.sanity`): each problem a
+    TokenizerWarning naming `where` (default: the folder), a fatal one ModelLoadError; once per
+    folder and version of its files in a process. None when the folder has no tokenizer that
+    loads (the loader reports that)."""
+    if not folder.is_dir() or not any((folder / n).is_file() for n in _TOKENIZER_FILES):
+        return None
+    key = (str(folder), *(_mtime(folder / n) for n in _FACT_FILES))
+    if key in _CHECKED:
+        return _CHECKED[key]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception:  # remote code, a broken file: load_tokenizer says what is wrong
+        _CHECKED[key] = None
+        return None
+    facts = tokenizer_facts(tokenizer, _generation_stop_ids(folder))
+    place = where or str(folder)
+    for problem in tokenizer_problems(facts):
+        if problem.fatal:
+            raise ModelLoadError(f"{place}: {problem.message}")
+        warnings.warn(f"{place}: {problem.message}", TokenizerWarning, stacklevel=3)
+    _CHECKED[key] = facts
+    return facts
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _generation_stop_ids(folder: Path) -> tuple[int, ...]:
+    """eos_token_id of generation_config.json, else of config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        value = data.get("eos_token_id") if isinstance(data, dict) else None
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        return tuple(int(v) for v in values if isinstance(v, int))
+    return ()
 
 
 # What a causal LM's snapshot needs (config, tokenizer, chat template, remote code, weights);
@@ -186,7 +280,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     return folder
 
 
-def _build_atomically(target: Path, builder: Callable[[Path], None]) -> None:
+def build_atomically(target: Path, builder: Callable[[Path], Any]) -> None:
     """Run builder into a staging folder next to target, then rename it into place.
 
     A crash leaves only a hidden staging folder behind, never a half-written target; if another
@@ -289,8 +383,59 @@ def load_causal_lm(
             **_attn(attn_implementation),
         )
     except Exception as e:
+        _raise_shape_mismatch(e, folder, AutoModelForCausalLM, trust_remote_code=trust_remote_code)
         raise ModelLoadError(f"could not load model from {folder}: {e}{_remote_hint(e)}") from e
     return model
+
+
+def _raise_shape_mismatch(
+    error: Exception, folder: Path, auto_class: type, **config_kwargs: object
+) -> None:
+    """A ModelLoadError naming config.json and the first tensor whose stored shape differs from
+    the one the config makes, when `error` is transformers' refusal of mismatched sizes (whose
+    own report goes to a log Keel silences: "look at the above report"); otherwise returns."""
+    text = str(error)
+    if "ignore_mismatched_sizes" not in text and "size mismatch" not in text:
+        return
+    found = first_shape_mismatch(folder, auto_class, **config_kwargs)
+    config = folder / "config.json"
+    if found is None:
+        raise ModelLoadError(
+            f"{config} does not match the weights in {folder}: some tensors have other shapes "
+            "than the config makes (a config.json from another model?)"
+        ) from error
+    name, stored, made, file = found
+    raise ModelLoadError(
+        f"{config} does not match the weights: tensor {name} is {list(stored)} in {file}, but "
+        f"config.json makes it {list(made)} (a config.json from another model?)"
+    ) from error
+
+
+def first_shape_mismatch(
+    folder: Path, auto_class: type, **config_kwargs: object
+) -> tuple[str, tuple[int, ...], tuple[int, ...], str] | None:
+    """(tensor name, its shape in the weights, the shape config.json makes, the weights file)
+    for the first tensor of `folder`'s *.safetensors whose shape differs from the model that
+    `auto_class` builds from its config.json (on the meta device: no memory); None when every
+    shape agrees, or the folder cannot be compared (no safetensors, an unreadable config)."""
+    from safetensors import safe_open
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **config_kwargs)
+        with torch.device("meta"):
+            model = auto_class.from_config(config)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    made = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    prefix = getattr(model, "base_model_prefix", "")
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is no dict)
+                stored = tuple(weights.get_slice(name).get_shape())
+                want = made.get(name, made.get(f"{prefix}.{name}"))
+                if want is not None and want != stored:
+                    return name, stored, want, file.name
+    return None
 
 
 # Config keys that hold a model's maximum number of positions, by model family.
@@ -380,6 +525,10 @@ def load_reward_model(
             **_attn(attn_implementation),
         )
     except Exception as e:
+        _raise_shape_mismatch(
+            e, folder, AutoModelForSequenceClassification, num_labels=1,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
         raise ModelLoadError(f"could not load a reward model from {folder}: {e}") from e
     if model.config.num_labels != 1:
         raise ModelLoadError(
@@ -416,6 +565,10 @@ def load_value_model(
             **_attn(attn_implementation),
         )
     except Exception as e:
+        _raise_shape_mismatch(
+            e, folder, AutoModelForTokenClassification, num_labels=1,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
         raise ModelLoadError(f"could not load a value model (critic) from {folder}: {e}") from e
     return model
 
