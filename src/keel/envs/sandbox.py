@@ -57,6 +57,7 @@ is not tracked without bubblewrap's PID namespace. Linux only.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -72,6 +73,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+
+from keel.envs.sandbox_child import AUDIT_ARCHES, SETUP_FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +98,10 @@ BWRAP_WORK_DIR = "/sandbox"
 """Under bubblewrap: the work directory (a tmpfs; also HOME and TMPDIR)."""
 WORK_SPACE_LIMIT = 64 * 2**20
 """Under bubblewrap: the size of the work directory's tmpfs, in bytes (all files together)."""
+SHM_LIMIT = 64 * 2**20
+"""Under bubblewrap: the size of /dev/shm's tmpfs, in bytes."""
 
-LAYERS = ("bwrap", "uid65534", "netns", "audit_hook", "rlimits")
+LAYERS = ("bwrap", "uid65534", "netns", "seccomp", "audit_hook", "rlimits")
 """Every layer's name, outer to inner (the module docstring says what each is)."""
 
 _DRAIN_AFTER_KILL_S = 1.0  # how long output is still read after the process group was killed
@@ -114,7 +119,8 @@ class SandboxResult:
     error: a short human reason when a limit or a blocked operation ended the program, None
     when it ran to its end (an ordinary exception is in stderr, with exit_code 1).
     layers: the isolation layers the run had, outer to inner (names from LAYERS, e.g.
-    ("bwrap", "audit_hook", "rlimits")); "bwrap" missing means bubblewrap did not run."""
+    ("bwrap", "uid65534", "seccomp", "audit_hook", "rlimits")); "bwrap" missing means
+    bubblewrap did not run."""
 
     stdout: str
     stderr: str
@@ -136,7 +142,9 @@ class Isolation:
     pass_fds: what else the start needs; popen_user: the uid subprocess.Popen switches to before
     it executes the command (None when unshare does it, or nobody does).
     bwrap: bubblewrap's argv up to its per-run options, () without bubblewrap.
-    note: why bubblewrap is not used ("" when it is)."""
+    note: why bubblewrap is not used ("" when it is). An empty `command` means nothing here
+    starts the code without making it host root: run_python refuses (SandboxUnavailable), and
+    note says why."""
 
     uid: int | None
     network_namespace: bool
@@ -148,13 +156,22 @@ class Isolation:
     note: str = ""
 
     @property
+    def host_uid(self) -> int:
+        """The uid the code runs as on the host (outside any user namespace)."""
+        if self.bwrap:  # bubblewrap maps the sandbox's uid to the uid it was started as
+            return os.geteuid() if self.popen_user is None else self.popen_user
+        return os.geteuid() if self.uid is None else self.uid
+
+    @property
     def layers(self) -> tuple[str, ...]:
-        """The layers a run gets, outer to inner (LAYERS' names)."""
-        host_uid = self.popen_user if self.bwrap else self.uid
+        """The layers a run gets, outer to inner (LAYERS' names); () when it is refused."""
+        if not self.command:
+            return ()
         return (
             *(("bwrap",) if self.bwrap else ()),
-            *(("uid65534",) if host_uid == NOBODY else ()),
+            *(("uid65534",) if self.host_uid == NOBODY else ()),
             *(("netns",) if self.network_namespace and not self.bwrap else ()),
+            *(("seccomp",) if _seccomp_machine() else ()),
             "audit_hook",
             "rlimits",
         )
@@ -170,16 +187,27 @@ _isolation_cache: dict[tuple[str, bool], Isolation] = {}
 _isolation_lock = threading.Lock()
 
 
+class SandboxUnavailable(RuntimeError):
+    """Nothing on this machine starts the code without it being host root (the caller is root
+    and uid 65534 can neither run bubblewrap nor the interpreter), or bubblewrap is required and
+    does not work here."""
+
+
 def isolation(python: str = sys.executable, *, bubblewrap: bool = True) -> Isolation:
     """The strongest isolation that starts `python` here, probed once per interpreter (each
-    candidate starts `python` once), best first: in bubblewrap (as uid 65534 on the host, then
-    as the caller; each must pass a self-check inside: its own PID, mount and network
-    namespaces, uid 65534, no /etc/passwd), then as uid 65534 in a new network namespace, as
-    uid 65534, in a new network namespace, as the caller. bubblewrap=False skips bubblewrap.
-    An interpreter that uid 65534 cannot reach (under /root, say) is started outside
-    bubblewrap through a descriptor of its prefix directory (/proc/self/fd/N/bin/python with
-    PYTHONHOME there): permissions of the directories above the prefix are then not checked.
-    Logs a warning when bubblewrap is missing or fails and when the code will run as root."""
+    candidate starts `python` once), best first: in bubblewrap, started as uid 65534 when the
+    caller is root (so that the sandbox's uid 65534 is host uid 65534, never root) and as the
+    caller otherwise; it must pass a self-check inside (its own PID, mount and network
+    namespaces, uid 65534, no /etc/passwd). An interpreter that uid 65534
+    cannot reach (under /root, say) is then given to bubblewrap as a copy of its runtime
+    (`_runtime_copy`: the executable, its libraries and standard library, hard-linked where the
+    file system allows) bound at its real path. Without bubblewrap (bubblewrap=False, or it
+    fails): as uid 65534 in a new network namespace, as uid 65534 (when the caller is root;
+    through a descriptor of its prefix directory where uid 65534 cannot reach the interpreter),
+    or, as non-root, in a new user and network namespace, as the caller. As root nothing runs
+    the code as root: when no candidate works, the Isolation has no command (run_python raises
+    SandboxUnavailable, naming why). Logs a warning when bubblewrap is missing or fails, and an
+    error when the code cannot run at all."""
     _require_linux()
     with _isolation_lock:
         key = (python, bubblewrap)
@@ -221,10 +249,11 @@ def _describe(python: str) -> dict | None:
         return None
 
 
-def _bwrap_prefix(bwrap: str, described: dict) -> tuple[str, ...]:
+def _bwrap_prefix(bwrap: str, described: dict, copy: str | None = None) -> tuple[str, ...]:
     """bubblewrap's argv up to its per-run options: namespaces, uid 65534, /usr and the
-    interpreter's prefix read-only with their site directories hidden, /proc, /dev, the
-    work directory's tmpfs."""
+    interpreter's prefix read-only with their site directories hidden (copy: a directory that
+    holds the prefix's runtime, bound at the prefix's path instead), /proc and /dev read-only,
+    a bounded /dev/shm, the work directory's tmpfs."""
     # --as-pid-1: the interpreter is the PID namespace's init, bubblewrap's own child, which
     # bubblewrap reaps before it exits (its init would be left to the machine's init to reap,
     # which a container's may never do); the child handles SIGXCPU itself (an init ignores it)
@@ -244,14 +273,20 @@ def _bwrap_prefix(bwrap: str, described: dict) -> tuple[str, ...]:
     def covered(path: str) -> bool:
         return any(path == root or path.startswith(root.rstrip("/") + "/") for root in bound)
 
+    if copy is not None:  # a copy holds no site directory: nothing to hide
+        args += ["--ro-bind", copy, described["base_prefix"]]
+        bound.append(described["base_prefix"])
     for path in [*described["real"], os.path.dirname(described["executable"])]:
         if not covered(path):
             args += ["--ro-bind", path, path]
             bound.append(path)
-    for path in described["site"]:
+    for path in described["site"] if copy is None else ():
         if covered(path) and os.path.isdir(path):
             args += ["--tmpfs", path, "--remount-ro", path]  # an empty, read-only folder
-    args += ["--proc", "/proc", "--dev", "/dev"]
+    # a fresh /proc, read-only as a whole (bubblewrap itself covers only some of /proc/sys);
+    # /dev with the null, zero, random and tty devices, read-only but for a bounded /dev/shm
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_LIMIT), "--tmpfs", "/dev/shm"]
+    args += ["--remount-ro", "/proc", "--remount-ro", "/dev"]
     args += ["--size", str(WORK_SPACE_LIMIT), "--tmpfs", BWRAP_WORK_DIR, "--chdir", BWRAP_WORK_DIR]
     return tuple(args)
 
@@ -288,24 +323,35 @@ print("; ".join(wrong) or "ok")
 def _candidates(python: str, prefix_fd: list[int], bwrap: str | None, notes: list[str]):
     """Isolation candidates, best first; the descriptor route opens its directory lazily and
     appends the descriptor to `prefix_fd`."""
+    root = os.geteuid() == 0
     if bwrap is not None:
         described = _describe(python)
         if described is None:
             notes.append(f"{python} did not say where it lives")
         else:
-            prefix = _bwrap_prefix(bwrap, described)
             inside = (described["executable"], *_ISOLATED)
-            if os.geteuid() == 0:
-                yield Isolation(NOBODY, True, inside, popen_user=NOBODY, bwrap=prefix)
-            yield Isolation(NOBODY, True, inside, bwrap=prefix)
+            # as root, bubblewrap runs as uid 65534: its user namespace maps the sandbox's uid
+            # 65534 to host uid 65534 (started as root, it would map it to host root)
+            user = NOBODY if root else None
+            yield Isolation(
+                NOBODY, True, inside, popen_user=user, bwrap=_bwrap_prefix(bwrap, described)
+            )
+            if root:
+                copy = _runtime_copy(described)
+                if copy is None:
+                    notes.append("no copy of the interpreter's runtime that uid 65534 can read")
+                else:
+                    prefix = _bwrap_prefix(bwrap, described, copy)
+                    yield Isolation(NOBODY, True, inside, popen_user=user, bwrap=prefix)
     unshare = shutil.which("unshare", path=_SYSTEM_PATH)
     direct = (python, *_ISOLATED)
-    if os.geteuid() != 0:
+    if not root:
         if unshare:
             yield Isolation(None, True, (unshare, "--user", "--map-current-user", "--net", "--",
                                          *direct))  # fmt: skip
         yield Isolation(None, False, direct)
         return
+    # as root: uid 65534 or nothing (never the caller's uid 0)
     drop = (f"--setgid={NOBODY}", f"--setuid={NOBODY}")
     if unshare:
         yield Isolation(NOBODY, True, (unshare, "--net", *drop, "--", *direct))
@@ -317,9 +363,6 @@ def _candidates(python: str, prefix_fd: list[int], bwrap: str | None, notes: lis
         if unshare:
             yield Isolation(NOBODY, True, (unshare, "--net", *drop, "--", *command), env, fds)
         yield Isolation(NOBODY, False, command, env, fds, popen_user=NOBODY)
-    if unshare:
-        yield Isolation(None, True, (unshare, "--net", "--", *direct))
-    yield Isolation(None, False, direct)
 
 
 def _through_descriptor(
@@ -352,14 +395,24 @@ def _probe_isolation(python: str, bubblewrap: bool) -> Isolation:
         notes.append("bubblewrap=False")
     elif bwrap is None:
         notes.append("bwrap is not on PATH (Debian: apt-get install bubblewrap)")
-    chosen = Isolation(None, False, (python, *_ISOLATED))
+    chosen = Isolation(None, False, ())
     for candidate in _candidates(python, prefix_fd, bwrap, notes):
+        if candidate.host_uid == 0:
+            continue  # never: the code would be host root
         if _starts(candidate, notes):
             chosen = candidate
             break
     for fd in prefix_fd:
         if fd not in chosen.pass_fds:
             os.close(fd)
+    if not chosen.command:
+        notes.append(
+            f"uid {NOBODY} cannot start {python} and the code never runs as root: install "
+            f"bubblewrap, use an interpreter that uid {NOBODY} can read, or run as non-root"
+        )
+        chosen = dataclasses.replace(chosen, note="; ".join(notes))
+        logger.error("sandbox: refusing to run code with %s: %s", python, chosen.note)
+        return chosen
     if not chosen.bwrap:
         chosen = dataclasses.replace(chosen, note="; ".join(notes))
         if bubblewrap:
@@ -370,16 +423,90 @@ def _probe_isolation(python: str, bubblewrap: bool) -> Isolation:
                 chosen.note,
                 ", ".join(chosen.layers),
             )
-    if os.geteuid() == 0 and chosen.uid is None:
-        logger.warning(
-            "sandbox: code runs as root: uid %d cannot start %s; only the audit hook guards "
-            "files and processes. Install bubblewrap, use an interpreter that uid %d can read, "
-            "run as non-root, or run in a container.",
-            NOBODY,
-            python,
-            NOBODY,
-        )
     return chosen
+
+
+def _seccomp_machine() -> bool:
+    """Whether the child installs its seccomp filter here (a machine the filter knows)."""
+    return os.uname().machine in AUDIT_ARCHES
+
+
+# what a copy of an interpreter's runtime leaves out, under lib/pythonX.Y
+_COPY_SKIPPED = frozenset({"site-packages", "dist-packages", "test", "idlelib", "tkinter",
+                           "turtledemo", "ensurepip", "__phello__"})  # fmt: skip
+_copies: dict[str, str] = {}
+
+
+def _reachable_by_nobody(path: str) -> bool:
+    """Whether every directory from / down to `path` lets others search it (mode o+x)."""
+    path = os.path.realpath(path)
+    while True:
+        try:
+            if not os.stat(path).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
+
+
+def _runtime_copy(described: dict) -> str | None:
+    """A directory that uid 65534 can read holding what the interpreter needs from its prefix:
+    the executable, lib/*.so* and lib/pythonX.Y (without site-packages, test and the GUI
+    packages), hard-linked where the prefix's file system allows, copied otherwise; made once
+    per process, removed at its exit. None where the interpreter does not live in its prefix or
+    no temporary directory uid 65534 can reach exists."""
+    prefix, executable = described["base_prefix"], described["executable"]
+    if prefix in _copies:
+        return _copies[prefix]
+    if described["base_exec_prefix"] != prefix or not executable.startswith(prefix + "/"):
+        return None
+    parents = [d for d in ("/var/tmp", "/tmp", tempfile.gettempdir()) if _reachable_by_nobody(d)]
+    if not parents:
+        return None
+    copy = tempfile.mkdtemp(prefix="keel-python-", dir=parents[0])
+    atexit.register(shutil.rmtree, copy, True)
+
+    def place(source: str, target: str) -> None:
+        folder = os.path.dirname(target)
+        if not os.path.isdir(folder):
+            place_folder(folder)
+        try:
+            os.link(source, target, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(source, target, follow_symlinks=False)
+
+    def place_folder(folder: str) -> None:
+        if not os.path.isdir(os.path.dirname(folder)):
+            place_folder(os.path.dirname(folder))
+        os.mkdir(folder)
+        os.chmod(folder, 0o755)  # whatever the umask
+
+    try:
+        os.chmod(copy, 0o755)
+        place(executable, copy + executable[len(prefix) :])
+        lib = os.path.join(prefix, "lib")
+        for name in os.listdir(lib):
+            if ".so" in name and not os.path.isdir(os.path.join(lib, name)):
+                place(os.path.join(lib, name), os.path.join(copy, "lib", name))
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        for name in os.listdir(lib):
+            if name.startswith("python3") and os.path.isdir(os.path.join(lib, name)):
+                version = name
+        stdlib = os.path.join(lib, version)
+        for top, dirs, files in os.walk(stdlib):
+            if top == stdlib:
+                dirs[:] = [d for d in dirs if d not in _COPY_SKIPPED]
+            for name in files:
+                source = os.path.join(top, name)
+                place(source, copy + source[len(prefix) :])
+    except OSError as exc:
+        logger.warning("sandbox: could not copy %s's runtime to %s: %s", prefix, copy, exc)
+        shutil.rmtree(copy, ignore_errors=True)
+        return None
+    _copies[prefix] = copy
+    return copy
 
 
 def _popen_options(layers: Isolation, home: str) -> dict:
@@ -433,15 +560,19 @@ def run_python(
     max_output_bytes: int = 8192,
     python: str = sys.executable,
     bubblewrap: bool = True,
+    require_bubblewrap: bool = False,
 ) -> SandboxResult:
     """Run `code` with `python` in a sandbox (see the module docstring) and return its output.
 
     cpu_s: CPU seconds (rounded up to whole seconds), wall_s: seconds of wall time from the
     start, memory_mb: address space, max_output_bytes: bytes kept per stream (stdout, stderr);
     the process is killed when a stream exceeds it. bubblewrap: use it where it works
-    (isolation(python, bubblewrap=...)). Never raises for anything the code does; raises
-    RuntimeError off Linux, ValueError for a bad limit, OSError when the interpreter cannot be
-    started at all."""
+    (isolation(python, bubblewrap=...)); require_bubblewrap: refuse to run without it. Never
+    raises for anything the code does (a syntax error, NUL bytes and lone surrogates in it
+    included: they are the program's SyntaxError); raises RuntimeError off Linux, ValueError for
+    a bad limit, SandboxUnavailable when nothing here runs the code without it being host root
+    (or bubblewrap is required and not used), OSError when the interpreter cannot be started
+    at all."""
     _require_linux()
     if cpu_s <= 0 or wall_s <= 0 or memory_mb <= 0 or max_output_bytes < 0:
         raise ValueError(
@@ -449,6 +580,14 @@ def run_python(
             f"(got {cpu_s}, {wall_s}, {memory_mb}, {max_output_bytes})"
         )
     layers = isolation(python, bubblewrap=bubblewrap)
+    if not layers.command:
+        raise SandboxUnavailable(f"sandbox: refusing to run the code: {layers.note}")
+    if require_bubblewrap and not layers.bwrap:
+        raise SandboxUnavailable(
+            f"sandbox: bubblewrap is required and not used ({layers.note or 'not asked for'})"
+        )
+    # a lone surrogate cannot be UTF-8: written as its bytes, it is the program's SyntaxError
+    source = code.encode("utf-8", errors="surrogatepass")
     config = {
         "code": CODE_FILE,
         "cpu_s": max(1, math.ceil(cpu_s)),
@@ -458,6 +597,7 @@ def run_python(
         "processes": PROCESS_LIMIT if "uid65534" in layers.layers else None,
         "unchecked_fds": list(layers.pass_fds),
         "pid1": bool(layers.bwrap),
+        "seccomp": "seccomp" in layers.layers,
     }
 
     def child(work_dir: str) -> tuple[str, ...]:
@@ -473,11 +613,11 @@ def run_python(
     }
     if layers.bwrap:
         # bubblewrap copies both into the tmpfs
-        with tempfile.TemporaryFile() as source, open(CHILD_MODULE, "rb") as bootstrap:
-            source.write(code.encode("utf-8"))
-            source.flush()
-            source.seek(0)
-            files = {CODE_FILE: source.fileno(), CHILD_FILE: bootstrap.fileno()}
+        with tempfile.TemporaryFile() as code_file, open(CHILD_MODULE, "rb") as bootstrap:
+            code_file.write(source)
+            code_file.flush()
+            code_file.seek(0)
+            files = {CODE_FILE: code_file.fileno(), CHILD_FILE: bootstrap.fileno()}
             options = _popen_options(layers, BWRAP_WORK_DIR)
             options["pass_fds"] = (*options["pass_fds"], *files.values())
             argv = [*_bwrap_argv(layers, files), *child(BWRAP_WORK_DIR)]
@@ -487,8 +627,8 @@ def run_python(
         )
     home = os.path.realpath(tempfile.mkdtemp(prefix="keel-sandbox-"))
     try:
-        with open(os.path.join(home, CODE_FILE), "w", encoding="utf-8") as f:
-            f.write(code)
+        with open(os.path.join(home, CODE_FILE), "wb") as f:
+            f.write(source)
         shutil.copyfile(CHILD_MODULE, os.path.join(home, CHILD_FILE))
         if layers.uid is not None:
             for path in (home, os.path.join(home, CODE_FILE), os.path.join(home, CHILD_FILE)):
@@ -669,6 +809,8 @@ def _error(
         return "killed (SIGKILL): CPU time or memory limit"
     lines = stderr.decode("utf-8", errors="replace").strip().splitlines()
     last = lines[-1] if lines else ""
+    if last.startswith(SETUP_FAILED):
+        return last
     if last.startswith("SandboxViolation: blocked: "):
         return last.removeprefix("SandboxViolation: ").partition(" (")[0]
     if returncode != 0 and (last.startswith("MemoryError") or "Cannot allocate memory" in last):

@@ -29,6 +29,7 @@ CONFIG_KEYS = {
     "processes": (int, type(None)),  # RLIMIT_NPROC, None: not set
     "unchecked_fds": list,
     "pid1": bool,  # the interpreter is a PID namespace's init (under bubblewrap)
+    "seccomp": bool,  # install SECCOMP_FILTER (seccomp_program) before the hook; fail if it fails
     "child": (str, type(None)),  # this file's copy, removed before the code runs; None: keep
 }
 
@@ -97,6 +98,146 @@ def _limits(config):
         signal.signal(signal.SIGXCPU, on_cpu_limit)
 
 
+# ---------------------------------------------------------------- seccomp
+# The seccomp filter: a classic BPF program over struct seccomp_data {int nr; u32 arch; u64 ip;
+# u64 args[6]} (little-endian: an argument's low 32 bits at 16 + 8 * i), written here in pure
+# Python and installed with prctl before the hook. System calls that tool code never needs fail
+# with EPERM; a system call of another architecture (x32, a 32-bit ABI) kills the process.
+AUDIT_ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+"""The audit architecture (AUDIT_ARCH_*) of each machine the filter knows (platform.machine())."""
+_X32_BIT = 0x40000000  # x86_64's x32 ABI: its system call numbers have this bit set
+# name: (x86_64 number, aarch64 number or None where the architecture lacks it)
+DENIED_SYSCALLS = {
+    # process creation without a thread (clone is checked by its flags), programs
+    "fork": (57, None), "vfork": (58, None),
+    "execve": (59, 221), "execveat": (322, 281),
+    # other processes: tracing, their memory and descriptors, signals by pidfd
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    "kcmp": (312, 272), "pidfd_open": (434, 434), "pidfd_getfd": (438, 438),
+    "pidfd_send_signal": (424, 424), "tkill": (200, 130),
+    # namespaces and mounts
+    "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39),
+    "pivot_root": (155, 41), "chroot": (161, 51), "open_tree": (428, 428),
+    "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431),
+    "fsmount": (432, 432), "fspick": (433, 433), "mount_setattr": (442, 442),
+    # the network (every socket family: AF_UNIX and abstract sockets too)
+    "socket": (41, 198), "socketpair": (53, 199),
+    # the kernel's keyrings, BPF, perf, userfaultfd, io_uring (its operations bypass seccomp)
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    # the machine: kexec, modules, swap, reboot, clocks, accounting, quotas, handles, ports
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
+    "swapoff": (168, 225), "reboot": (169, 142), "acct": (163, 89), "quotactl": (179, 60),
+    "quotactl_fd": (443, 443), "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264), "lookup_dcookie": (212, 18), "iopl": (172, None),
+    "ioperm": (173, None), "syslog": (103, 116), "vhangup": (153, 58),
+    "fanotify_init": (300, 262), "settimeofday": (164, 170), "clock_settime": (227, 112),
+    "clock_adjtime": (305, 266), "adjtimex": (159, 171), "personality": (135, 92),
+    "uselib": (134, None), "_sysctl": (156, None), "modify_ldt": (154, None),
+    "nfsservctl": (180, 42), "move_pages": (279, 239), "migrate_pages": (256, 238),
+    # device nodes, sessions, System V IPC (memory outside RLIMIT_AS)
+    "mknod": (133, None), "mknodat": (259, 33), "setsid": (112, 157), "setpgid": (109, 154),
+    "shmget": (29, 194), "msgget": (68, 186), "semget": (64, 190),
+}  # fmt: skip
+# allowed only towards this process (arg 0 is the pid, or the thread group's): kill also to 0
+# (its own process group)
+SIGNAL_SYSCALLS = {"kill": (62, 129), "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138),
+                   "rt_tgsigqueueinfo": (297, 240)}  # fmt: skip
+CLONE = (56, 220)
+"""clone: allowed for a thread (CLONE_THREAD) that makes no namespace; EPERM otherwise."""
+CLONE3 = (435, 435)
+"""clone3: ENOSYS (its flags are in memory, out of a filter's reach), so that the C library
+falls back to clone for a thread."""
+CLONE_THREAD = 0x00010000
+CLONE_NAMESPACES = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_RET_ALLOW = 0x7FFF0000
+_RET_KILL_PROCESS = 0x80000000
+_RET_EPERM = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+_RET_ENOSYS = 0x00050000 | 38  # SECCOMP_RET_ERRNO | ENOSYS
+
+
+def seccomp_program(machine, pid):
+    """The filter for `machine` (a key of AUDIT_ARCHES) and the process `pid` it is installed in
+    (signals to itself allowed), as a list of (code, jt, jf, k) BPF instructions; a KeyError
+    for a machine it does not know."""
+    index = 0 if machine == "x86_64" else 1
+    arch = AUDIT_ARCHES[machine]
+    ld_nr, ld_arch, ld_arg0 = (0x20, 0, 0, 0), (0x20, 0, 0, 4), (0x20, 0, 0, 16)
+
+    def jeq(k, jt, jf):
+        return (0x15, jt, jf, k)
+
+    def jset(k, jt, jf):
+        return (0x45, jt, jf, k)
+
+    def ret(k):
+        return (0x06, 0, 0, k)
+
+    program = [ld_arch, jeq(arch, 1, 0), ret(_RET_KILL_PROCESS), ld_nr]
+    if machine == "x86_64":
+        program += [(0x35, 0, 1, _X32_BIT), ret(_RET_KILL_PROCESS)]  # jge x32 -> kill
+    for numbers in DENIED_SYSCALLS.values():
+        if numbers[index] is not None:
+            program += [jeq(numbers[index], 0, 1), ret(_RET_EPERM)]
+    program += [jeq(CLONE3[index], 0, 1), ret(_RET_ENOSYS)]
+    for name, numbers in SIGNAL_SYSCALLS.items():
+        also = 0 if name == "kill" else pid  # kill(0, sig): its own process group
+        program += [
+            jeq(numbers[index], 0, 5),
+            ld_arg0,
+            jeq(pid, 2, 0),
+            jeq(also, 1, 0),
+            ret(_RET_EPERM),
+            ret(_RET_ALLOW),
+        ]
+    program += [
+        jeq(CLONE[index], 0, 4),
+        ld_arg0,
+        jset(CLONE_NAMESPACES, 1, 0),
+        jset(CLONE_THREAD, 1, 0),
+        ret(_RET_EPERM),
+        ret(_RET_ALLOW),
+    ]
+    return [*program, ret(_RET_ALLOW)]
+
+
+def install_seccomp(machine, pid):
+    """Install seccomp_program(machine, pid) in this process (no_new_privs first), through
+    ctypes; ctypes is forgotten afterwards (sys.modules), so that the code's own import of it
+    reaches the hook. Raises OSError or KeyError when it cannot."""
+    import ctypes
+    import os
+    import struct
+
+    program = seccomp_program(machine, pid)
+    filters = b"".join(struct.pack("<HBBI", *instruction) for instruction in program)
+    buffer = ctypes.create_string_buffer(filters, len(filters))
+    fprog = struct.pack("<HxxxxxxQ", len(program), ctypes.addressof(buffer))
+    fprog_buffer = ctypes.create_string_buffer(fprog, len(fprog))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                           ctypes.c_ulong]  # fmt: skip
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    for option, argument, pointer in (
+        (pr_set_no_new_privs, 1, None),
+        (pr_set_seccomp, seccomp_mode_filter, ctypes.addressof(fprog_buffer)),
+    ):
+        if libc.prctl(option, argument, pointer, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl({option}) failed: {os.strerror(errno)}")
+    for name in [name for name in sys.modules if name == "ctypes" or name.startswith("ctypes.")]:
+        del sys.modules[name]
+    del sys.modules["_ctypes"]
+
+
+SETUP_FAILED = "keel sandbox setup failed: "
+"""How the child's stderr starts when a layer could not be set up (nothing of the code ran)."""
+SETUP_FAILED_STATUS = 125
+"""The child's exit status then."""
+
+
 class SandboxViolation(PermissionError):
     """An operation the Keel sandbox does not allow."""
 
@@ -116,6 +257,7 @@ def make_hook(home, roots, fd_bound, unchecked_fds):
     process = "process creation"
     native = "native code"
     files = "file access outside the sandbox"
+    subinterpreters = "subinterpreters"
     # (event, reason): refused whatever the arguments
     refused = (
         ("os.fork", process), ("os.forkpty", process), ("os.posix_spawn", process),
@@ -129,6 +271,7 @@ def make_hook(home, roots, fd_bound, unchecked_fds):
         ("gc.get_objects", "gc introspection"), ("gc.get_referrers", "gc introspection"),
         ("gc.get_referents", "gc introspection"),
         ("sqlite3.enable_load_extension", native), ("sqlite3.load_extension", native),
+        ("cpython.PyInterpreterState_New", subinterpreters),
     )  # fmt: skip
     # events whose name starts with one of these
     refused_prefixes = (("socket.", network), ("syslog.", network), ("ctypes.", native))
@@ -137,6 +280,16 @@ def make_hook(home, roots, fd_bound, unchecked_fds):
         ("socket", network), ("_socket", network), ("ssl", network), ("_ssl", network),
         ("ctypes", native), ("_ctypes", native), ("_posixsubprocess", process),
         ("readline", files), ("_dbm", files), ("_gdbm", files), ("ossaudiodev", files),
+        # a subinterpreter has no audit hook (3.11/3.12: _xxsubinterpreters, 3.13: _interpreters)
+        ("_xxsubinterpreters", subinterpreters), ("_interpreters", subinterpreters),
+        ("_xxinterpchannels", subinterpreters), ("_interpchannels", subinterpreters),
+        ("_interpqueues", subinterpreters),
+        # CPython's test modules: subinterpreters (_testcapi.run_in_subinterp), raw memory
+        ("_testcapi", native), ("_testinternalcapi", native), ("_testmultiphase", native),
+        ("_testsinglephase", native), ("_testimportmultiple", native), ("_testbuffer", native),
+        ("_testclinic", native), ("_testlimitedcapi", native), ("_ctypes_test", native),
+        ("_xxtestfuzz", native), ("_testexternalinspection", native), ("xxsubtype", native),
+        ("xxlimited", native), ("xxlimited_35", native),
     )  # fmt: skip
     # (event, ((argument index, dir_fd argument index or -1, access), ...)); access "r": read,
     # "w": write, "cd": the new working directory. A path argument may be a descriptor.
@@ -308,6 +461,12 @@ def _run(config):
     # every descriptor open now, before the hook: one may be above RLIMIT_NOFILE
     inherited = [int(name) for name in os.listdir("/proc/self/fd")]
     _limits(config)
+    if config["seccomp"]:
+        try:
+            install_seccomp(os.uname().machine, os.getpid())
+        except (OSError, KeyError, ImportError, AttributeError) as exc:
+            sys.stderr.write(f"{SETUP_FAILED}the seccomp filter could not be installed: {exc!r}\n")
+            os._exit(SETUP_FAILED_STATUS)
     fd_bound = max([resource.getrlimit(resource.RLIMIT_NOFILE)[1], *(fd + 1 for fd in inherited)])
     with open(config["code"], "rb") as f:
         source = f.read()
@@ -334,8 +493,8 @@ def _run(config):
             if frame.f_globals is not mine and not name.startswith("<frozen importlib"):
                 kept.append(tb)
             tb = tb.tb_next
-        for tb, after in zip(kept, [*kept[1:], None], strict=True):
-            tb.tb_next = after
+        for i, tb in enumerate(kept):  # a SyntaxError (compile's own frame) keeps none
+            tb.tb_next = kept[i + 1] if i + 1 < len(kept) else None
         exc.__traceback__ = kept[0] if kept else None
         sys.excepthook(exc.__class__, exc, exc.__traceback__)
         raise SystemExit(1) from None  # not sys.exit: the code may have rebound it
