@@ -229,3 +229,25 @@ def test_bad_config_values_exit_2_before_any_model_loads(keel_main, tmp_path, te
         assert "/nonexistent/model" not in proc.stderr  # refused before any model loads
         assert len(proc.stderr.strip().splitlines()) <= 2  # the file, then the key
     assert not (tmp_path / "r").exists()
+
+
+def test_a_model_folder_that_cannot_serve_the_config_exits_2_naming_it(keel_main, tiny_dir,
+                                                                       tmp_path):  # fmt: skip
+    """A tokenizer without the chat template data.apply_chat_template needs, and a config.json
+    whose shapes are not the weights': exit 2 naming the folder (and setting or tensor)."""
+    import json
+    import shutil
+
+    no_template = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, no_template)
+    (no_template / "chat_template.jinja").unlink()
+    proc = keel_main(*tiny_run(no_template, tmp_path / "r", "data.apply_chat_template=true"))
+    assert_clean_error(proc, str(no_template), "no chat template", "data.apply_chat_template")
+    lying = tmp_path / "lying"
+    shutil.copytree(tiny_dir, lying)
+    config = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
+    proc = keel_main(*tiny_run(lying, tmp_path / "r"))
+    assert_clean_error(proc, f"{lying / 'config.json'} does not match the weights",
+                       "tensor model.layers.0.mlp.down_proj.weight")  # fmt: skip
+    assert not (tmp_path / "r").exists()

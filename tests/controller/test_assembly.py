@@ -156,3 +156,27 @@ def test_tool_definitions_the_prompts_cannot_show_are_a_warning_in_events_jsonl(
     found = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "warning"]
     assert [e["rule"] for e in found] == ["tools_ignored"]
     assert "sft.jsonl:1" in found[0]["message"] and "apply_chat_template" in found[0]["message"]
+
+
+def test_a_missing_chat_template_names_the_model_and_the_setting(tiny_dir, tmp_path):
+    """transformers' own error named neither the model nor data.apply_chat_template."""
+    import shutil
+
+    from keel.models import load_tokenizer
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "chat_template.jinja").unlink()
+    tokenizer = load_tokenizer(folder)
+    assert not tokenizer.chat_template
+    chat = validate({"models": {"actor": str(folder)}, "algorithm": {"name": "grpo"},
+                     "data": {"apply_chat_template": True}}).data  # fmt: skip
+    with pytest.raises(ModelLoadError) as info:
+        fit_prompt_lengths(tokenizer, long_and_short(), chat)
+    assert str(info.value).startswith(f"{folder}: its tokenizer has no chat template, but "
+                                      "data.apply_chat_template is true")  # fmt: skip
+    messages = Datasets(train=[Example([{"role": "user", "content": "1+1="}], "2",
+                                       source="m.jsonl:3")], eval=[])  # fmt: skip
+    with pytest.raises(ModelLoadError, match=f"{folder}: .* the prompt of m.jsonl:3 is a list"):
+        fit_prompt_lengths(tokenizer, messages, data_cfg("error"))
+    assert fit_prompt_lengths(tokenizer, long_and_short(), data_cfg("left")).truncated_prompts

@@ -166,6 +166,7 @@ def fit_prompt_lengths(tokenizer: Tokenizer, data: Datasets, cfg: DataConfig) ->
     and counts them in `dropped_prompts` (a DataError when no training example is left).
     Rows whose tool definitions the prompt would not show are warned about (warn_ignored_tools;
     the warning also kept in `warnings`, for the run's events.jsonl)."""
+    check_chat_template(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
     ignored = warn_ignored_tools(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
     if ignored is not None:
         data = replace(data, warnings=[*data.warnings, ("tools_ignored", ignored)])
@@ -203,6 +204,28 @@ def fit_prompt_lengths(tokenizer: Tokenizer, data: Datasets, cfg: DataConfig) ->
         dropped_prompts=len(found),
         long_prompts=_describe(found),
     )
+
+
+def check_chat_template(tokenizer: Tokenizer, examples: list[Any], chat: bool) -> None:
+    """A ModelLoadError naming the tokenizer's folder when prompts need its chat template
+    (data.apply_chat_template, or a prompt given as chat messages) and it has none; before
+    this, transformers' own message named neither the model nor the setting."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    folder = getattr(tokenizer, "name_or_path", "") or "the actor's tokenizer"
+    if chat:
+        raise ModelLoadError(
+            f"{folder}: its tokenizer has no chat template, but data.apply_chat_template is "
+            "true (prompts are wrapped as chat messages); set data.apply_chat_template: false, "
+            "or use a model whose tokenizer has a chat template"
+        )
+    messages = next((ex for ex in examples if isinstance(getattr(ex, "prompt", None), list)), None)
+    if messages is not None:
+        raise ModelLoadError(
+            f"{folder}: its tokenizer has no chat template, but the prompt of "
+            f"{messages.source} is a list of chat messages, which only a chat template renders; "
+            "write text prompts, or use a model whose tokenizer has a chat template"
+        )
 
 
 def _describe(found: list[tuple[Any, int]]) -> list[str]:
