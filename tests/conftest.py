@@ -57,6 +57,32 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a float32 HF folder (tests/smollm2.py): converted from the
+    pinned GGUF file by Keel's converter once per machine (.keel-cache/realmodel/); tests must
+    not modify it. A missing or wrong wheel fails, naming `make real-model`."""
+    from tests.smollm2 import smollm2_folder
+
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir, _private_keel_cache):
+    """SmolLM2-135M-Instruct's GGUF file. This session's Keel cache holds its conversion (a link
+    to `smollm2_dir`), so a model spec naming the file resolves (by its SHA-256) without
+    converting it again."""
+    from keel.models.gguf import file_sha256, gguf_cache_folder
+    from tests.smollm2 import smollm2_gguf as gguf_file
+
+    path = gguf_file()
+    cached = gguf_cache_folder(file_sha256(path))
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.symlink_to(smollm2_dir, target_is_directory=True)
+    return path
+
+
 TINY_GRPO = [
     "data.arithmetic.eval_size=8", "train.batch_size=4", "train.mini_batch_size=4",
     "train.warmup_steps=0", "rollout.n=4", "monitor.progress=false", "eval.every=0",
