@@ -1,5 +1,6 @@
 """Which HF folder a user means by MODEL (`keel generate`, `keel eval`, `keel serve`): a run
-directory, one checkpoint of it, a plain HF folder, or a hub id in the Hugging Face cache."""
+directory, one checkpoint of it, a plain HF folder, a GGUF file (converted once into the Keel
+cache), or a hub id in the Hugging Face cache."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from keel.checkpoint.sharded import is_sharded_folder
 from keel.checkpoint.state import info_of, list_checkpoints
-from keel.models.loading import hub_snapshot, is_hub_id
+from keel.models.gguf import looks_like_gguf
+from keel.models.loading import hub_snapshot, is_hub_id, resolve_model_path
 
 CHECKPOINTS = "checkpoints"
 EXPORTED = "model"  # RUN_DIR/model: the policy a finished run exports
@@ -36,6 +38,7 @@ def resolve_policy(model: str | Path) -> PolicySource:
     """MODEL → the policy folder.
 
     - an HF folder (config.json): itself;
+    - a GGUF file: its conversion in the Keel cache (keel.models.gguf.resolve_gguf);
     - a hub id (`org/name`) that is no path: its snapshot (main) in the Hugging Face cache;
     - a checkpoint (RUN_DIR/checkpoints/step_N, complete): its actor/ folder;
     - a run directory: RUN_DIR/model when the run has finished and exported it, else the
@@ -47,6 +50,8 @@ def resolve_policy(model: str | Path) -> PolicySource:
         if is_hub_id(str(model)):  # its snapshot in the HF cache (ModelLoadError when absent)
             return PolicySource(hub_snapshot(str(model)), hub_id=str(model))
         raise PolicyNotFound(f"{model}: no such file or directory")
+    if path.is_file() and looks_like_gguf(path):  # converted once into the Keel cache
+        return PolicySource(resolve_model_path(path))
     if (path / "config.json").is_file():
         run_dir = (
             path.parent if path.name == EXPORTED and (path.parent / CHECKPOINTS).is_dir() else None

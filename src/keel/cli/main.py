@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from keel.cli.convert_cmd import add_convert_parser
 from keel.cli.plan_cmd import add_plan_parser
 from keel.cli.serve_cmd import add_serve_parser
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     add_serve_parser(sub)
     add_plan_parser(sub)
+    add_convert_parser(sub)
     return parser
 
 
@@ -293,6 +295,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from keel.cli.serve_cmd import serve
 
         return serve(args)
+    if args.command == "convert":
+        from keel.cli.convert_cmd import convert
+
+        return convert(args.gguf, args.out, args.dtype)
     if args.command == "model":
         from keel.models import TinyModelSpec, create_tiny_model
 

@@ -1,4 +1,5 @@
-"""Models and tokenizers: the built-in char tokenizer, tiny Llama factory and local HF loading."""
+"""Models and tokenizers: the model resolver (folders, hub ids, `builtin:` names, GGUF files) and
+its tokenizer checks, the built-in char tokenizer, tiny Llama factory and local HF loading."""
 
 from keel.models.eos import eos_token_ids
 from keel.models.factory import (
@@ -10,6 +11,8 @@ from keel.models.factory import (
 from keel.models.loading import (
     BUILTIN_MODELS,
     ModelLoadError,
+    ModelSource,
+    TokenizerWarning,
     builtin_folder,
     check_vocab,
     keel_cache_dir,
@@ -18,6 +21,7 @@ from keel.models.loading import (
     load_tokenizer,
     load_value_model,
     register_builtin_model,
+    resolve_model,
     resolve_model_path,
 )
 from keel.models.tokenizer import CHAR_VOCAB, build_char_tokenizer
@@ -26,7 +30,9 @@ __all__ = [
     "BUILTIN_MODELS",
     "CHAR_VOCAB",
     "ModelLoadError",
+    "ModelSource",
     "TinyModelSpec",
+    "TokenizerWarning",
     "build_char_tokenizer",
     "build_tiny_model",
     "builtin_folder",
@@ -40,5 +46,6 @@ __all__ = [
     "load_tokenizer",
     "load_value_model",
     "register_builtin_model",
+    "resolve_model",
     "resolve_model_path",
 ]

@@ -1,14 +1,19 @@
-"""Load tokenizers and causal LMs from local HF folders (or built-in names) with clear errors."""
+"""Resolve model specs (built-in names, folders, hub ids, GGUF files) to HF folders with their
+tokenizer facts checked, and load tokenizers and causal LMs from them with clear errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +29,7 @@ from transformers import (
 
 from keel.config.paths import missing_hint
 from keel.models.factory import create_tiny_model
+from keel.models.sanity import TokenizerFacts, tokenizer_facts, tokenizer_problems
 from keel.types import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -87,12 +93,49 @@ def keel_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path("~/.cache/keel").expanduser()
 
 
+class TokenizerWarning(UserWarning):
+    """A model's tokenizer, chat template or generation config look wrong
+    (`keel.models.sanity.tokenizer_problems`); the message names the folder and the ids."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model spec resolved: the HF folder every consumer loads, its tokenizer facts (None
+    when the folder has no tokenizer Keel could load), and the GGUF file it was converted from
+    (else None)."""
+
+    folder: Path
+    facts: TokenizerFacts | None = None
+    gguf: Path | None = None
+
+
+def resolve_model(spec: str | os.PathLike[str], revision: str | None = None) -> ModelSource:
+    """The one resolver from a model spec to a loadable folder and its tokenizer facts: a
+    `builtin:NAME`, a folder, a hub id (`resolve_model_path`'s rules) or a GGUF file (converted
+    once into the Keel cache, `keel.models.gguf.resolve_gguf`). The tokenizer checks run here
+    (`check_tokenizer`): a TokenizerWarning per problem, ModelLoadError for a fatal one."""
+    text = os.fspath(spec)
+    if not text.startswith(BUILTIN_PREFIX):
+        from keel.models.gguf import looks_like_gguf, resolve_gguf
+
+        path = Path(text).expanduser()
+        if looks_like_gguf(path):
+            folder = resolve_gguf(path)
+            return ModelSource(folder, check_tokenizer(folder, where=f"{path} (as {folder})"), path)
+    folder = _resolve_folder(text, revision)
+    return ModelSource(folder, check_tokenizer(folder))
+
+
 def resolve_model_path(spec: str | os.PathLike[str], revision: str | None = None) -> Path:
+    """The folder of a model spec (`resolve_model`, its checks included)."""
+    return resolve_model(spec, revision).folder
+
+
+def _resolve_folder(text: str, revision: str | None) -> Path:
     """Map a model spec to a local folder: `builtin:NAME` is created in the Keel cache on first
     use; an existing path is itself; a hub id (`org/name` or `name`) that is no path is its
     snapshot in the Hugging Face cache at `revision` (`hub_snapshot`); anything else is returned
     as a path, for the loader's error to name."""
-    text = os.fspath(spec)
     if not text.startswith(BUILTIN_PREFIX):
         path = Path(text).expanduser()
         if not path.exists() and is_hub_id(text):
@@ -106,8 +149,59 @@ def resolve_model_path(spec: str | os.PathLike[str], revision: str | None = None
     target = builtin_folder(name)
     if target.is_dir() and (target / "config.json").is_file():
         return target
-    _build_atomically(target, builder)
+    build_atomically(target, builder)
     return target
+
+
+_CHECKED: dict[tuple[Any, ...], TokenizerFacts | None] = {}  # folder and file times -> facts
+_FACT_FILES = ("tokenizer_config.json", "tokenizer.json", "generation_config.json", "config.json")
+
+
+def check_tokenizer(folder: Path, *, where: str | None = None) -> TokenizerFacts | None:
+    """The tokenizer facts of a model folder, checked (`keel.models.sanity`): each problem a
+    TokenizerWarning naming `where` (default: the folder), a fatal one ModelLoadError; once per
+    folder and version of its files in a process. None when the folder has no tokenizer that
+    loads (the loader reports that)."""
+    if not folder.is_dir() or not any((folder / n).is_file() for n in _TOKENIZER_FILES):
+        return None
+    key = (str(folder), *(_mtime(folder / n) for n in _FACT_FILES))
+    if key in _CHECKED:
+        return _CHECKED[key]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception:  # remote code, a broken file: load_tokenizer says what is wrong
+        _CHECKED[key] = None
+        return None
+    facts = tokenizer_facts(tokenizer, _generation_stop_ids(folder))
+    place = where or str(folder)
+    for problem in tokenizer_problems(facts):
+        if problem.fatal:
+            raise ModelLoadError(f"{place}: {problem.message}")
+        warnings.warn(f"{place}: {problem.message}", TokenizerWarning, stacklevel=3)
+    _CHECKED[key] = facts
+    return facts
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _generation_stop_ids(folder: Path) -> tuple[int, ...]:
+    """eos_token_id of generation_config.json, else of config.json (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        value = data.get("eos_token_id") if isinstance(data, dict) else None
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        return tuple(int(v) for v in values if isinstance(v, int))
+    return ()
 
 
 # What a causal LM's snapshot needs (config, tokenizer, chat template, remote code, weights);
@@ -186,7 +280,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     return folder
 
 
-def _build_atomically(target: Path, builder: Callable[[Path], None]) -> None:
+def build_atomically(target: Path, builder: Callable[[Path], Any]) -> None:
     """Run builder into a staging folder next to target, then rename it into place.
 
     A crash leaves only a hidden staging folder behind, never a half-written target; if another
