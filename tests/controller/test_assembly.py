@@ -180,3 +180,17 @@ def test_a_missing_chat_template_names_the_model_and_the_setting(tiny_dir, tmp_p
     with pytest.raises(ModelLoadError, match=f"{folder}: .* the prompt of m.jsonl:3 is a list"):
         fit_prompt_lengths(tokenizer, messages, data_cfg("error"))
     assert fit_prompt_lengths(tokenizer, long_and_short(), data_cfg("left")).truncated_prompts
+
+
+def test_training_rows_calling_undefined_tools_are_a_warning_for_events_jsonl():
+    call = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+    data = Datasets(train=[Example("1+1=", response=call, source="t.jsonl:1"),
+                           Example("2+2=", response="4", source="t.jsonl:2")], eval=[])  # fmt: skip
+    with pytest.warns(UserWarning, match="1 of 2 rows call a tool that no row defines"):
+        fitted = fit_prompt_lengths(build_char_tokenizer(), data, data_cfg("error"))
+    assert [rule for rule, _ in fitted.warnings] == ["tools_undefined"]
+    assert fitted.warnings[0][1].startswith("t.jsonl:1: 1 of 2 rows call a tool")
+    defined = Datasets(train=[Example("1+1=", response=call, tools=[TOOL])], eval=[])
+    with pytest.warns(UserWarning, match="tool definitions"):  # text prompts show no tools
+        fitted = fit_prompt_lengths(build_char_tokenizer(), defined, data_cfg("error"))
+    assert [rule for rule, _ in fitted.warnings] == ["tools_ignored"]  # but lookup is defined

@@ -260,3 +260,60 @@ def test_tool_calls_are_written_in_the_configured_format(tmp_path):
     assert tok.decode(trained) == (
         '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "37*58"}}]<eos>'
     )
+
+
+# ------------------------------------------------------- tools called but never defined
+def write_rows(tmp_path, rows) -> list:
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_examples(path, train_on="all_assistant")
+
+
+CALC = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+
+
+def test_rows_calling_a_tool_no_row_defines_are_a_warning_with_their_count(tmp_path):
+    """issue 37: such data trained without a word. Calls count in every form a row can write
+    them: OpenAI tool_calls, a Hermes block in a turn, a message-list prompt, a response."""
+    from keel.data.conversation import UndefinedToolsWarning, warn_undefined_tools
+
+    mistral = '[TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}]'
+    rows = [
+        {"prompt": "37*58=", "messages": [OPENAI_CALL, {"role": "tool", "content": "2146"},
+                                          {"role": "assistant", "content": "2146"}]},
+        {"prompt": "2*3=", "messages": [{"role": "assistant", "content": HERMES_CALL},
+                                        {"role": "tool", "content": "6"},
+                                        {"role": "assistant", "content": "6"}]},
+        {"prompt": "1+1=", "response": "2"},
+        {"prompt": "find x", "response": mistral},
+    ]  # fmt: skip
+    examples = write_rows(tmp_path, rows)
+    with pytest.warns(UndefinedToolsWarning) as caught:
+        message = warn_undefined_tools(examples)
+    assert message == str(caught[0].message)
+    assert message.startswith(f"{tmp_path / 'sft.jsonl'}:1: 3 of 4 rows call a tool that no row "
+                              "defines (calculator, search)")  # fmt: skip
+    assert "data.tools" in message
+
+
+def test_tools_defined_by_any_row_or_data_tools_are_no_warning(tmp_path):
+    import warnings
+
+    from keel.data.conversation import warn_undefined_tools
+
+    rows = [
+        {"prompt": "37*58=", "tools": [CALC], "messages": [
+            OPENAI_CALL, {"role": "tool", "content": "2146"},
+            {"role": "assistant", "content": "2146"}]},
+        {"prompt": "2*3=", "messages": [{"role": "assistant", "content": HERMES_CALL},
+                                        {"role": "tool", "content": "6"},
+                                        {"role": "assistant", "content": "6"}]},
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_undefined_tools(write_rows(tmp_path, rows)) is None
+        assert warn_undefined_tools([Example("1+1=", response="2")]) is None
+    path = tmp_path / "shared.jsonl"
+    path.write_text(json.dumps(rows[1]) + "\n")
+    shared = load_examples(path, train_on="all_assistant", tools=[CALC])
+    assert warn_undefined_tools(shared) is None

@@ -16,6 +16,7 @@ from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import PAIR_STAGES
 from keel.config.schema import DataConfig, KeelConfig
 from keel.data import DataError, arithmetic_splits, load_examples
+from keel.data.conversation import warn_undefined_tools
 from keel.data.encoding import encode_prompts, warn_ignored_tools
 from keel.data.examples import Example
 from keel.data.preference import load_preference_pairs, preference_splits
@@ -164,12 +165,16 @@ def fit_prompt_lengths(tokenizer: Tokenizer, data: Datasets, cfg: DataConfig) ->
     is too long (file:line or row); `left` keeps them (encoding keeps their last
     max_prompt_length tokens) and counts them in `truncated_prompts`; `drop` leaves them out
     and counts them in `dropped_prompts` (a DataError when no training example is left).
-    Rows whose tool definitions the prompt would not show are warned about (warn_ignored_tools;
-    the warning also kept in `warnings`, for the run's events.jsonl)."""
+    Rows whose tool definitions the prompt would not show are warned about (warn_ignored_tools),
+    and training rows that call tools no row defines (warn_undefined_tools); each warning is
+    also kept in `warnings`, for the run's events.jsonl."""
     check_chat_template(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
     ignored = warn_ignored_tools(tokenizer, [*data.train, *data.eval], cfg.apply_chat_template)
     if ignored is not None:
         data = replace(data, warnings=[*data.warnings, ("tools_ignored", ignored)])
+    undefined = warn_undefined_tools(data.train)
+    if undefined is not None:
+        data = replace(data, warnings=[*data.warnings, ("tools_undefined", undefined)])
     limit = cfg.max_prompt_length
     long: dict[str, list[tuple[Any, int]]] = {}
     for split in ("train", "eval"):

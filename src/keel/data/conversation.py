@@ -22,6 +22,7 @@ written in the content) is a DataError naming the row and the message.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -401,3 +402,69 @@ def encode_conversations(
     batch.prompts = [ex.prompt for ex in examples]
     batch.answers = [ex.answer for ex in examples]
     return batch
+
+
+# --- tool calls the data makes and defines ------------------------------------------------------
+
+
+class UndefinedToolsWarning(UserWarning):
+    """Training rows call tools that no row's definitions (data.tools, data.columns.tools) name."""
+
+
+def called_tools(example: Example) -> set[str]:
+    """The names of the tools an example's assistant text calls: the calls of its turns (a
+    Conversation), of the assistant messages of a message-list prompt (OpenAI `tool_calls`, or
+    written in the content), and those written in its response (Hermes or Mistral format)."""
+    texts: list[str] = []
+    names: set[str] = set()
+    assistant = [*getattr(example, "turns", ())]
+    if isinstance(example.prompt, list):
+        assistant += [m for m in example.prompt if isinstance(m, dict)]
+    for message in assistant:
+        if message.get("role") != "assistant":
+            continue
+        names |= {name for name, _ in message.get("calls") or ()}
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                names.add(function["name"].strip())
+        if isinstance(message.get("content"), str):
+            texts.append(message["content"])
+    if example.response:
+        texts.append(example.response)
+    for text in texts:
+        for tool_format in (HERMES, FORMATS["mistral"]):
+            if tool_format.has_call_syntax(text):
+                names |= {call.name for call in tool_format.parse(text).calls}
+    return names
+
+
+def defined_tools(example: Example) -> set[str]:
+    """The names of the tools an example's definitions (`Example.tools`) describe."""
+    names: set[str] = set()
+    for tool in example.tools or ():
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.add(function["name"])
+    return names
+
+
+def warn_undefined_tools(examples: Sequence[Any]) -> str | None:
+    """The warning (also issued as an UndefinedToolsWarning; call it once per dataset) when
+    rows call tools that no row defines: the model learns calls to a tool its prompts never
+    describe. Names the first such row, counts the rows, lists the tools. None when every
+    called tool is defined, or no row calls one."""
+    rows = [ex for ex in examples if isinstance(ex, Example)]
+    defined = set().union(*(defined_tools(ex) for ex in rows))
+    calling = [(ex, called_tools(ex) - defined) for ex in rows]
+    calling = [(ex, names) for ex, names in calling if names]
+    if not calling:
+        return None
+    tools = sorted(set().union(*(names for _, names in calling)))
+    message = (
+        f"{calling[0][0].source}: {len(calling)} of {len(rows)} rows call a tool that no row "
+        f"defines ({', '.join(tools)}): the model learns to call tools its prompts never "
+        "describe; define them in data.tools or each row's data.columns.tools field"
+    )
+    warnings.warn(message, UndefinedToolsWarning, stacklevel=2)
+    return message
