@@ -502,3 +502,18 @@ def test_a_run_killed_before_its_export_is_not_taken_for_finished(tiny_grpo, mon
     final = weights(run_dir / "checkpoints" / "step_000003" / "actor")
     assert all(torch.equal(exported[k], final[k]) for k in final)
     assert run_training(longer).finished
+
+
+def test_a_resume_removes_what_an_export_killed_midway_left(tiny_grpo):
+    """A kill (SIGKILL: no clean-up runs) inside the final export leaves its temporary folder
+    RUN_DIR/.tmp-model-PID/ beside no model/; the resume deletes it, says so, and exports."""
+    cfg = tiny_grpo("train.steps=1", "checkpoint.save_steps=1")
+    run_training(cfg)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "model").rename(run_dir / ".tmp-model-4242")  # the export, killed before its rename
+    (run_dir / ".tmp-model-4242" / "keel_export.json").unlink()
+    result = run_training(cfg)
+    assert result.resumed_from == 1 and (run_dir / "model").is_dir()
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".tmp-")]
+    deleted = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert [e["message"] for e in deleted] == [f"deleted the unfinished {run_dir}/.tmp-model-4242"]

@@ -39,11 +39,13 @@ def restore_run(
     """Load the first usable checkpoint of `plan` and the guard's recorded decisions; returns
     its step (0 for a restart of a run without a checkpoint) and the weight push's metrics.
     `notes`: what was done to RUN_DIR's files before (lines set aside); each is a `restart`
-    event stamped with the step the run resumes at, as are the leftovers cleaned and the
-    checkpoints skipped."""
+    event stamped with the step the run resumes at, as are the leftovers cleaned (of a killed
+    checkpoint under checkpoints/, of a killed export in RUN_DIR) and the checkpoints
+    skipped."""
     notes = [
         *notes,
         *clean_leftovers(keeping.ckpt_dir),
+        *clean_leftovers(run_dir),  # an export killed in publish_folder: .tmp-model-PID/
         *(f"skipped a checkpoint: {line}" for line in plan.skipped),
     ]
     decisions = recorded_decisions(run_dir, plan.reset_guard)
