@@ -179,3 +179,37 @@ def test_a_rerun_after_a_guard_stop_needs_reset_guard(tiny_grpo, tiny_dir):
     assert [e["event"] for e in events_of(cfg.run_dir)].count("guard_reset") == 1
     state = json.loads((run_dir / "guard_state.json").read_text())
     assert (state["rollbacks"], state["lr_scale"], state["stop"]) == (0, 1.0, None)
+
+
+def test_the_trip_count_survives_a_kill_right_after_a_rollback(tiny_grpo, monkeypatch):
+    """The kill-around-rollback window, made deterministic: the rollback has recorded its
+    decision (guard_state.json) and the run dies before anything else (here: before the
+    levers and the deletion of the abandoned checkpoints). The resume goes on from the
+    rollback's target, written before the trip, yet guard/trips stays 1, and every
+    cumulative guard counter (rollbacks, the LR scale) is the recorded one."""
+    from keel.controller.guard_actions import GuardActions
+
+    cfg = tiny_grpo(*GUARDED, "train.steps=6", *adversarial(5, 1))
+    real = GuardActions.apply
+
+    def killed(self, levers, step, note_deleted):
+        if not note_deleted:  # the live rollback's call, after its record() and before all else
+            raise KeyboardInterrupt
+        return real(self, levers, step, note_deleted)
+
+    monkeypatch.setattr(GuardActions, "apply", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg)
+    state = json.loads((Path(cfg.run_dir) / "guard_state.json").read_text())
+    assert (state["rollbacks"], state["trips"], state["rollback"]["to_step"]) == (1, 1, 4)
+    assert torch.load(Path(cfg.run_dir) / "checkpoints/step_000004/guard.pt")["trips"] == 0
+    monkeypatch.setattr(GuardActions, "apply", real)
+    result = run_training(cfg)  # the reward's call counter starts afresh: healthy from here
+    assert result.resumed_from == 4
+    rows = [r for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl") if r["step"] > 4]
+    resumed = rows[-2:]  # steps 5 and 6 after the resume
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["guard/trips"] for r in resumed] == [1.0, 1.0]
+    lrs = [r["actor/lr"] for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+           if r["step"] > 0]  # fmt: skip
+    assert lrs[-1] == pytest.approx(lrs[0] * cfg.guard.lr_factor)

@@ -64,3 +64,31 @@ def test_values_the_guard_never_writes_are_refused_naming_the_field(tmp_path, ch
         read_decisions(path)
     path.write_text(json.dumps(GOOD))
     assert read_decisions(path) == GuardDecisions(1, 0.5, 2.0)
+
+
+def test_the_trip_count_is_kept_and_a_file_without_it_reads_as_zero(tmp_path):
+    """guard/trips survives a kill after a rollback: the decision records it (the checkpoint
+    rolled back to is from before the trip); a file written before it was kept reads 0."""
+    import json
+
+    from keel.config.schema import GuardConfig
+    from keel.guard import Guard
+
+    path = tmp_path / "guard_state.json"
+    write_decisions(path, GuardDecisions(1, 0.5, 1.0, trips=3))
+    assert read_decisions(path).trips == 3
+    path.write_text(json.dumps(GOOD))
+    assert read_decisions(path).trips == 0
+    path.write_text(json.dumps({**GOOD, "trips": -1}))
+    with pytest.raises(GuardStateError, match="trips is -1"):
+        read_decisions(path)
+    guard = Guard(GuardConfig())
+    guard.trips = 2  # counted up to the rollback, recorded with it
+    assert guard.decisions().trips == 2
+    resumed = Guard(GuardConfig())
+    resumed.load_state_dict({**guard.state_dict(), "trips": 0})  # the older checkpoint's
+    resumed.adopt(guard.decisions())
+    assert resumed.trips == 2 and resumed.metrics()["guard/trips"] == 2.0
+    resumed.trips = 5  # a checkpoint written after more trips keeps its own count
+    resumed.adopt(guard.decisions())
+    assert resumed.trips == 5

@@ -17,7 +17,14 @@ from keel.config.schema import KeelConfig
 from keel.controller.guard_actions import GuardActions
 from keel.controller.keeping import Keeping
 from keel.controller.resume import ResumePlan, RunDirError, check_steps, config_changes
-from keel.guard import GUARD_STATE, EventLog, GuardDecisions, read_decisions, write_decisions
+from keel.guard import (
+    GUARD_STATE,
+    EventLog,
+    GuardDecisions,
+    GuardStateError,
+    read_decisions,
+    write_decisions,
+)
 from keel.monitor.jsonl import JsonlSink, read_metrics
 from keel.monitor.monitor import Monitor
 
@@ -103,11 +110,17 @@ def note_restarts(events: EventLog, step: int, lines: list[str]) -> None:
 
 def recorded_decisions(run_dir: Path, reset: bool) -> GuardDecisions | None:
     """The guard's decisions in RUN_DIR/guard_state.json (None: none recorded); with
-    `reset` (--reset-guard) they start afresh, and the file says so at once."""
+    `reset` (--reset-guard) they start afresh, and the file says so at once. The trip count is
+    no decision and survives a reset (when the file can be read)."""
     path = run_dir / GUARD_STATE
     if reset:
-        write_decisions(path, GuardDecisions())
-        return GuardDecisions()
+        try:
+            old = read_decisions(path)
+        except GuardStateError:  # what --reset-guard is for
+            old = None
+        fresh = GuardDecisions(trips=old.trips if old is not None else 0)
+        write_decisions(path, fresh)
+        return fresh
     return read_decisions(path)
 
 

@@ -6,11 +6,14 @@ stop ends the run. Were these only in memory, a kill before the next checkpoint 
 them (the run would resume at the old LR with its rollback budget refilled), and rerunning a
 stopped run would start the budget afresh. So every decision rewrites this small file
 atomically (temporary file, fsync, rename, fsync of the folder), and a resume takes the
-decisions from it rather than from the checkpoint.
+decisions from it rather than from the checkpoint. The file also keeps the guard's trip count
+as of the decision (`trips`): a rollback goes back to a checkpoint written before the trip, so
+after a kill the checkpoint's count alone would lose it; a resume takes the larger of the two.
 
 `{"rollbacks": int, "lr_scale": float, "kl_scale": float,
   "rollback": {"to_step": int, "time": unix seconds, "skip_batches": int} | null,
-  "stop": {"step": int, "reason": str} | null}`
+  "stop": {"step": int, "reason": str} | null, "trips": int}`  (`trips` 0 when absent: a file
+written before it was kept)
 
 `rollback` is the latest rollback: checkpoints newer than `to_step` written before `time`
 belong to the trajectory it abandoned, and a resume from checkpoint `to_step` skips
@@ -40,6 +43,7 @@ class GuardDecisions:
     kl_scale: float = 1.0
     rollback: dict[str, Any] | None = None
     stop: dict[str, Any] | None = None
+    trips: int = 0  # rules tripped in the run up to this decision (guard/trips)
 
     def abandons(self, step: int, written_at: float) -> bool:
         """Whether a checkpoint of `step` written at `written_at` belongs to the trajectory that
@@ -93,6 +97,7 @@ def read_decisions(path: str | Path) -> GuardDecisions | None:
         kl_scale=_field(raw, "kl_scale", _KL_SCALE, problems),
         rollback=_record(raw, "rollback", _ROLLBACK, problems),
         stop=_record(raw, "stop", _STOP, problems),
+        trips=_field({"trips": 0, **raw}, "trips", _COUNT, problems),
     )
     if problems:
         raise GuardStateError(f"{path}: {'; '.join(problems)}; {RESET_HINT}")

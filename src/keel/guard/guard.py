@@ -192,15 +192,18 @@ class Guard:
         self.nonfinite_streak = 0
 
     def decisions(self) -> GuardDecisions:
-        """The decisions to keep in RUN_DIR/guard_state.json (without rollback or stop)."""
-        return GuardDecisions(self.rollbacks, self.lr_scale, self.kl_scale)
+        """The decisions to keep in RUN_DIR/guard_state.json (without rollback or stop), with
+        the trip count so far."""
+        return GuardDecisions(self.rollbacks, self.lr_scale, self.kl_scale, trips=self.trips)
 
     def adopt(self, decisions: GuardDecisions) -> None:
         """Take the rollback count and the LR/KL scales of recorded decisions, which are newer
-        than the checkpoint's (keel.guard.decisions)."""
+        than the checkpoint's (keel.guard.decisions), and their trip count when it is the
+        larger: a checkpoint from before a rollback's trip does not count it."""
         self.rollbacks = decisions.rollbacks
         self.lr_scale = decisions.lr_scale
         self.kl_scale = decisions.kl_scale
+        self.trips = max(self.trips, decisions.trips)
 
     def metrics(self) -> dict[str, float]:
         """guard/state and guard/trips (contract C3)."""
