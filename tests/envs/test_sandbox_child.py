@@ -23,6 +23,7 @@ from keel.envs.sandbox_child import SandboxViolation, make_hook, parse_config
 CONFIG = {
     "code": "main.py", "cpu_s": 2, "memory_bytes": 2**30, "file_bytes": 2**20,
     "open_files": 64, "processes": None, "unchecked_fds": [], "pid1": False, "seccomp": False,
+    "audit_hook": True,
     "child": None,
 }  # fmt: skip
 STDLIB = os.path.dirname(os.__file__)

@@ -12,7 +12,9 @@ from keel.envs.tool import ToolError
 
 class PythonTool:
     """`python`: runs {"code": "..."} in keel.envs.sandbox and returns what it printed. The
-    sandbox's limits are the constructor's arguments (run_python's)."""
+    sandbox's limits and layers are the constructor's arguments (run_python's): bubblewrap
+    (use it where it works), require_bubblewrap (refuse to run the code without it: the call
+    fails with the reason)."""
 
     name = "python"
     description = (
@@ -29,6 +31,8 @@ class PythonTool:
         memory_mb: int = 256,
         max_output_bytes: int = 8192,
         python: str = sys.executable,
+        bubblewrap: bool = True,
+        require_bubblewrap: bool = False,
     ):
         self.parameters: dict[str, Any] = {
             "type": "object",
@@ -41,6 +45,8 @@ class PythonTool:
             "memory_mb": memory_mb,
             "max_output_bytes": max_output_bytes,
             "python": python,
+            "bubblewrap": bubblewrap,
+            "require_bubblewrap": require_bubblewrap,
         }
 
     def __call__(self, arguments: dict[str, Any]) -> str:

@@ -561,13 +561,17 @@ def run_python(
     python: str = sys.executable,
     bubblewrap: bool = True,
     require_bubblewrap: bool = False,
+    layers_off: tuple[str, ...] = (),
 ) -> SandboxResult:
     """Run `code` with `python` in a sandbox (see the module docstring) and return its output.
 
     cpu_s: CPU seconds (rounded up to whole seconds), wall_s: seconds of wall time from the
     start, memory_mb: address space, max_output_bytes: bytes kept per stream (stdout, stderr);
     the process is killed when a stream exceeds it. bubblewrap: use it where it works
-    (isolation(python, bubblewrap=...)); require_bubblewrap: refuse to run without it. Never
+    (isolation(python, bubblewrap=...)); require_bubblewrap: refuse to run without it.
+    layers_off: "seccomp" and/or "audit_hook", left out of this run (for the test that
+    measures what each layer stops, tests/envs/test_sandbox_hostile.py; the python tool never
+    passes it); the result's `layers` name the layers that ran. Never
     raises for anything the code does (a syntax error, NUL bytes and lone surrogates in it
     included: they are the program's SyntaxError); raises RuntimeError off Linux, ValueError for
     a bad limit, SandboxUnavailable when nothing here runs the code without it being host root
@@ -579,7 +583,13 @@ def run_python(
             "run_python: cpu_s, wall_s and memory_mb must be > 0 and max_output_bytes >= 0 "
             f"(got {cpu_s}, {wall_s}, {memory_mb}, {max_output_bytes})"
         )
+    unknown = set(layers_off) - {"seccomp", "audit_hook"}
+    if unknown:
+        raise ValueError(
+            f"run_python: layers_off may hold 'seccomp' and 'audit_hook', not {unknown}"
+        )
     layers = isolation(python, bubblewrap=bubblewrap)
+    ran = tuple(layer for layer in layers.layers if layer not in layers_off)
     if not layers.command:
         raise SandboxUnavailable(f"sandbox: refusing to run the code: {layers.note}")
     if require_bubblewrap and not layers.bwrap:
@@ -597,7 +607,8 @@ def run_python(
         "processes": PROCESS_LIMIT if "uid65534" in layers.layers else None,
         "unchecked_fds": list(layers.pass_fds),
         "pid1": bool(layers.bwrap),
-        "seccomp": "seccomp" in layers.layers,
+        "seccomp": "seccomp" in ran,
+        "audit_hook": "audit_hook" in ran,
     }
 
     def child(work_dir: str) -> tuple[str, ...]:
@@ -623,7 +634,7 @@ def run_python(
             argv = [*_bwrap_argv(layers, files), *child(BWRAP_WORK_DIR)]
             proc = subprocess.Popen(argv, cwd="/", **popen, **options)
         return _supervise(
-            proc, wall_s=wall_s, max_output_bytes=max_output_bytes, layers=layers.layers, bwrap=True
+            proc, wall_s=wall_s, max_output_bytes=max_output_bytes, layers=ran, bwrap=True
         )
     home = os.path.realpath(tempfile.mkdtemp(prefix="keel-sandbox-"))
     try:
@@ -636,9 +647,7 @@ def run_python(
         proc = subprocess.Popen(
             [*layers.command, *child(home)], cwd=home, **popen, **_popen_options(layers, home)
         )
-        return _supervise(
-            proc, wall_s=wall_s, max_output_bytes=max_output_bytes, layers=layers.layers
-        )
+        return _supervise(proc, wall_s=wall_s, max_output_bytes=max_output_bytes, layers=ran)
     finally:
         _remove_tree(home)
 

@@ -30,6 +30,7 @@ CONFIG_KEYS = {
     "unchecked_fds": list,
     "pid1": bool,  # the interpreter is a PID namespace's init (under bubblewrap)
     "seccomp": bool,  # install SECCOMP_FILTER (seccomp_program) before the hook; fail if it fails
+    "audit_hook": bool,  # install the hook (False only where a test measures the other layers)
     "child": (str, type(None)),  # this file's copy, removed before the code runs; None: keep
 }
 
@@ -472,7 +473,8 @@ def _run(config):
         source = f.read()
     home = posix.getcwd()
     roots = standard_library_roots(sys.path)
-    _install_hook(home, roots, fd_bound, frozenset(config["unchecked_fds"]))
+    if config["audit_hook"]:
+        _install_hook(home, roots, fd_bound, frozenset(config["unchecked_fds"]))
     main = types.ModuleType("__main__")
     main.__file__ = config["code"]
     main.__builtins__ = builtins
