@@ -2,9 +2,11 @@
 
 import shutil
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
+from keel.checkpoint.export import export_record, parse_model_id
 from keel.checkpoint.policy import PolicyNotFound, newest_healthy_checkpoint, resolve_policy
 
 
@@ -21,10 +23,18 @@ def test_every_kind_of_model_argument_resolves_to_a_loadable_folder(tiny_grpo, t
     finished = resolve_policy(run_dir)  # the exported model of a finished run
     assert finished.folder == run_dir / "model" and finished.run_dir == run_dir
     assert resolve_policy(run_dir / "model").run_dir == run_dir
+    # its versioned model id (keel serve answers to it): the export's, not a checkpoint's
+    assert finished.model_id == export_record(run_dir / "model")["model_id"]
+    assert parse_model_id(finished.model_id or "")["step"] == 2
+    assert resolve_policy(run_dir / "model").model_id == finished.model_id
+    assert resolve_policy(tiny_dir).model_id is None  # a plain HF folder has none
 
     first = resolve_policy(run_dir / "checkpoints" / "step_000001")
     assert first.folder == run_dir / "checkpoints" / "step_000001" / "actor"
     assert first.step == 1 and first.run_dir == run_dir
+    assert parse_model_id(first.model_id or "") == {
+        "run": "run", "version": 1, "step": 1, "stamp": ANY,
+    }  # fmt: skip
     load_causal_lm(first.folder)  # a real HF folder
 
     shutil.rmtree(run_dir / "model")  # a run still training: its newest healthy checkpoint

@@ -1,16 +1,21 @@
 """Object storage round trip against a real local S3-compatible server (moto's server mode, a
-subprocess on a free 127.0.0.1 port) through fsspec/s3fs: upload each checkpoint, resume a new
-run directory from the bucket."""
+subprocess on a free 127.0.0.1 port, with its KMS) through fsspec/s3fs: upload each checkpoint
+and the export under their model ids, encrypted server-side, resume a new run directory from
+the bucket."""
 
+import json
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
+from keel.checkpoint.export import export_record, parse_model_id
+from keel.checkpoint.remote import download_checkpoint, upload_checkpoint, upload_options
 from keel.controller import run_training
 from keel.guard import read_events
 from keel.monitor import read_metrics
@@ -45,27 +50,59 @@ def s3_server():
     proc.wait(timeout=10)
 
 
+def s3_client(options: dict, service: str):
+    import boto3
+
+    return boto3.client(
+        service, endpoint_url=options["endpoint_url"], aws_access_key_id=options["key"],
+        aws_secret_access_key=options["secret"], region_name="us-east-1",
+    )  # fmt: skip
+
+
+def encryption_of(s3, bucket: str, prefix: str) -> dict[str, tuple[str, str | None]]:
+    """Every object under `prefix`: (ServerSideEncryption, SSEKMSKeyId) as S3 reports them."""
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+    heads = {key: s3.head_object(Bucket=bucket, Key=key) for key in keys}
+    return {k: (h.get("ServerSideEncryption"), h.get("SSEKMSKeyId")) for k, h in heads.items()}
+
+
 def test_upload_and_resume_from_s3(tiny_grpo, tmp_path, s3_server):
+    """SSE-KMS uploads under versioned names: every object of the checkpoint and of the
+    exported policy (and each `latest`) is encrypted with the run's KMS key, as S3 reports it;
+    the remote folders are named by their model ids; --resume from the bucket still works."""
     import s3fs
 
+    key_id = s3_client(s3_server, "kms").create_key()["KeyMetadata"]["KeyId"]
     cfg = tiny_grpo(
-        "train.steps=2", "checkpoint.save_steps=2", "checkpoint.upload_to=s3://keel-ckpt/run1"
-    )
+        "train.steps=2", "checkpoint.save_steps=2", "checkpoint.upload_to=s3://keel-ckpt/run1",
+        f"checkpoint.upload_encryption={{type: 'aws:kms', kms_key_id: {key_id}}}",
+    )  # fmt: skip
     cfg.checkpoint.storage_options = s3_server
-    run_training(cfg)
+    result = run_training(cfg)
     fs = s3fs.S3FileSystem(**s3_server)
-    assert fs.cat_file("keel-ckpt/run1/latest").decode().strip() == "step_000002"
-    remote = "keel-ckpt/run1/step_000002"
     local = Path(cfg.run_dir) / "checkpoints" / "step_000002"
+    model_id = json.loads((local / "meta.json").read_text())["model_id"]
+    assert parse_model_id(model_id) == {"run": "run", "version": 1, "step": 2, "stamp": ANY}
+    assert fs.cat_file("keel-ckpt/run1/latest").decode().strip() == model_id
+    remote = f"keel-ckpt/run1/{model_id}"
     assert fs.exists(f"{remote}/COMPLETE")
     assert (
         fs.cat_file(f"{remote}/actor/model.safetensors")
         == (local / "actor" / "model.safetensors").read_bytes()
     )
-    assert any(
-        e.get("url", "").endswith("step_000002")
-        for e in read_events(Path(cfg.run_dir) / "events.jsonl")
-    )
+    exported = export_record(result.model_dir)
+    assert exported["model_id"].startswith("run-v1-s2-") and exported["run_version"] == 1
+    assert fs.cat_file("keel-ckpt/run1/models/latest").decode().strip() == exported["model_id"]
+    assert json.loads(fs.cat_file(f"keel-ckpt/run1/models/{exported['model_id']}/"
+                                  "keel_export.json")) == exported  # fmt: skip
+    urls = [e.get("url", "") for e in read_events(Path(cfg.run_dir) / "events.jsonl")]
+    assert any(u.endswith(model_id) for u in urls)
+    assert any(u.endswith(f"models/{exported['model_id']}") for u in urls)
+    encrypted = encryption_of(s3_client(s3_server, "s3"), "keel-ckpt", "run1/")
+    assert len(encrypted) > 10 and f"run1/{model_id}/meta.json" in encrypted
+    assert f"run1/models/{exported['model_id']}/model.safetensors" in encrypted
+    assert {sse for sse, _ in encrypted.values()} == {"aws:kms"}
+    assert all(kms is not None and kms.endswith(key_id) for _, kms in encrypted.values())
 
     other = cfg.model_copy(deep=True)
     other.run_dir = str(tmp_path / "elsewhere")
@@ -74,6 +111,30 @@ def test_upload_and_resume_from_s3(tiny_grpo, tmp_path, s3_server):
     assert result.resumed_from == 2
     fetched = Path(other.run_dir) / "checkpoints" / "step_000002" / "actor" / "model.safetensors"
     assert fetched.read_bytes() == (local / "actor" / "model.safetensors").read_bytes()
+
+
+def test_aes256_uploads_and_older_layouts(tiny_grpo, tmp_path, s3_server):
+    """SSE-S3 (AES256) on every object; a bucket in the layout uploads had before model ids
+    (URL/step_NNNNNN/, `latest` naming it) still resumes, into checkpoints/step_NNNNNN."""
+    import s3fs
+
+    cfg = tiny_grpo("train.steps=1", "checkpoint.save_steps=1")
+    run_training(cfg)
+    local = Path(cfg.run_dir) / "checkpoints" / "step_000001"
+    options = upload_options("s3://keel-ckpt/aes", s3_server, {"type": "AES256"})
+    url = upload_checkpoint(local, "s3://keel-ckpt/aes", options)
+    assert url == f"s3://keel-ckpt/aes/{json.loads((local / 'meta.json').read_text())['model_id']}"
+    encrypted = encryption_of(s3_client(s3_server, "s3"), "keel-ckpt", "aes/")
+    assert len(encrypted) > 10 and set(encrypted.values()) == {("AES256", None)}
+
+    fs = s3fs.S3FileSystem(**s3_server)  # as uploads were written before model ids
+    fs.put(str(local), "keel-ckpt/old/step_000001", recursive=True)
+    fs.pipe_file("keel-ckpt/old/latest", b"step_000001\n")
+    fetched = download_checkpoint("s3://keel-ckpt/old", tmp_path / "ckpts", s3_server)
+    assert fetched == tmp_path / "ckpts" / "step_000001"
+    assert (fetched / "actor" / "model.safetensors").read_bytes() == (
+        local / "actor" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_failed_upload_is_an_event_and_training_goes_on(tiny_grpo):

@@ -259,8 +259,10 @@ def test_a_sharded_checkpoint_uploads_and_resumes_from_its_url(tiny_grpo, tmp_pa
     )  # fmt: skip
     run_training(cfg)
     local = Path(cfg.run_dir) / "checkpoints" / "step_000002"
+    model_id = json.loads((local / "meta.json").read_text())["model_id"]  # its remote folder
+    assert (remote / "latest").read_text().strip() == model_id
     for rel in ("actor/dcp/.metadata", "actor/dcp/__0_0.distcp", "actor/trainer_state.pt"):
-        assert (remote / "step_000002" / rel).read_bytes() == (local / rel).read_bytes(), rel
+        assert (remote / model_id / rel).read_bytes() == (local / rel).read_bytes(), rel
     other = cfg.model_copy(deep=True)
     other.run_dir, other.train.steps = str(tmp_path / "elsewhere"), 3
     assert run_training(other, resume=f"file://{remote}").resumed_from == 2

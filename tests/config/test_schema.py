@@ -1,4 +1,7 @@
-"""The reward section: reward.fns (several weighted functions) and its checks."""
+"""The reward section: reward.fns (several weighted functions) and its checks; the checks of
+checkpoint.upload_encryption."""
+
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -61,3 +64,27 @@ def test_fns_beside_a_reward_model_need_fn_weight():
     ok = {**section, "model": {"fn_weight": 1.0}}
     cfg = validate({**BASE, "models": {"actor": "builtin:tiny", "reward": "rm"}, "reward": ok})
     assert cfg.reward.model.fn_weight == 1.0
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"upload_to": "s3://b/p", "upload_encryption": {"type": "aws:kms"}},
+         "checkpoint.upload_encryption: kms_key_id: type aws:kms needs the KMS key's id"),
+        ({"upload_to": "s3://b/p", "upload_encryption": {"type": "AES256", "kms_key_id": "k"}},
+         "checkpoint.upload_encryption: kms_key_id: only with type aws:kms"),
+        ({"upload_to": "file:///x", "upload_encryption": {"type": "AES256"}},
+         "it needs checkpoint.upload_to to be an s3:// URL (it is 'file:///x')"),
+        ({"upload_encryption": {"type": "AES256"}}, "to be an s3:// URL (it is None)"),
+        ({"upload_to": "s3://b/p", "upload_encryption": {"type": "DES"}},
+         "checkpoint.upload_encryption.type: Input should be 'AES256' or 'aws:kms'"),
+    ],
+)  # fmt: skip
+def test_upload_encryption_is_checked_naming_the_field(section, message):
+    """checkpoint.upload_encryption: SSE-KMS needs its key, SSE-S3 takes none, and only an
+    s3:// upload_to has server-side encryption; a valid one validates."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate({**BASE, "checkpoint": section})
+    ok = {"upload_to": "s3://b/p", "upload_encryption": {"type": "aws:kms", "kms_key_id": "k"}}
+    encryption = validate({**BASE, "checkpoint": ok}).checkpoint.upload_encryption
+    assert encryption is not None and (encryption.type, encryption.kms_key_id) == ("aws:kms", "k")

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from keel.checkpoint import list_checkpoints
+from keel.checkpoint import CheckpointInfo, list_checkpoints
+from keel.checkpoint.export import Lineage
 from keel.checkpoint.state import read_latest
 from keel.controller.assembly import Roles
-from keel.controller.guard_actions import GuardActions
+from keel.controller.guard_actions import GuardActions, resumed_lineage
 from keel.controller.keeping import Keeping
 from keel.controller.protocol import Controller
 from keel.guard import (
@@ -161,3 +162,25 @@ def test_a_stage_without_levers_records_no_skip(tiny_grpo, tmp_path):
     recorded = read_decisions(tmp_path / GUARD_STATE)
     assert recorded is not None and recorded.rollback is not None
     assert recorded.rollback["skip_batches"] == 0
+
+
+def test_a_resume_goes_on_with_the_run_version_of_its_checkpoint_or_of_the_rollback_to_it():
+    """resumed_lineage: the checkpoint's run version; after a rollback to that checkpoint (a
+    kill before the next save) the rollback's recorded version, which is above every version
+    the run used, even when it went back to an older lineage's checkpoint; a checkpoint and a
+    record written before versions existed: version 1, and one more after a rollback to it."""
+    run = Lineage("run")
+    info = CheckpointInfo(Path("step_000004"), 4, True, 100.0, {}, "run-v2-s4-x", 2)
+    assert resumed_lineage(run, info, None) == Lineage("run", 2)
+    after = GuardDecisions(
+        1, 0.5, 1.0, rollback={"to_step": 4, "time": 150.0, "skip_batches": 2, "run_version": 5}
+    )
+    assert resumed_lineage(run, info, after) == Lineage("run", 5)
+    elsewhere = GuardDecisions(
+        1, 0.5, 1.0, rollback={"to_step": 2, "time": 150.0, "skip_batches": 2, "run_version": 5}
+    )
+    assert resumed_lineage(run, info, elsewhere) == Lineage("run", 2)  # not its target
+    older = CheckpointInfo(Path("step_000004"), 4, True, 100.0, {})  # before versions
+    assert resumed_lineage(run, older, None) == Lineage("run", 1)
+    legacy = GuardDecisions(1, 0.5, 1.0, rollback={"to_step": 4, "time": 150.0, "skip_batches": 2})
+    assert resumed_lineage(run, older, legacy) == Lineage("run", 2)

@@ -7,11 +7,13 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
 
 from keel.checkpoint import list_checkpoints, validate_checkpoint
+from keel.checkpoint.export import export_record, parse_model_id
 from keel.checkpoint.state import read_latest
 from keel.controller import run_training
 from keel.controller.outcome import RunStopped
@@ -64,6 +66,16 @@ def test_adversarial_reward_rolls_back_and_recovers(tiny_grpo):
     lrs = [r["actor/lr"] for r in rows if r["step"] > 0]
     assert lrs[-1] == pytest.approx(lrs[0] * cfg.guard.lr_factor)
     assert result.model_dir.is_dir()
+    # The rollback began run version 2: the checkpoints after it (the kept ones) are v2.
+    kept = {c.step: c for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints")}
+    assert {step: c.run_version for step, c in kept.items()} == {6: 2, 8: 2}
+    assert parse_model_id(kept[8].model_id or "") == {
+        "run": "run", "version": 2, "step": 8, "stamp": ANY,
+    }  # fmt: skip
+    record = export_record(result.model_dir)
+    assert record["run_version"] == 2 and record["model_id"].startswith("run-v2-s8-")
+    state = json.loads((Path(cfg.run_dir) / "guard_state.json").read_text())
+    assert state["rollback"]["run_version"] == 2
 
 
 def test_adversarial_forever_stops_after_the_rollback_cap(tiny_grpo):

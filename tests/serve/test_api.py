@@ -155,6 +155,7 @@ def test_auth_routes_and_methods(server):
     status, models = server.request("GET", "/v1/models", headers=AUTH)
     assert status == 200 and models["data"][0]["id"] == "tiny"
     assert models["data"][0]["step"] is None  # an HF folder: no training step
+    assert [m["model_id"] for m in models["data"]] == [None]  # nor a versioned id
 
 
 def test_client_disconnects_do_not_break_the_server(server):

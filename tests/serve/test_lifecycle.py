@@ -11,9 +11,11 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
+from keel.checkpoint.export import parse_model_id
 from keel.cli.main import main
 from tests.serve.live_server import LiveServer, wait_until
 
@@ -127,6 +129,9 @@ def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, 
     )
     try:
         assert models(server)["step"] == 1
+        first = versioned_id(server, step=1)
+        body = {"model": first, "prompt": "1", "max_tokens": 1}  # the versioned id serves too
+        assert server.request("POST", "/v1/completions", body)[0] == 200
         statuses, stop = [], threading.Event()
 
         def load() -> None:
@@ -154,6 +159,13 @@ def test_follow_serves_each_new_checkpoint_without_dropping_requests(tiny_grpo, 
         assert answer["system_fingerprint"] == "keel-step-2"
         assert server.metric("keel_serve_reloads_total") == 1
         assert server.metric("keel_serve_model_step") == 2
+        second = versioned_id(server, step=2)
+        assert second == newest.model_id and models(server)["model_id"] == second
+        body = {"model": first, "prompt": "1", "max_tokens": 1}  # no longer served
+        assert server.request("POST", "/v1/completions", body)[1]["error"]["code"] == (
+            "model_not_found"
+        )
+        assert server.request("POST", "/v1/completions", {**body, "model": second})[0] == 200
     finally:
         assert server.stop() == 0, server.text()
 
@@ -171,6 +183,16 @@ def models(server: LiveServer) -> dict:
     status, body = server.request("GET", "/v1/models")
     assert status == 200, body
     return body["data"][0]
+
+
+def versioned_id(server: LiveServer, step: int) -> str:
+    """The second entry of /v1/models: the served checkpoint's versioned model id (the first
+    is the model's name), for the run `run`'s lineage 1 at `step`."""
+    _, body = server.request("GET", "/v1/models")
+    name, versioned = (card["id"] for card in body["data"])
+    assert name == "run" and body["data"][1]["step"] == step
+    assert parse_model_id(versioned) == {"run": "run", "version": 1, "step": step, "stamp": ANY}
+    return versioned
 
 
 def test_bad_model_arguments_are_clear_errors(tmp_path, tiny_dir, capsys):

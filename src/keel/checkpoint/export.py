@@ -1,5 +1,6 @@
-"""Writing a folder (temp folder, fsync, rename) or a small file atomically, retention, and
-clean-up of what a killed writer left behind."""
+"""Writing a folder (temp folder, fsync, rename) or a small file atomically, retention,
+clean-up of what a killed writer left behind, and the names of saved weights (`Lineage`: the
+run version and the versioned model id of a checkpoint or an export)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from keel.durable import fsync_dir, replace_file
 
@@ -18,6 +22,59 @@ _STEP = re.compile(r"^step_(\d+)$")
 EXPORT_RECORD = "keel_export.json"
 # RUN_DIR/adapter: a LoRA run's peft adapter folder, exported beside the merged RUN_DIR/model.
 ADAPTER_FOLDER = "adapter"
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_MODEL_ID = re.compile(r"^(?P<run>.+)-v(?P<version>\d+)-s(?P<step>\d+)-(?P<stamp>\d{8}T\d{6}Z)$")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Which weights a checkpoint or an export holds, by name: the run's name and its run
+    version. The version is 1 for a new run and grows by one at each guard rollback (the run
+    goes on from an older checkpoint: a new lineage of weights); a resume keeps it.
+
+    `model_id(step, when)` is `<run>-v<version>-s<step>-<YYYYmmddTHHMMSSZ>` (UTC), e.g.
+    `grpo-tiny-v2-s40-20261206T081502Z`: unique per save, in meta.json ("model_id",
+    "run_version"), in the export record, in the uploaded folder's name, and a name
+    `keel serve` answers to."""
+
+    run: str
+    version: int = 1
+
+    def model_id(self, step: int, when: float) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when))
+        return f"{self.run}-v{self.version}-s{step}-{stamp}"
+
+    def record(self, step: int, when: float) -> dict[str, Any]:
+        """The keys a meta.json or an export record holds."""
+        return {"model_id": self.model_id(step, when), "run_version": self.version}
+
+    def next(self) -> Lineage:
+        """The lineage after a guard rollback."""
+        return Lineage(self.run, self.version + 1)
+
+
+def run_name(run_dir: str | Path) -> str:
+    """The run's name in model ids: RUN_DIR's folder name, with every run of characters other
+    than letters, digits, `.`, `_` and `-` made one `-` (object-store keys, URLs)."""
+    name = _UNSAFE.sub("-", Path(run_dir).resolve().name).strip("-.")
+    return name or "run"
+
+
+def run_version_of(record: dict[str, Any]) -> int | None:
+    """The run version of a meta.json or an export record; None when it has none (written
+    before versions existed) or it is not an integer ≥ 1."""
+    v = record.get("run_version")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
+def parse_model_id(model_id: str) -> dict[str, Any] | None:
+    """{run, version, step, stamp} of a versioned model id, or None when it is not one."""
+    m = _MODEL_ID.match(model_id)
+    if m is None:
+        return None
+    return {**m.groupdict(), "version": int(m["version"]), "step": int(m["step"])}
 
 
 def step_folder_name(step: int) -> str:
@@ -121,9 +178,22 @@ def write_text_atomically(path: Path, text: str) -> None:
     replace_file(path, text.encode("utf-8"))
 
 
-def write_export_record(folder: Path, step: int) -> None:
-    """Record in `folder` (an export being written) the training step its weights are from."""
-    (folder / EXPORT_RECORD).write_text(json.dumps({"step": step}) + "\n")
+def write_export_record(folder: Path, step: int, lineage: Lineage | None = None) -> None:
+    """Record in `folder` (an export being written) the training step its weights are from
+    and, with `lineage`, its versioned model id and run version (Lineage.record, now)."""
+    record: dict[str, Any] = {"step": step}
+    if lineage is not None:
+        record.update(lineage.record(step, time.time()))
+    (folder / EXPORT_RECORD).write_text(json.dumps(record) + "\n")
+
+
+def export_record(folder: Path) -> dict[str, Any]:
+    """The export record of `folder` ({} when there is none or it is unreadable)."""
+    try:
+        record = json.loads((folder / EXPORT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def exported_step(folder: Path) -> int | None:

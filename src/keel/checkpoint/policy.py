@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel.checkpoint.export import export_record
 from keel.checkpoint.sharded import is_sharded_folder
 from keel.checkpoint.state import info_of, list_checkpoints
 from keel.models.gguf import looks_like_gguf
@@ -26,12 +27,15 @@ class PolicySource:
     step its weights are from (None for a plain HF folder or an exported model). run_dir: the
     run it belongs to (None for a plain HF folder), whose config.yaml holds the run's data,
     reward and prompt settings. hub_id: the hub id it was given by (its folder is then the
-    snapshot in the Hugging Face cache), else None."""
+    snapshot in the Hugging Face cache), else None. model_id: the versioned model id of a
+    checkpoint or an export (keel.checkpoint.export.Lineage), None for a plain HF folder and
+    for those written before model ids existed."""
 
     folder: Path
     step: int | None = None
     run_dir: Path | None = None
     hub_id: str | None = None
+    model_id: str | None = None
 
 
 def resolve_policy(model: str | Path) -> PolicySource:
@@ -56,12 +60,12 @@ def resolve_policy(model: str | Path) -> PolicySource:
         run_dir = (
             path.parent if path.name == EXPORTED and (path.parent / CHECKPOINTS).is_dir() else None
         )
-        return PolicySource(path, None, run_dir)
+        return PolicySource(path, None, run_dir, model_id=_exported_id(path))
     if (path / "meta.json").is_file() and (path / "actor").exists():
         return _checkpoint(path)
     if (path / CHECKPOINTS).is_dir() or (path / EXPORTED).is_dir():
         if (path / EXPORTED / "config.json").is_file():
-            return PolicySource(path / EXPORTED, None, path)
+            return PolicySource(path / EXPORTED, None, path, model_id=_exported_id(path / EXPORTED))
         healthy = [c for c in list_checkpoints(path / CHECKPOINTS) if c.healthy]
         if not healthy:
             raise PolicyNotFound(
@@ -96,4 +100,10 @@ def _checkpoint(path: Path) -> PolicySource:
             f"{path}: this checkpoint holds only a LoRA adapter (actor/state.pt); use the run's "
             f"exported model ({path.parent.parent / EXPORTED}, merged weights) instead"
         )
-    return PolicySource(actor, info.step, path.parent.parent)
+    return PolicySource(actor, info.step, path.parent.parent, model_id=info.model_id)
+
+
+def _exported_id(folder: Path) -> str | None:
+    """The model id an export's record holds (None: none, or not an export)."""
+    model_id = export_record(folder).get("model_id")
+    return model_id if isinstance(model_id, str) and model_id else None

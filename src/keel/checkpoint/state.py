@@ -10,7 +10,8 @@ Layout of one checkpoint (`RUN_DIR/checkpoints/step_NNNNNN/`):
     rng.pt                 python / numpy / torch (and CUDA) random states
     config.yaml            the resolved config of the run
     meta.json              step, healthy, time, the step's metrics, every file's size
-                           ("files") and SHA-256 digest ("sha256")
+                           ("files") and SHA-256 digest ("sha256"); the versioned model id
+                           and run version ("model_id", "run_version": export.Lineage)
     COMPLETE               the completion marker, written last
 
 A sharded checkpoint (checkpoint.format sharded: keel.checkpoint.writer) has the same files but
@@ -40,7 +41,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from keel.checkpoint.export import (
+    Lineage,
     publish_folder,
+    run_version_of,
     step_folder_name,
     step_of,
     write_text_atomically,
@@ -85,6 +88,8 @@ class CheckpointInfo:
     healthy: bool
     time: float
     metrics: dict[str, float]
+    model_id: str | None = None  # None: written before model ids existed
+    run_version: int | None = None
 
 
 def save_checkpoint(
@@ -96,6 +101,7 @@ def save_checkpoint(
     config_text: str,
     healthy: bool,
     metrics: Mapping[str, float] | None = None,
+    lineage: Lineage | None = None,
 ) -> CheckpointInfo:
     """Write `root/step_NNNNNN` atomically and point `root/latest` at it.
 
@@ -105,6 +111,8 @@ def save_checkpoint(
     """
     root = Path(root)
     meta = {"step": step, "healthy": healthy, "time": time.time(), "metrics": dict(metrics or {})}
+    if lineage is not None:  # the model id and run version (keel.checkpoint.export.Lineage)
+        meta.update(lineage.record(step, meta["time"]))
 
     def write(tmp: Path) -> None:
         for name, group in roles.items():
@@ -240,9 +248,11 @@ def info_of(path: Path, meta: dict[str, Any] | None = None) -> CheckpointInfo:
     """The checkpoint's step, health, time and metrics from its meta.json (CheckpointError: what
     is wrong with it)."""
     meta = meta if meta is not None else read_meta(path)
+    model_id = meta.get("model_id")
     return CheckpointInfo(
-        path, int(meta["step"]), bool(meta["healthy"]), float(meta["time"]), meta["metrics"]
-    )
+        path, int(meta["step"]), bool(meta["healthy"]), float(meta["time"]), meta["metrics"],
+        model_id if isinstance(model_id, str) else None, run_version_of(meta),
+    )  # fmt: skip
 
 
 def scan_checkpoints(root: str | Path) -> tuple[list[CheckpointInfo], list[str]]:

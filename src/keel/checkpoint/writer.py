@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from keel.checkpoint.export import begin_folder, finish_folder, step_folder_name
+from keel.checkpoint.export import Lineage, begin_folder, finish_folder, step_folder_name
 from keel.checkpoint.sharded import role_written, save_role_sharded, wait_role
 from keel.checkpoint.state import (
     WRITE_ERRORS,
@@ -73,10 +73,17 @@ class CheckpointWriter(Protocol):
     """Writes a run's checkpoints under one folder, one save in flight at a time."""
 
     def save(
-        self, step: int, states: CheckpointStates, *, healthy: bool, metrics: Mapping[str, float]
+        self,
+        step: int,
+        states: CheckpointStates,
+        *,
+        healthy: bool,
+        metrics: Mapping[str, float],
+        lineage: Lineage | None = None,
     ) -> SaveHandle:
         """Start (or do) the save of `step`; a save in flight must have been waited for
-        (RuntimeError). CheckpointSaveError: it failed, nothing of it is published."""
+        (RuntimeError). CheckpointSaveError: it failed, nothing of it is published. With
+        `lineage`, meta.json also holds the model id and run version (export.Lineage)."""
         ...
 
     def wait(self) -> SaveHandle | None:
@@ -102,12 +109,18 @@ class FullStateWriter:
         self.root = Path(root)
 
     def save(
-        self, step: int, states: CheckpointStates, *, healthy: bool, metrics: Mapping[str, float]
+        self,
+        step: int,
+        states: CheckpointStates,
+        *,
+        healthy: bool,
+        metrics: Mapping[str, float],
+        lineage: Lineage | None = None,
     ) -> SaveHandle:
         handle = SaveHandle(step, self.root / step_folder_name(step))
         handle.info = save_checkpoint(
             self.root, step, roles=states.roles, components=states.components,
-            config_text=states.config_text, healthy=healthy, metrics=metrics,
+            config_text=states.config_text, healthy=healthy, metrics=metrics, lineage=lineage,
         )  # fmt: skip
         handle.blocked_s = time.perf_counter() - handle.started
         return handle
@@ -140,7 +153,13 @@ class ShardedWriter:
         self._flight: _InFlight | None = None
 
     def save(
-        self, step: int, states: CheckpointStates, *, healthy: bool, metrics: Mapping[str, float]
+        self,
+        step: int,
+        states: CheckpointStates,
+        *,
+        healthy: bool,
+        metrics: Mapping[str, float],
+        lineage: Lineage | None = None,
     ) -> SaveHandle:
         if self._flight is not None:
             raise RuntimeError("ShardedWriter.save: wait() for the save in flight first")
@@ -149,6 +168,8 @@ class ShardedWriter:
             "step": step, "healthy": healthy, "time": time.time(), "metrics": dict(metrics),
             "format": "sharded",
         }  # fmt: skip
+        if lineage is not None:
+            meta.update(lineage.record(step, meta["time"]))
         tmp = begin_folder(handle.target)
         flight = _InFlight(handle, tmp, states.roles, meta)
         started: dict[str, Any] = {}

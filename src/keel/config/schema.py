@@ -473,6 +473,28 @@ class EvalConfig(Section):
     correct_threshold: float = Field(1.0, description="a response is correct if score ≥ this")
 
 
+class UploadEncryption(Section):
+    """S3 server-side encryption of every object `checkpoint.upload_to` writes (the checkpoints
+    and the exported policy): SSE-S3 (`AES256`) or SSE-KMS (`aws:kms` with the key's id)."""
+
+    type: Literal["AES256", "aws:kms"] = Field(
+        description="AES256: S3-managed keys (SSE-S3); aws:kms: a KMS key (SSE-KMS, kms_key_id)"
+    )
+    kms_key_id: str | None = Field(
+        None,
+        min_length=1,
+        description="aws:kms: the KMS key's id, ARN or alias (required); not with AES256",
+    )
+
+    @model_validator(mode="after")
+    def _key_matches_type(self) -> UploadEncryption:
+        if self.type == "aws:kms" and self.kms_key_id is None:
+            raise ValueError("kms_key_id: type aws:kms needs the KMS key's id (or ARN, alias)")
+        if self.type == "AES256" and self.kms_key_id is not None:
+            raise ValueError("kms_key_id: only with type aws:kms (AES256 uses S3's own keys)")
+        return self
+
+
 class CheckpointConfig(Section):
     """Checkpoints of the whole run state (weights, optimizer, scheduler, RNG, data position,
     controller and guard state, config) under RUN_DIR/checkpoints, published atomically."""
@@ -490,6 +512,9 @@ class CheckpointConfig(Section):
     upload_wait_s: float = Field(
         120.0, ge=0, description="at the end of the run, wait this long for pending uploads"
     )
+    upload_encryption: UploadEncryption | None = Field(
+        None, description="S3 server-side encryption of the uploads; null: the bucket's default"
+    )
     format: Literal["full", "sharded"] = Field(
         "full",
         description="full: rank 0 gathers and writes HF folders; sharded: every rank writes its "
@@ -505,6 +530,17 @@ class CheckpointConfig(Section):
     def _async_needs_sharded(self) -> CheckpointConfig:
         if self.async_save and self.format != "sharded":
             raise ValueError("checkpoint.async_save needs checkpoint.format: sharded")
+        return self
+
+    @model_validator(mode="after")
+    def _encryption_needs_s3(self) -> CheckpointConfig:
+        if self.upload_encryption is not None and not (self.upload_to or "").startswith(
+            ("s3://", "s3a://")
+        ):
+            raise ValueError(
+                "checkpoint.upload_encryption is S3's server-side encryption: it needs "
+                f"checkpoint.upload_to to be an s3:// URL (it is {self.upload_to!r})"
+            )
         return self
 
 

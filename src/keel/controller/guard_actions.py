@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import torch
 
 from keel.checkpoint import CheckpointError, CheckpointInfo, list_checkpoints, validate_checkpoint
+from keel.checkpoint.export import Lineage, run_version_of
 from keel.checkpoint.state import scan_checkpoints, write_latest
 from keel.controller.keeping import Keeping
 from keel.controller.outcome import RunStopped
@@ -26,7 +27,7 @@ from keel.workers.build import Roles
 from keel.workers.group import WorkerGroup
 from keel.workers.trainable import ScalesLR
 
-__all__ = ["GuardActions", "Levers", "set_lr_scale"]
+__all__ = ["GuardActions", "Levers", "resumed_lineage", "set_lr_scale"]
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,19 @@ class GuardActions:
         self.guard.rolled_back()
         skips = self.guard.cfg.skip_data and self.controller.skips_batches
         skip = step - target.step if skips else 0
-        # Recorded before anything is deleted: a kill from here on resumes with this rollback.
-        self.record(rollback={"to_step": target.step, "time": time.time(), "skip_batches": skip})
         ckpt_dir = self.keeping.ckpt_dir
+        saved = list_checkpoints(ckpt_dir, warn=False)
+        # A new lineage: its run version is above every version this run has used.
+        lineage = self.keeping.lineage
+        used = [lineage.version, *(c.run_version or 1 for c in saved)]
+        self.keeping.lineage = Lineage(lineage.run, max(used) + 1)
+        # Recorded before anything is deleted: a kill from here on resumes with this rollback.
+        self.record(rollback={
+            "to_step": target.step, "time": time.time(), "skip_batches": skip,
+            "run_version": self.keeping.lineage.version,
+        })  # fmt: skip
         newer = tuple(
-            c.path for c in list_checkpoints(ckpt_dir, warn=False) if c.step > target.step
+            c.path for c in saved if c.step > target.step
         )  # the abandoned trajectory's (unhealthy) checkpoints
         self.apply(Levers(self.guard.lr_scale, self.guard.kl_scale, skip, newer), step, False)
         pushed = self.roles.push_weights()  # separate rollout workers
@@ -148,7 +157,8 @@ class GuardActions:
         self.events.emit(
             step, "rollback",
             f"rolled back to step {target.step} ({cause.message}); LR scale "
-            f"{self.guard.lr_scale:.3g}, KL scale {self.guard.kl_scale:.3g}",
+            f"{self.guard.lr_scale:.3g}, KL scale {self.guard.kl_scale:.3g}; run version "
+            f"{self.keeping.lineage.version}",
             rule=cause.rule, action="rollback", to_step=target.step,
         )  # fmt: skip
         return target.step + 1, pushed
@@ -175,6 +185,21 @@ class GuardActions:
         self.record(stop={"step": step, "reason": why or cause.message, "rule": cause.rule})
         self.events.emit(step, "stop", message, rule=cause.rule, action="stop")
         raise RunStopped(f"{message} (step {step}; see {self.run_dir / 'events.jsonl'})")
+
+
+def resumed_lineage(
+    lineage: Lineage, info: CheckpointInfo, decisions: GuardDecisions | None
+) -> Lineage:
+    """The lineage a run resumed from `info` goes on with: the checkpoint's run version (1 for
+    one written before versions existed), or, when the latest recorded rollback went back to
+    this checkpoint after it was written, that rollback's new version (its record's
+    `run_version`; one more than the checkpoint's in a record written before versions)."""
+    version = info.run_version or 1
+    r = decisions.rollback if decisions is not None else None
+    if r is not None and r["to_step"] == info.step and info.time < r["time"]:
+        recorded = run_version_of(r)
+        version = recorded if recorded is not None else version + 1
+    return Lineage(lineage.run, version)
 
 
 def set_lr_scale(worker: object, scale: float) -> None:

@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from keel.checkpoint import CheckpointInfo, list_checkpoints, prune_step_folders, publish_folder
-from keel.checkpoint.export import ADAPTER_FOLDER, step_folder_name, write_export_record
+from keel.checkpoint.export import (
+    ADAPTER_FOLDER,
+    Lineage,
+    run_name,
+    step_folder_name,
+    write_export_record,
+)
 from keel.checkpoint.remote import BackgroundUploader
 from keel.checkpoint.state import CheckpointSaveError, Stateful
 from keel.checkpoint.writer import CheckpointStates, SaveHandle, make_writer
@@ -48,9 +54,15 @@ class Keeping:
         self.writer = make_writer(self.ckpt_dir, c.format, c.async_save)
         self.states = CheckpointStates(trainable, components, dump_config(cfg))
         self.in_flight: tuple[SaveHandle, int] | None = None  # a background save, its count
+        encryption = c.upload_encryption.model_dump() if c.upload_encryption else None
         self.uploader = (
-            BackgroundUploader(c.upload_to, dict(c.storage_options)) if c.upload_to else None
+            BackgroundUploader(c.upload_to, dict(c.storage_options), encryption)
+            if c.upload_to
+            else None
         )
+        # The run's name and version in model ids: version 1 for a new run, one more at each
+        # guard rollback (GuardActions.rollback), the resumed checkpoint's on a resume.
+        self.lineage = Lineage(run_name(run_dir))
 
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.save_steps
@@ -74,7 +86,9 @@ class Keeping:
         count = self.saved + 1  # in meta.json too, so that a resume goes on counting
         metrics["checkpoint/count"] = float(count)
         try:
-            handle = self.writer.save(step, self.states, healthy=healthy, metrics=metrics)
+            handle = self.writer.save(
+                step, self.states, healthy=healthy, metrics=metrics, lineage=self.lineage
+            )
         except CheckpointSaveError as exc:
             del metrics["checkpoint/count"]
             self.events.emit(step, "checkpoint", str(exc), ok=False)
@@ -154,16 +168,23 @@ class Keeping:
                 f"{info.path.name} supersedes it", ok=False, upload="skipped",
             )  # fmt: skip
 
+    def upload_export(self, folder: Path, step: int) -> None:
+        """Hand the exported policy to the uploader (after the checkpoints it holds, never
+        superseded); finish_uploads waits for it as for them."""
+        if self.uploader is not None:
+            self.uploader.submit_export(step, folder)
+
     def report_uploads(self) -> None:
         """Record the uploads that finished since the last call."""
         if self.uploader is None:
             return
         for done in self.uploader.outcomes():
+            what = f"{done.folder.name}/ " if done.export else ""
             if done.error is None:
-                msg = f"uploaded to {done.url}"
+                msg = f"uploaded {what}to {done.url}"
                 self.events.emit(done.step, "checkpoint", msg, ok=True, url=done.url)
-            else:  # the local checkpoint is safe; training went on
-                msg = f"upload to {self.uploader.url} failed: {done.error}"
+            else:  # the local copy is safe; training went on
+                msg = f"upload {what}to {self.uploader.url} failed: {done.error}"
                 self.events.emit(done.step, "checkpoint", msg, ok=False, upload="failed")
 
     def finish_uploads(self) -> None:
@@ -176,16 +197,20 @@ class Keeping:
             print(f"keel: waiting up to {wait:g}s for checkpoint uploads", file=sys.stderr)
         left = self.uploader.close(wait)
         self.report_uploads()
-        for step in left:
+        for job in left:
+            what = f"{job.folder.name}/" if job.export else step_folder_name(job.step)
             self.events.emit(
-                step, "checkpoint", f"upload of {step_folder_name(step)} to "
+                job.step, "checkpoint", f"upload of {what} to "
                 f"{self.uploader.url} unfinished after {wait:g}s (checkpoint.upload_wait_s); "
-                "the local checkpoint is complete", ok=False, upload="unfinished",
+                "the local copy is complete", ok=False, upload="unfinished",
             )  # fmt: skip
 
 
-def export_run(roles: Roles, run_dir: Path, step: int, models: ModelsConfig) -> Path:
-    """The end of a run: RUN_DIR/critic (with a critic), then RUN_DIR/model (save_policy).
+def export_run(
+    roles: Roles, run_dir: Path, step: int, models: ModelsConfig, lineage: Lineage | None = None
+) -> Path:
+    """The end of a run: RUN_DIR/critic (with a critic), then RUN_DIR/model (save_policy; its
+    export record holds `lineage`'s model id and run version).
 
     The critic first, the policy last: model/ records its step, and a run whose model/ records
     train.steps is finished (keel.controller.resume.finished_step). A kill before that rename
@@ -198,10 +223,16 @@ def export_run(roles: Roles, run_dir: Path, step: int, models: ModelsConfig) -> 
             critic.call_all("save_pretrained", path=tmp)
 
         publish_folder(run_dir / "critic", write_critic)
-    return save_policy(roles, run_dir / "model", step, models)
+    return save_policy(roles, run_dir / "model", step, models, lineage)
 
 
-def save_policy(roles: Roles, target: Path, step: int, models: ModelsConfig | None = None) -> Path:
+def save_policy(
+    roles: Roles,
+    target: Path,
+    step: int,
+    models: ModelsConfig | None = None,
+    lineage: Lineage | None = None,
+) -> Path:
     """Export the actor as an HF folder at `target`, recording `step` inside it (published with
     it, atomically). With models.lora, first its peft adapter folder beside it
     (`ADAPTER_FOLDER`, naming the user's base model), so that a finished run has both."""
@@ -215,7 +246,7 @@ def save_policy(roles: Roles, target: Path, step: int, models: ModelsConfig | No
 
     def write(tmp: Path) -> None:
         roles.actor.call_all("save_pretrained", path=tmp)
-        write_export_record(tmp, step)
+        write_export_record(tmp, step, lineage)
 
     return publish_folder(target, write)
 

@@ -14,7 +14,7 @@ from keel.checkpoint import CheckpointError, CheckpointInfo, clean_leftovers
 from keel.checkpoint.remote import download_checkpoint
 from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
-from keel.controller.guard_actions import GuardActions
+from keel.controller.guard_actions import GuardActions, resumed_lineage
 from keel.controller.keeping import Keeping
 from keel.controller.resume import ResumePlan, RunDirError, check_steps, config_changes
 from keel.guard import (
@@ -74,6 +74,7 @@ def restore_run(
     check_steps(info.step, cfg.train.steps, str(info.path))
     _restore_metrics_row(run_dir, info, monitor)
     keeping.saved = int(info.metrics.get("checkpoint/count", 1))  # 1: written before it was kept
+    keeping.lineage = resumed_lineage(keeping.lineage, info, decisions)
     applied = actions.adopt(decisions, info.step, info)
     pushed = push_weights()  # separate rollout workers
     events.emit(info.step, "resume", f"resumed from {info.path}{applied}", path=str(info.path))

@@ -216,7 +216,10 @@ class TrainingLoop:
                 self._preempt(step, preemption.name, saved, metrics, verdict.healthy)
             step += 1
         keeping.wait()  # the last checkpoint is published before the export
-        model_dir = export_run(self.roles, self.run_dir, cfg.train.steps, cfg.models)
+        model_dir = export_run(
+            self.roles, self.run_dir, cfg.train.steps, cfg.models, keeping.lineage
+        )
+        keeping.upload_export(model_dir, cfg.train.steps)  # with checkpoint.upload_to
         return RunResult(self.run_dir, model_dir, first_eval, last_eval, cfg.train.steps, start)
 
     def _train_step(self, step: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -91,14 +91,17 @@ def build_app(served: Served, cfg: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """One entry per id the model answers to: its name first, then its versioned model
+        id (a checkpoint's or an export's), both the same weights."""
         authorize(request.headers.get("authorization"), token)
-        return _json({"object": "list", "data": [_model_card(served)]})
+        cards = [_model_card(served, name) for name in served.names()]
+        return _json({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         authorize(request.headers.get("authorization"), token)
         check_model(served, model_id, param=None)
-        return _json(_model_card(served))
+        return _json(_model_card(served, model_id))
 
     if served.kind == "reward":
         _score_route(app, served, cfg, token)
@@ -268,14 +271,15 @@ async def _iterate(events: Iterable[bytes]) -> AsyncIterator[bytes]:
         yield event
 
 
-def _model_card(served: Served) -> dict[str, Any]:
+def _model_card(served: Served, name: str) -> dict[str, Any]:
     return {
-        "id": served.name,
+        "id": name,
         "object": "model",
         "created": int(served.loaded_at),
         "owned_by": "keel",
         "root": str(Path(served.source.folder).resolve()),
         "step": served.step,
+        "model_id": served.model_id,
         "kind": served.kind,
     }
 

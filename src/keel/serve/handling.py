@@ -33,9 +33,12 @@ def authorize(header: str | None, token: str | None) -> None:
 
 
 def check_model(served: Served, model: str, param: str | None = "model") -> None:
-    if model != served.name:
+    """`model` must be one of the served model's ids: its name, or its versioned model id."""
+    names = served.names()
+    if model not in names:
+        said = " or ".join(repr(n) for n in names)
         raise APIError(
-            404, f"the model {model!r} does not exist; this server serves {served.name!r}",
+            404, f"the model {model!r} does not exist; this server serves {said}",
             code="model_not_found", param=param,
         )  # fmt: skip
 

@@ -129,8 +129,9 @@ class ServedReward(Served):
 
 def check_score_model(served: Served, model: str | None) -> None:
     """A score request may name the model; when it does, it must be the served one."""
-    if model and model != served.name:
+    if model and model not in served.names():
+        said = " or ".join(repr(n) for n in served.names())
         raise APIError(
-            404, f"the model {model!r} does not exist; this server serves {served.name!r}",
+            404, f"the model {model!r} does not exist; this server serves {said}",
             code="model_not_found", param="model",
         )  # fmt: skip

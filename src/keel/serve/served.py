@@ -61,6 +61,17 @@ class Served:
         return self.runner.step
 
     @property
+    def model_id(self) -> str | None:
+        """The versioned model id of the weights served now (a checkpoint's or an export's;
+        --follow: the newest loaded), which requests may name instead of `name`."""
+        return self.source.model_id
+
+    def names(self) -> list[str]:
+        """The ids this model answers to: `name`, then its model id when it has one."""
+        model_id = self.model_id
+        return [self.name] + ([model_id] if model_id and model_id != self.name else [])
+
+    @property
     def ready(self) -> bool:
         return self.queue.accepting and not self.draining
 
