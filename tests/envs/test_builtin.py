@@ -58,3 +58,26 @@ def test_a_python_tool_without_bubblewrap_is_a_run_warning(monkeypatch):
     [(rule, message)] = sandbox_warnings("builtin:tools", kwargs)
     assert rule == "sandbox" and "without bubblewrap (bwrap is not on PATH" in message
     assert "audit_hook, rlimits" in message and "apt-get install bubblewrap" in message
+
+
+def test_a_python_tool_without_bubblewrap_is_refused_when_required(monkeypatch):
+    """rollout.env.require_bubblewrap (true by default): `keel train` stops with a user error
+    (exit 2) naming the key where the sandbox would run without bubblewrap."""
+    from keel.cli.main import USER_ERRORS
+    from keel.config.schema import EnvConfig
+    from keel.envs import sandbox
+    from keel.envs.builtin import sandbox_warnings
+    from keel.envs.loading import EnvLoadError
+
+    assert EnvConfig(name="builtin:tools").require_bubblewrap is True
+    assert ("keel.envs.loading", "EnvLoadError") in USER_ERRORS
+    kwargs = {"tools": [{"name": "python"}]}
+    assert sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=True) == []
+    monkeypatch.setattr(sandbox, "_isolation_cache", {})
+    monkeypatch.setattr(sandbox, "_find_bwrap", lambda: None)
+    with pytest.raises(
+        EnvLoadError, match=r"rollout.env.require_bubblewrap is true .* not on PATH"
+    ):
+        sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=True)
+    [(rule, _)] = sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=False)
+    assert rule == "sandbox"

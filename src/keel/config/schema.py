@@ -338,6 +338,12 @@ class EnvConfig(Section):
         1.0, ge=0, le=1, description="γ: an episode's environment rewards add up to Σ_k γ^k r_k"
     )
     workers: int = Field(8, ge=1, description="environment steps (tool calls) run at once")
+    require_bubblewrap: bool = Field(
+        True,
+        description="the python tool's sandbox must have its outer layer, bubblewrap: "
+        "`keel train` exits 2 where it does not work; false: run the code with the inner "
+        "layers only (a warning event says so; docs/tools.md)",
+    )
 
 
 class RolloutConfig(Section):

@@ -67,7 +67,11 @@ class RLController(Controller):
         # (rule, message), emitted by the run loop; first: the environment's (a python tool
         # whose sandbox has only its inner layers here)
         self.warnings: list[tuple[str, str]] = (
-            [] if r.env is None else sandbox_warnings(r.env.name, r.env.kwargs)
+            []
+            if r.env is None
+            else sandbox_warnings(
+                r.env.name, r.env.kwargs, require_bubblewrap=r.env.require_bubblewrap
+            )
         )
         self._warnings_lock = threading.Lock()
         self.weight_version = 0  # actor updates so far: the version every rollout must carry

@@ -161,11 +161,16 @@ def run_tool_format(
     return kwargs
 
 
-def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
+def sandbox_warnings(
+    env: str | None, env_kwargs: Mapping[str, Any], *, require_bubblewrap: bool = False
+) -> list[tuple[str, str]]:
     """(rule, message) warnings of a run's environment before it plays: `builtin:tools` with
     the `python` tool on a machine where its sandbox cannot start bubblewrap (only the inner
-    layers, the audit hook and rlimits, then isolate untrusted code; docs/tools.md). Probed
-    in this process, with the interpreter the tool is given (its `python` option)."""
+    layers then isolate untrusted code; docs/tools.md). Probed in this process, with the
+    interpreter the tool is given (its `python` option). An EnvLoadError instead when
+    `require_bubblewrap` (rollout.env.require_bubblewrap) and bubblewrap does not work here,
+    and whenever the sandbox cannot run code at all (as root, nothing runs it as uid 65534)."""
+    from keel.envs.loading import EnvLoadError
     from keel.envs.sandbox import isolation
 
     if env not in TOOLS_ENV:
@@ -177,6 +182,18 @@ def sandbox_warnings(env: str | None, env_kwargs: Mapping[str, Any]) -> list[tup
             continue
         python = options.get("python", sys.executable)
         found = isolation(python)
+        if not found.command:
+            raise EnvLoadError(
+                f"rollout.env.kwargs.tools: the python tool's sandbox cannot run code here: "
+                f"{found.note} (docs/tools.md)"
+            )
+        if require_bubblewrap and "bwrap" not in found.layers:
+            raise EnvLoadError(
+                f"rollout.env.require_bubblewrap is true and the python tool's sandbox cannot "
+                f"use bubblewrap here ({found.note}): install bubblewrap (Debian: apt-get "
+                "install bubblewrap) or set rollout.env.require_bubblewrap: false to run the "
+                f"code with {', '.join(found.layers)} only (docs/tools.md)"
+            )
         if "bwrap" not in found.layers:
             out.append((
                 "sandbox",
