@@ -101,3 +101,42 @@ def test_a_failed_generation_is_raised_in_the_step():
     with pytest.raises(ValueError, match="reward server down"):
         pipeline.next(remaining=3)
     pipeline.close()
+
+
+def test_an_async_run_with_its_own_rollout_weights_rolls_back_and_resumes(tiny_grpo, tmp_path):
+    """rollout.max_staleness 1: the rollout holds its own weights, pushed after each update.
+    A guard rollback loads an older checkpoint into the actor (a new lineage, a lower
+    version): the next push must be taken as newer; then a resume in fresh roles pushes again
+    (issue 37: a version-only order check passed every test, and such a run died with
+    StaleWeightsError after its first rollback). The reward turns adversarial by its call
+    count: 16 calls of the step-0 evaluation on the 16 rows, then 16 a step; step 3's are
+    calls 48-63."""
+    import json
+
+    from keel.controller import run_training
+    from keel.guard import read_events
+    from keel.monitor import read_metrics
+    from tests.controller.test_runner_guard import FAULTS
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
+                            for i in range(16)))  # fmt: skip
+    sets = [
+        f"data.train={data}", f"data.eval={data}", "eval.every=100", "rollout.max_staleness=1",
+        "checkpoint.save_steps=2", f"reward.fn={FAULTS}:turns_bad",
+        "reward.kwargs={bad_from: 48, bad_until: 64}",
+        "guard.rules=[{metric: reward/mean, min: 0.3, action: rollback}]",
+    ]  # fmt: skip
+    result = run_training(tiny_grpo(*sets, "train.steps=3"))
+    run_dir = result.run_dir
+    guard = [(e["event"], e["step"], e.get("to_step")) for e in read_events(
+        run_dir / "events.jsonl") if e["event"] in ("guard_trip", "rollback", "stop")]  # fmt: skip
+    assert guard == [("guard_trip", 3, None), ("rollback", 3, 2)]
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3, 3]  # step 3 again, after the rollback
+    assert rows[2]["reward/mean"] == 0.0 and rows[3]["reward/mean"] >= 0.5
+    assert result.model_dir.is_dir()
+    resumed = run_training(tiny_grpo(*sets, "train.steps=4"))  # continued: fresh roles
+    assert resumed.resumed_from == 3
+    last = read_metrics(run_dir / "metrics.jsonl")[-1]
+    assert last["step"] == 4 and last["guard/trips"] == 1.0

@@ -235,3 +235,45 @@ def test_grpo_with_a_collective_sync_trains_as_with_the_object_store(
     assert pg[1] == pytest.approx(pg[0], abs=1e-6)
     assert [r["rollout/weight_version"] for r in coll_rows[1:]] == [1.0, 2.0]
     assert all(r["weight_sync/buckets"] > 1 for r in coll_rows[1:])
+
+
+def test_the_order_check_compares_lineages_before_versions():
+    """A guard rollback (or a resume) loads a checkpoint into the actor: a new lineage whose
+    version is lower than the one the rollout holds. The push after it is newer (issue 37: a
+    version-only comparison refused it, and an async run with its own rollout weights died with
+    StaleWeightsError after its first rollback)."""
+    from keel.workers.weight_sync import check_order
+
+    held = WeightTag(lineage=0, version=5)
+    check_order(held, WeightTag(1, 4))  # the rollback's push: lower version, newer lineage
+    check_order(held, WeightTag(1, 0))
+    check_order(held, WeightTag(0, 5))  # the same weights again
+    check_order(held, WeightTag(0, 6))
+    for stale in (WeightTag(0, 4), WeightTag(0, 0)):
+        with pytest.raises(StaleWeightsError, match=r"holds weights \(lineage 0, version 5\)"):
+            check_order(held, stale)
+    with pytest.raises(StaleWeightsError, match=r"\(lineage 0, version 9\) is older"):
+        check_order(WeightTag(1, 4), WeightTag(0, 9))  # an old lineage, however high its version
+
+
+def test_a_rollout_worker_takes_a_rollbacks_push_and_refuses_the_old_lineage(tiny_dir):
+    """The object-store path (local groups): RolloutWorker.load_weights runs the same check."""
+    from keel.controller.assembly import build_reward, build_roles
+    from keel.recipes import build_spec
+
+    cfg = validate({"models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"},
+                    "rollout": {"max_staleness": 1}})  # fmt: skip
+    roles = build_roles(cfg, build_spec(cfg), build_reward(cfg))
+    try:
+        rollout = roles.rollout.workers[0]
+        actor = roles.actor.workers[0]
+        assert rollout.engine.model is not actor.model  # the rollout holds its own weights
+        state = {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
+        rollout.load_weights(state, version=5, lineage=0)
+        rollout.load_weights(state, version=4, lineage=1)  # after a rollback: accepted
+        assert rollout.weight_tag == WeightTag(1, 4)
+        with pytest.raises(StaleWeightsError):
+            rollout.load_weights(state, version=6, lineage=0)
+        assert rollout.weight_tag == WeightTag(1, 4)  # nothing loaded
+    finally:
+        roles.close()
