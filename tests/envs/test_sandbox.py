@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -147,7 +148,11 @@ def test_an_exception_is_reported_with_the_users_frames_only(run):
 
 @WITH_AND_WITHOUT_BWRAP
 def test_syntax_errors_exit_codes_and_signals(run):
-    assert "SyntaxError" in run("print(", **FAST).stderr
+    broken = run("print(", **FAST)  # the program's error, not the bootstrap's
+    assert (broken.stdout, broken.exit_code, broken.error) == ("", 1, None)
+    assert broken.stderr == (
+        "  File \"main.py\", line 1\n    print(\n         ^\nSyntaxError: '(' was never closed\n"
+    )
     assert run("import sys; sys.exit(3)", **FAST).exit_code == 3
     # bwrap reports 128 + N: read as signal N (SIGABRT; as a PID namespace's init, the code
     # ignores it and glibc's abort() ends in SIGSEGV)
@@ -423,7 +428,10 @@ def test_bubblewrap_alone_hides_the_machine_and_its_network(tmp_path):
 def test_bubblewrap_is_used_where_it_is_installed():
     layers = require_bwrap()
     assert layers.layers[0] == "bwrap" and layers.network_namespace and layers.uid == 65534
-    assert layers.note == ""
+    assert layers.note == "" and "seccomp" in layers.layers
+    # as root, bubblewrap runs as uid 65534: the code is host uid 65534, never host root
+    assert layers.host_uid == (65534 if os.geteuid() == 0 else os.geteuid())
+    assert ("uid65534" in layers.layers) == (os.geteuid() == 0)
     result = run_python("import os; print(os.getuid(), os.getcwd())", **FAST)
     assert result.stdout.split() == ["65534", sandbox.BWRAP_WORK_DIR]
     assert result.layers == layers.layers
@@ -485,3 +493,118 @@ def test_limits_are_checked_and_other_platforms_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="Linux only"):
         run_python("pass")
     assert sandbox.SandboxResult.__dataclass_params__.frozen
+
+
+def descendants_uids() -> dict[int, set[int]]:
+    """pid: {real, effective, saved, filesystem uid} of the sandboxes this process started (their
+    bubblewrap and interpreter), as the host sees them (/proc/PID/status)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        ancestor = sandbox._parent(pid)
+        while ancestor not in (None, 0, 1, os.getpid()):
+            ancestor = sandbox._parent(ancestor)
+        if ancestor != os.getpid():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        # bubblewrap and the interpreter once they run (not unshare, which switches the uid
+        # itself, nor a child of Popen's before its exec, which switches it then)
+        comm = status.split("\n", 1)[0].split(":", 1)[1].strip()
+        if comm == "unshare" or (comm != "bwrap" and sandbox.CHILD_FILE.encode() not in command):
+            continue
+        uids = next(line for line in status.splitlines() if line.startswith("Uid:"))
+        found[pid] = {int(uid) for uid in uids.split()[1:]}
+    return found
+
+
+@WITH_AND_WITHOUT_BWRAP
+def test_the_code_is_never_host_root(run, bubblewrap):
+    """Whatever the caller, the code's processes are not host uid 0: their uids as the host's
+    /proc shows them, read by this process while the code sleeps."""
+    layers = isolation(bubblewrap=bubblewrap)
+    assert layers.host_uid != 0
+    seen: dict[int, set[int]] = {}
+    result_box = []
+    worker = threading.Thread(
+        target=lambda: result_box.append(run("import time\ntime.sleep(1)\nprint('slept')", **FAST))
+    )
+    worker.start()
+    while worker.is_alive():
+        seen.update(descendants_uids())
+        time.sleep(0.05)
+    worker.join()
+    assert result_box[0].stdout == "slept\n"
+    assert seen  # the sandbox's processes (bubblewrap's, the interpreter) were seen
+    assert all(0 not in uids for uids in seen.values()), seen
+    assert ("uid65534" in result_box[0].layers) == (os.geteuid() == 0)
+
+
+def test_as_root_a_candidate_that_would_run_the_code_as_root_is_refused(monkeypatch, caplog):
+    """The probe never picks a way that runs the code as the caller's uid 0 (bubblewrap started
+    as root maps the sandbox's uid to host root; so does running the interpreter directly):
+    with nothing else, run_python refuses."""
+    if os.geteuid() != 0:
+        pytest.skip("the root path: CI runs as root")
+    as_root = [
+        sandbox.Isolation(None, False, (sys.executable, "-I", "-S")),
+        sandbox.Isolation(65534, True, (sys.executable,), bwrap=("/usr/bin/bwrap",)),
+    ]
+    monkeypatch.setattr(sandbox, "_isolation_cache", {})
+    monkeypatch.setattr(sandbox, "_candidates", lambda *args: iter(as_root))
+    assert [candidate.host_uid for candidate in as_root] == [0, 0]
+    with caplog.at_level(logging.ERROR, logger="keel.envs.sandbox"):
+        layers = isolation()
+        with pytest.raises(sandbox.SandboxUnavailable, match="never runs as root"):
+            run_python("print('ran')", **FAST)
+    assert layers.command == () and layers.layers == ()
+    assert any("refusing to run code" in r.getMessage() for r in caplog.records)
+
+
+def test_bubblewrap_can_be_required(monkeypatch):
+    monkeypatch.setattr(sandbox, "_isolation_cache", {})
+    monkeypatch.setattr(sandbox, "_find_bwrap", lambda: None)
+    with pytest.raises(sandbox.SandboxUnavailable, match="bubblewrap is required"):
+        run_python("print('ran')", require_bubblewrap=True, **FAST)
+    with pytest.raises(ValueError, match="layers_off may hold"):
+        run_python("print('ran')", layers_off=("rlimits",), **FAST)
+
+
+def test_an_interpreter_uid_65534_cannot_reach_runs_from_a_copy_in_bubblewrap(tmp_path):
+    """The runtime copy (what bubblewrap binds when the interpreter's prefix is under a folder
+    uid 65534 cannot search, as a pyenv Python under /root): made whatever this machine's
+    layout, then bubblewrap started as uid 65534 runs the interpreter from it and sees nothing
+    of the prefix but the copy (no site-packages)."""
+    require_bwrap()
+    if os.geteuid() != 0:
+        pytest.skip("the root path: CI runs as root")
+    described = sandbox._describe(sys.executable)
+    assert described is not None
+    copy = sandbox._runtime_copy(described)
+    assert copy is not None and sandbox._reachable_by_nobody(copy)
+    for top, dirs, _ in os.walk(copy):
+        for name in dirs:
+            assert os.stat(os.path.join(top, name)).st_mode & 0o005 == 0o005
+    prefix = sandbox._bwrap_prefix(sandbox._find_bwrap(), described, copy)
+    layers = sandbox.Isolation(
+        65534, True, (described["executable"], "-I", "-S"), popen_user=65534, bwrap=prefix
+    )
+    code = (
+        "import json, os, sys, site\n"
+        "print(json.dumps([os.getuid(), sys.prefix, os.path.exists(site.getsitepackages()[0]),"
+        " sorted(os.listdir(sys.prefix))]))"
+    )
+    argv = [*sandbox._bwrap_argv(layers, {}), "-c", code]
+    done = subprocess.run(
+        argv, cwd="/", capture_output=True, text=True, timeout=30,
+        **sandbox._popen_options(layers, sandbox.BWRAP_WORK_DIR),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    uid, prefix_inside, site_there, listing = json.loads(done.stdout)
+    assert (uid, prefix_inside, site_there) == (65534, described["base_prefix"], False)
+    assert set(listing) <= {"bin", "lib"}

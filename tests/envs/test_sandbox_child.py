@@ -141,6 +141,11 @@ def test_path_events_check_every_path_and_their_dir_fd(hook, tmp_path):
         ("sys.settrace", (None,), "tracing"),
         ("gc.get_referrers", (), "gc introspection"),
         ("os.symlink", ("a", "b", None), "symbolic links"),
+        ("cpython.PyInterpreterState_New", (), "subinterpreters"),
+        ("import", ("_xxsubinterpreters", None, None, None, None), "subinterpreters"),
+        ("import", ("_interpreters", None, None, None, None), "subinterpreters"),
+        ("import", ("_testcapi", None, None, None, None), "native code"),
+        ("import", ("_testinternalcapi", None, None, None, None), "native code"),
     ],
 )
 def test_refused_events(hook, event, args, reason):
@@ -198,3 +203,39 @@ def test_sqlite_in_memory_still_opens(hook):
     """The hook allows what the standard library needs for an in-memory database."""
     assert hook("sqlite3.connect", (":memory:",)) is None
     sqlite3.connect(":memory:").close()
+
+
+def test_the_seccomp_program_checks_the_architecture_first():
+    """The filter's first instructions: load the audit architecture, kill the process on any
+    other (x32 system calls on x86_64 too); every denied call's number is compared."""
+    for machine, arch in sandbox_child.AUDIT_ARCHES.items():
+        program = sandbox_child.seccomp_program(machine, 1234)
+        assert program[:3] == [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x80000000)]
+        assert program[-1] == (0x06, 0, 0, 0x7FFF0000)  # the rest is allowed
+        compared = {k for code, _, _, k in program if code == 0x15}
+        index = 0 if machine == "x86_64" else 1
+        wanted = {n[index] for n in sandbox_child.DENIED_SYSCALLS.values() if n[index] is not None}
+        assert wanted <= compared and 1234 in compared  # signals to itself
+        assert len(program) < 4096  # the kernel's BPF_MAXINSNS
+    with pytest.raises(KeyError):
+        sandbox_child.seccomp_program("sparc64", 1)
+
+
+def test_the_seccomp_filter_in_the_child_without_the_hook(tmp_path):
+    """The child with seccomp and without the hook (the filter alone): threads and signals to
+    itself work, fork, exec and sockets fail with EPERM."""
+    code = (
+        "import os, signal, socket, threading\n"
+        "t = threading.Thread(target=print, args=['thread']); t.start(); t.join()\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: print('signalled'))\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "for name, call in [('fork', os.fork), ('exec', lambda: os.execv('/bin/true', ['t'])),\n"
+        "                   ('socket', socket.socket)]:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except PermissionError as exc:\n"
+        "        print(name, exc.errno)\n"
+    )
+    proc = run_child(tmp_path, code, {**CONFIG, "seccomp": True, "audit_hook": False})
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "thread\nsignalled\nfork 1\nexec 1\nsocket 1\n"
