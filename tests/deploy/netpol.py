@@ -23,8 +23,10 @@ class Endpoint:
     ip: str = "10.0.0.1"
 
 
-def namespace_labels(name: str) -> dict[str, str]:
-    return {"kubernetes.io/metadata.name": name}  # the label every namespace carries
+def namespace_labels(name: str, namespaces: dict[str, dict[str, str]] | None = None) -> dict:
+    """A namespace's labels: those given for it in `namespaces`, and the one every namespace
+    carries, its name."""
+    return {**(namespaces or {}).get(name, {}), "kubernetes.io/metadata.name": name}
 
 
 def selects(selector: dict | None, labels: dict[str, str]) -> bool:
@@ -35,7 +37,8 @@ def selects(selector: dict | None, labels: dict[str, str]) -> bool:
     return selector.get("matchLabels", {}).items() <= labels.items()
 
 
-def peer_matches(peer: dict, policy_namespace: str, other: Endpoint) -> bool:
+def peer_matches(peer: dict, policy_namespace: str, other: Endpoint,
+                 namespaces: dict | None = None) -> bool:  # fmt: skip
     if "ipBlock" in peer:
         if other.namespace is not None:
             return False  # pod addresses are not modelled as ipBlock matches
@@ -48,7 +51,8 @@ def peer_matches(peer: dict, policy_namespace: str, other: Endpoint) -> bool:
     if other.namespace is None:
         return False
     if "namespaceSelector" in peer:
-        namespace_ok = selects(peer["namespaceSelector"], namespace_labels(other.namespace))
+        labels = namespace_labels(other.namespace, namespaces)
+        namespace_ok = selects(peer["namespaceSelector"], labels)
     else:
         namespace_ok = other.namespace == policy_namespace
     return namespace_ok and selects(peer.get("podSelector"), other.labels)
@@ -73,9 +77,9 @@ def policy_types(policy: dict) -> list[str]:
 
 
 def lets(policies: list[dict], pod: Endpoint, other: Endpoint, port: int, protocol: str,
-         direction: str) -> bool:  # fmt: skip
+         direction: str, namespaces: dict | None = None) -> bool:  # fmt: skip
     """Whether `pod`'s policies let the connection with `other` in ("Ingress") or out
-    ("Egress"); `policies` carry metadata.namespace."""
+    ("Egress"); `policies` carry metadata.namespace; `namespaces`: labels of namespaces."""
     if pod.namespace is None:
         return True  # an address outside the cluster has no policies
     applicable = [
@@ -90,7 +94,8 @@ def lets(policies: list[dict], pod: Endpoint, other: Endpoint, port: int, protoc
     for policy in applicable:
         for rule in policy["spec"].get(rules, []):
             matched = not rule.get(peers) or any(
-                peer_matches(peer, policy["metadata"]["namespace"], other) for peer in rule[peers]
+                peer_matches(peer, policy["metadata"]["namespace"], other, namespaces)
+                for peer in rule[peers]
             )
             if matched and port_matches(rule.get("ports"), port, protocol):
                 return True
@@ -98,7 +103,9 @@ def lets(policies: list[dict], pod: Endpoint, other: Endpoint, port: int, protoc
 
 
 def can_connect(policies: list[dict], src: Endpoint, dst: Endpoint, port: int,
-                protocol: str = "TCP") -> bool:  # fmt: skip
-    return lets(policies, src, dst, port, protocol, "Egress") and lets(
-        policies, dst, src, port, protocol, "Ingress"
+                protocol: str = "TCP", namespaces: dict | None = None) -> bool:  # fmt: skip
+    """Whether src may open a connection to dst's port: src's policies let it out and dst's let
+    it in. `namespaces`: namespace name → its labels (beyond its name)."""
+    return lets(policies, src, dst, port, protocol, "Egress", namespaces) and lets(
+        policies, dst, src, port, protocol, "Ingress", namespaces
     )

@@ -41,20 +41,22 @@ def rayjob() -> dict:
 
 def pod_templates() -> dict[str, dict]:
     """Every pod template of deploy/ by a name: the RayJob's head, worker groups and submitter,
-    and the serving Deployment (as written)."""
+    and the serving and reward-server Deployments (as written)."""
     spec = rayjob()["spec"]
     out = {"head": spec["rayClusterSpec"]["headGroupSpec"]["template"],
            "submitter": spec["submitterPodTemplate"]}  # fmt: skip
     for group in spec["rayClusterSpec"]["workerGroupSpecs"]:
         out[f"worker/{group['groupName']}"] = group["template"]
-    (deployment,) = [d for d in docs(SERVE / "base" / "deployment.yaml")]
-    out["serve"] = deployment["spec"]["template"]
+    for name, path in (("serve", SERVE / "base"), ("reward", SERVE / "reward")):
+        (deployment,) = docs(path / "deployment.yaml")
+        out[name] = deployment["spec"]["template"]
     return out
 
 
 # ------------------------------------------------------------------- identities and the Role
 def service_accounts() -> dict[str, dict]:
     found = docs(KUBERAY / "rbac.yaml") + docs(SERVE / "base" / "serviceaccount.yaml")
+    found += docs(SERVE / "reward" / "serviceaccount.yaml")
     return {d["metadata"]["name"]: d for d in found if d["kind"] == "ServiceAccount"}
 
 
@@ -62,7 +64,7 @@ def test_each_component_has_its_own_service_account_and_no_token_by_default():
     accounts = service_accounts()
     used = {name: t["spec"]["serviceAccountName"] for name, t in pod_templates().items()}
     assert used["head"] == "keel-ray-head" and used["submitter"] == "keel-ray-submitter"
-    assert used["serve"] == "keel-serve"
+    assert used["serve"] == "keel-serve" and used["reward"] == "keel-reward"
     assert {v for k, v in used.items() if k.startswith("worker/")} == {"keel-ray-worker"}
     assert set(used.values()) == set(accounts)  # each account is used, none is `default`
     for name, account in accounts.items():
@@ -300,9 +302,9 @@ def test_the_policies_select_the_pods_the_manifests_make():
     selector_t = deny_train["spec"]["podSelector"]["matchLabels"]
     selector_s = deny_serve["spec"]["podSelector"]["matchLabels"]
     for name, template in pod_templates().items():
-        is_job = name != "serve"
+        is_job = name not in {"serve", "reward"}
         assert (selector_t.items() <= labels(template).items()) == is_job, name
-        assert (selector_s.items() <= labels(template).items()) == (not is_job), name
+        assert (selector_s.items() <= labels(template).items()) == (name == "serve"), name
     assert set(deny_train["spec"]["policyTypes"]) == {"Ingress", "Egress"}
     assert "ingress" not in deny_train["spec"] and "egress" not in deny_train["spec"]
 
@@ -334,3 +336,35 @@ def test_the_version_overlay_puts_the_whole_run_in_its_own_namespace():
     assert set(deny_all["spec"]["policyTypes"]) == {"Ingress", "Egress"}
     version = kust["labels"][0]["pairs"]["app.kubernetes.io/version"]
     assert namespace == f"keel-train-{version}"
+
+
+def version_namespace_labels() -> dict[str, str]:
+    (namespace,) = docs(VERSION / "namespace.yaml")
+    return namespace["metadata"]["labels"]
+
+
+def test_the_reward_server_takes_the_training_jobs_calls_only():
+    """A training pod in a version's namespace (labelled as deploy/kuberay-version labels it)
+    reaches the reward server's API port; a training pod in an unlabelled namespace, a serving
+    pod, the gateway, do not; the reward server opens nothing but DNS."""
+    pols = policies([KUBERAY / "networkpolicy.yaml"], TRAIN_NS)
+    pols += policies([SERVE / "reward" / "networkpolicy.yaml"], SERVE_NS)
+    pols += policies([SERVE / "base" / "networkpolicy.yaml"], SERVE_NS)
+    namespaces = {TRAIN_NS: version_namespace_labels()}
+    templates = pod_templates()
+    reward = Endpoint(SERVE_NS, labels(templates["reward"]))
+    (port,) = [p["containerPort"] for p in templates["reward"]["spec"]["containers"][0]["ports"]]
+    worker = Endpoint(TRAIN_NS, labels(templates["worker/reward"]))
+    head = Endpoint(TRAIN_NS, labels(templates["head"]))
+    unlabelled = Endpoint("default", labels(templates["worker/reward"]))
+    serving = Endpoint(SERVE_NS, labels(templates["serve"]))
+    for caller in (worker, head):  # the reward role runs in a worker group or in the driver
+        assert can_connect(pols, caller, reward, port, namespaces=namespaces)
+        assert not can_connect(pols, caller, reward, port + 1, namespaces=namespaces)
+    assert not can_connect(pols, unlabelled, reward, port, namespaces=namespaces)
+    for stranger in (serving, GATEWAY, OPERATOR):
+        assert not can_connect(pols, stranger, reward, port, namespaces=namespaces), stranger
+    assert can_connect(pols, PROMETHEUS, reward, port, namespaces=namespaces)
+    assert can_connect(pols, reward, DNS, 53, "UDP", namespaces=namespaces)
+    assert not can_connect(pols, reward, head, 8265, namespaces=namespaces)
+    assert not can_connect(pols, reward, Endpoint(None, ip="8.8.8.8"), 443, namespaces=namespaces)

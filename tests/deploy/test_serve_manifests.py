@@ -77,9 +77,9 @@ def container(deployment: dict) -> dict:
 class StubPolicy(SimpleNamespace):
     """What build_app's routes read of a ServedPolicy, with real metrics: no model needed."""
 
-    def __init__(self, ready: bool, draining: bool = False):
-        super().__init__(kind="policy", name="policy", step=7, ready=ready, draining=draining,
-                         metrics=ServeMetrics("policy", "/data/models/policy"))  # fmt: skip
+    def __init__(self, ready: bool, draining: bool = False, kind: str = "policy"):
+        super().__init__(kind=kind, name=kind, step=7, ready=ready, draining=draining,
+                         metrics=ServeMetrics(kind, f"/data/models/{kind}"))  # fmt: skip
 
     def close(self, timeout=None) -> None:
         pass
@@ -607,3 +607,55 @@ def test_the_gpu_trigger_holds_the_replicas_unless_the_gpus_idled_for_an_hour(
     proc = subprocess.run([binary("promtool"), "test", "rules", str(path)], capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode != 0
+
+
+# ----------------------------------------- deploy/serve/reward: `keel serve --reward` (reward.url)
+REWARD = SERVE / "reward"
+
+
+def test_the_reward_server_runs_keel_serve_reward_as_keels_parser_and_app_read_it():
+    """The container's arguments parse as `keel serve MODEL --reward` with the mounted config
+    (reward.yaml, valid for the serve loader); the probes and the scrape path are routes of the
+    reward app, which serves /v1/score; the key comes from the Secret keel-reward through the
+    variable keel serve reads; the Service targets the pods' port; the model is on the PVC."""
+    resources = {d["kind"]: d for name in yaml.safe_load((REWARD / "kustomization.yaml")
+                 .read_text())["resources"] for d in docs(REWARD / name)}  # fmt: skip
+    deployment = resources["Deployment"]
+    c = container(deployment)
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "serve" and args.reward and args.host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert args.port == ports["http"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert args.model.startswith(mounts["data"]["mountPath"] + "/") and mounts["data"]["readOnly"]
+    assert args.config.parent == Path(mounts["config"]["mountPath"])
+    kust = yaml.safe_load((REWARD / "kustomization.yaml").read_text())
+    (generated,) = kust["configMapGenerator"]
+    (entry,) = generated["files"]
+    key, source = entry.split("=")
+    assert key == args.config.name
+    cfg = load_serve_config(REWARD / source, args.set)
+    assert cfg.serve.torch_threads <= int(c["resources"]["limits"]["cpu"])
+    env = {e["name"]: e for e in c["env"]}
+    assert env[cfg.serve.api_key_env]["valueFrom"]["secretKeyRef"] == {
+        "name": "keel-reward", "key": "api-key"}  # fmt: skip
+    app = build_app(StubPolicy(ready=True, kind="reward"), ServeConfig())
+    routes = {route.path for route in app.routes}
+    assert "/v1/score" in routes and "/v1/completions" not in routes
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[kind]["httpGet"]["path"] in routes, kind
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] in routes
+    service = resources["Service"]
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"][
+        "labels"].items()  # fmt: skip
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    (pvc,) = docs(REPO_DEPLOY / "kuberay" / "pvc.yaml")
+    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    drain = cfg.serve.drain_timeout_s
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= (
+        pre_stop + 2 * drain)  # fmt: skip
+    for doc in resources.values():
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
