@@ -9,9 +9,11 @@ import copy
 import ipaddress
 import re
 
+import kubernetes_validate
 import pytest
 import yaml
 
+from keel.config import validate
 from tests.deploy.netpol import Endpoint, can_connect
 from tests.deploy.tools import REPO_DEPLOY, kustomize
 
@@ -168,9 +170,27 @@ def test_a_container_left_writable_or_root_fails_the_check():
         check_pod(template, "serve")
 
 
+def test_the_training_run_writes_only_where_the_pods_may():
+    """The run directory and Keel's cache are on the PVC, which the head and the workers mount
+    writable; the config is read from a read-only mount."""
+    cfg = validate(yaml.safe_load((KUBERAY / "grpo.yaml").read_text()))
+    env = yaml.safe_load(rayjob()["spec"]["runtimeEnvYAML"])["env_vars"]
+    for name, template in pod_templates().items():
+        if name in {"serve", "reward", "submitter"}:
+            continue
+        (c,) = template["spec"]["containers"]
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert not mounts["/data"].get("readOnly"), name
+        for path in (cfg.run_dir, env["KEEL_CACHE"]):
+            assert path.startswith("/data/"), path
+
+
 def test_the_rendered_serving_variants_keep_the_confinement():
     """The GPU, vLLM, load-balancer and operator overlays patch the base; their Deployments
-    keep its account and confinement (vLLM's too: it writes its caches to the emptyDirs)."""
+    keep its account and confinement (vLLM's too: it writes its caches to the emptyDirs).
+    Their built-in kinds, and the reward server's, validate strictly against Kubernetes 1.33."""
+    for doc in kustomize(SERVE / "lb") + kustomize(SERVE / "reward"):
+        kubernetes_validate.validate(doc, "1.33", strict=True)
     for overlay in ("gpu", "vllm", "lb", "operator"):
         (deployment,) = [d for d in kustomize(SERVE / overlay) if d["kind"] == "Deployment"]
         template = deployment["spec"]["template"]
@@ -329,6 +349,8 @@ def test_the_version_overlay_puts_the_whole_run_in_its_own_namespace():
     for doc in out:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == namespace, doc["kind"]
+        if doc["kind"] != "RayJob":  # the CRD's schema: tests/deploy/test_kuberay.py
+            kubernetes_validate.validate(doc, "1.33", strict=True)
     (binding,) = [d for d in out if d["kind"] == "RoleBinding"]
     assert {s["namespace"] for s in binding["subjects"]} == {namespace}
     (deny_all,) = [d for d in out if d["metadata"]["name"] == "default-deny-all"]
