@@ -2,57 +2,63 @@
 
 This guards a training run against a policy's accidental or hostile code: an infinite loop, a
 fork bomb, a memory hog, a flood of output, `open('/etc/passwd')`, `import socket`,
-`os.system(...)`, and (with bubblewrap) code that gets past the audit hook. The layers, outer
-to inner; `isolation()` says which this machine gives, `SandboxResult.layers` which ran:
+`os.system(...)`, and code that gets past the audit hook. The layers are independent guards,
+outer to inner; `isolation()` says which this machine gives, `SandboxResult.layers` which ran
+(tests/envs/test_sandbox_hostile.py measures what each stops; docs/tools.md has the table):
 
-- `bwrap`, where bubblewrap is installed and passes its self-check: the interpreter runs in new
-  user, mount, PID, network, IPC and UTS namespaces (`bwrap --unshare-all`), as uid 65534 in
-  them, unable to create further user namespaces. Its file system holds `/usr` and the
-  interpreter's prefix read-only (their site-packages hidden), a fresh /proc and /dev, and a
+- `bwrap` (user, mount, PID, network, IPC and UTS namespaces), where bubblewrap is installed
+  and passes its self-check: the interpreter runs as uid 65534 in new namespaces (`bwrap
+  --unshare-all`), unable to create further user namespaces. Its file system holds `/usr` and
+  the interpreter's prefix read-only (their site-packages hidden; a hard-linked copy of the
+  prefix's runtime where uid 65534 cannot reach it, `_runtime_copy`), a fresh /proc read-only
+  as a whole (/proc/sys included), /dev read-only with a `SHM_LIMIT` tmpfs on /dev/shm, and a
   tmpfs work folder (`BWRAP_WORK_DIR`, at most `WORK_SPACE_LIMIT` bytes): nothing else of the
-  machine (no /etc, /home, /root, the project or /tmp). Loopback only, with nothing
-  listening; the caller's processes are not visible. As root, bubblewrap itself runs as uid
-  65534 where that can reach the interpreter (`uid65534` is listed then); otherwise it runs as
-  root, and the sandboxed process is host uid 0 without any capability.
-- without bubblewrap (`bwrap` not on PATH, failing its self-check, or `bubblewrap=False`; a
-  warning is logged once per interpreter when it is missing or fails), the kernel where the
-  machine allows it: `uid65534`: as uid/gid 65534 (nobody) when the caller is root, so it can
-  write only where anyone may and cannot signal the caller's processes, with RLIMIT_NPROC
-  bounding its processes; `netns`: in a new, empty network namespace (util-linux
-  `unshare --net`; Python 3.11 has no `os.unshare`). An interpreter uid 65534 cannot read (a
-  pyenv Python under /root) is started through a descriptor of its prefix directory. Without
-  `unshare`, or where neither switch is permitted, the code runs as the caller (a warning is
-  logged when that is root). The work directory is then a new temporary directory on the host.
+  machine. Loopback only, with nothing listening; the caller's processes are not visible. As
+  root, bubblewrap itself is started as uid 65534, so the user namespace maps the sandbox's
+  uid to host uid 65534 (started as root it would be host root): never as root.
+- `uid65534`: the code is host uid/gid 65534 (nobody), without supplementary groups, when the
+  caller is root (under bubblewrap or not), with RLIMIT_NPROC bounding its processes and
+  threads; as non-root it is the caller's own unprivileged uid. As root nothing runs the code
+  as uid 0: where no way starts it as uid 65534, run_python raises SandboxUnavailable.
+- `netns`, without bubblewrap (which has its own): a new, empty network namespace (util-linux
+  `unshare --net`, as root; `unshare --user --net` otherwise).
+- `seccomp`, always on x86_64 and aarch64: a classic-BPF filter the child installs before the
+  hook (keel.envs.sandbox_child.seccomp_program; no_new_privs set): no fork, vfork or exec
+  (threads only: clone with CLONE_THREAD and no namespace flag), no sockets of any family, no
+  ptrace, process_vm_*, pidfd_*, kcmp, mount or new-mount API, unshare, setns, keyrings, bpf,
+  perf_event_open, userfaultfd, io_uring, kexec, modules, swap, reboot, clock setting, mknod,
+  setsid/setpgid, System V IPC; signals only to itself (kill also to its own group); another
+  architecture's system calls (x32) kill the process. A filter that cannot be installed ends
+  the run before the code ("keel sandbox setup failed: ...").
 - `audit_hook`, always: a `sys.addaudithook` hook installed before the code runs (hooks cannot
   be removed from Python; keel.envs.sandbox_child): it raises `SandboxViolation` (a
-  PermissionError) on sockets and on importing socket, ssl, ctypes, _posixsubprocess and a few
-  native modules that open files behind its back; on ctypes calls; on process creation (fork,
-  exec, spawn, system, posix_spawn, subprocess) and on signalling other processes; on opening,
-  listing or changing any path outside the work directory (read-only opens of the
-  interpreter's standard library excepted, site-packages not), resolving paths against the
-  working directory or the `dir_fd` the kernel will use; on symbolic links, on changing
-  rlimits, and on tracing and gc introspection (which could reach the hook). The result's
-  `error` then reads "blocked: <what>" when the violation ended the program.
+  PermissionError) on sockets and on importing socket, ssl, ctypes, _posixsubprocess, the
+  subinterpreter modules (_xxsubinterpreters, _interpreters, ...), CPython's test modules
+  (_testcapi, ...) and a few native modules that open files behind its back; on creating a
+  subinterpreter (`cpython.PyInterpreterState_New`: one would run without the hook); on ctypes
+  calls; on process creation and on signalling; on opening, listing or changing any path
+  outside the work directory (read-only opens of the interpreter's standard library excepted,
+  site-packages not), resolving paths against the working directory or the `dir_fd` the kernel
+  will use; on symbolic links, on changing rlimits, and on tracing and gc introspection (which
+  could reach the hook). The result's `error` then reads "blocked: <what>".
 - `rlimits`, always, with the process handling: a separate process in its own session and
   process group, killed as a group (SIGKILL) at the wall-time limit; rlimits on CPU time (whole
-  seconds, rounded up), address space, file size, open files and core dumps; output read at
-  most `max_output_bytes` per stream (the process is killed when it writes more). The
-  environment is minimal, stdin is /dev/null, and the interpreter runs with `-I -S`: no
-  PYTHON* variables, no site-packages, only the standard library importable.
+  seconds, rounded up), address space, file size, open files and core dumps (and processes as
+  uid 65534); output read at most `max_output_bytes` per stream (the process is killed when it
+  writes more). The environment is minimal, stdin is /dev/null, and the interpreter runs with
+  `-I -S`: no PYTHON* variables, no site-packages, only the standard library importable.
 
-What it does not guarantee. Audit hooks are not a security boundary (PEP 578 says so): they see
-what Python-level APIs announce, not what the kernel does. A knowledgeable attacker can get past
-them: C functions that raise no audit event exist (e.g. `_imp.create_builtin` re-creating
-`_posixsubprocess` where it is built in, as on Debian's Python, gives an unaudited fork_exec;
-`os.mknod`, `os.mkfifo`, sqlite's ATTACH, `os.pidfd_open`; `os.stat` and `os.readlink` are not
-announced at all), and a file can be swapped between the hook's check and the open (by another
-thread, or a signal handler running during the hook). Under bubblewrap such code still sees
-only the sandbox's file system and no network; without it only the uid and network layers
-remain: as uid 65534 in its own network namespace that is a modest, unprivileged process; as
-root without them (the case logged as a warning) it is root. bubblewrap here uses no seccomp
-filter: every system call reaches the kernel. Total disk use is bounded only per file and by
-time outside bubblewrap; a process that escapes its process group (setsid after a hook bypass)
-is not tracked without bubblewrap's PID namespace. Linux only.
+What it does not guarantee. Audit hooks are not a security boundary (PEP 578 says so): C
+functions that raise no audit event exist (`os.stat`, `os.readlink`, `os.mkfifo`,
+`_imp.create_builtin` re-creating a built-in `_posixsubprocess`), and a file can be swapped
+between the hook's check and the open (the cwd race: another thread changes the working
+directory). Past the hook, under bubblewrap the code still sees only the sandbox's file system,
+no other process and no network, and seccomp keeps it from new processes, sockets and the
+kernel's rarer doors; without bubblewrap it is an unprivileged uid 65534 process without
+network or new processes that can read and write what anyone may (world-readable files, /tmp,
+the host's /dev/shm, other uid 65534 processes' /proc files). Total disk use is bounded only
+under bubblewrap (elsewhere per file and by time). Syscalls seccomp allows reach the kernel: a
+kernel bug is still an escape. Linux only.
 """
 
 from __future__ import annotations
