@@ -1,7 +1,7 @@
 """`keel plan FILE [--gpus N] [--gpu-memory 80GiB]`: whether a run fits its GPUs, before launch.
 
-Each role's shape is read from its model's config.json (a folder, a `builtin:` name, a hub id in
-the HF cache: nothing is downloaded, no weights are loaded); the estimate is
+Each role's shape is read from its model's config.json (a folder, a `builtin:` name, a GGUF file,
+a hub id in the HF cache: nothing is downloaded, no weights are loaded); the estimate is
 keel.engine.memory's (docs/memory.md). Exit status 0 when every GPU fits, 1 when one does not
 (with the settings to change), 2 on bad input."""
 
@@ -78,6 +78,10 @@ def model_config(spec: str, revision: str | None) -> tuple[dict[str, Any], str]:
             return _read(folder / "config.json"), str(folder / "config.json")
         return _tiny_config(), f"{spec} (not built yet: the built-in tiny model's shape)"
     path = Path(spec).expanduser()
+    from keel.models.gguf import gguf_config, looks_like_gguf
+
+    if looks_like_gguf(path):  # its conversion's config.json, else the file's own metadata
+        return gguf_config(path), f"{spec} (GGUF)"
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{spec}: the model folder has no config.json")
