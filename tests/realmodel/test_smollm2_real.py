@@ -122,6 +122,21 @@ def test_keel_eval_of_the_gguf_file(smollm2_gguf, tmp_path, capsys):
     assert any(p["score"] == 1.0 for p in predictions), predictions  # it knows 2+3
 
 
+def test_keel_plan_reads_the_gguf_files_shape(smollm2_gguf, smollm2_dir, tmp_path, monkeypatch):
+    from keel.cli.plan_cmd import model_config
+    from keel.engine.memory import shape_from_config
+
+    shape = shape_from_config(json.loads((smollm2_dir / "config.json").read_text()))
+    sizes = (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads)
+    assert (*sizes, shape.head_dim, shape.vocab_size) == (30, 576, 9, 3, 64, VOCAB)
+    config, where = model_config(str(smollm2_gguf), None)  # its conversion's config.json
+    assert shape_from_config(config, where) == shape
+    empty = tmp_path / "no-conversion"
+    monkeypatch.setenv("KEEL_CACHE", str(empty))  # not converted yet: the file's metadata
+    config, where = model_config(str(smollm2_gguf), None)
+    assert shape_from_config(config, where) == shape and not empty.exists()
+
+
 def test_keel_serve_of_the_gguf_file_answers_a_chat_and_a_stream(smollm2_gguf, tmp_path):
     server = LiveServer(smollm2_gguf, "--set", "serve.max_new_tokens=16", "--set",
                         "serve.model_name=smollm2", log=tmp_path / "serve.log")  # fmt: skip
