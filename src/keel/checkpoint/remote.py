@@ -63,7 +63,7 @@ def _upload_folder(
     """Every file of `folder` to `url/name/`, `marker` last, then `url/latest` naming it."""
     fs, root = _filesystem(url, storage_options)
     remote = f"{root}/{name}"
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != marker)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / marker)
     made: set[str] = set()
     for file in files:
         target = f"{remote}/{file.relative_to(folder).as_posix()}"
