@@ -81,3 +81,18 @@ def test_example_runs_a_few_steps(path: Path, tmp_path: Path):
     after = _weights(result.model_dir)
     changed = [k for k in after if k in before and not torch.equal(after[k], before[k])]
     assert changed, f"{path.name}: training changed no parameter"
+
+
+def test_the_smollm2_example_is_the_demos_recipe():
+    """examples/smollm2/grpo_smollm2.yaml and `keel demo --model smollm2` train the same way
+    (the recipe's figures in docs/models.md are the demo's)."""
+    from keel.cli.demo import DEMO_SMOLLM2
+    from keel.config.loading import validate
+
+    example = load_config(ROOT / "examples/smollm2/grpo_smollm2.yaml")
+    demo = validate({**DEMO_SMOLLM2, "run_dir": "unused"}, source="keel demo")
+    for section in ("models", "algorithm", "reward", "rollout", "train", "eval", "checkpoint"):
+        assert getattr(example, section) == getattr(demo, section), section
+    assert example.data.max_prompt_length == demo.data.max_prompt_length
+    assert example.seed == demo.seed
+    assert Path(example.data.train).name == "train.jsonl" and Path(example.data.eval).is_file()

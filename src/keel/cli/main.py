@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", type=Path)
         _add_overrides(p)
 
-    demo = sub.add_parser("demo", help="tiny model: SFT warm-start, then GRPO on arithmetic")
+    demo = sub.add_parser("demo", help="tiny model: SFT warm-start, then GRPO on arithmetic "
+                          "(--model smollm2: GRPO on SmolLM2-135M-Instruct)")  # fmt: skip
+    demo.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                      help="tiny: the built-in tiny model (default); smollm2: "
+                      "SmolLM2-135M-Instruct, the recipe of examples/smollm2/")  # fmt: skip
     demo.add_argument("--run-dir", type=Path, help="where the GRPO run lives")
     demo.add_argument("--seed", type=int, default=None, help="seed of the GRPO run")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -282,7 +286,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from keel.cli.demo import demo
 
-        return demo(run_dir=args.run_dir, seed=args.seed, overrides=args.set)
+        return demo(run_dir=args.run_dir, seed=args.seed, overrides=args.set, model=args.model)
     if args.command == "report":
         from keel.cli.report_cmd import report
 
