@@ -496,11 +496,13 @@ def _runtime_copy(described: dict) -> str | None:
         for name in os.listdir(lib):
             if ".so" in name and not os.path.isdir(os.path.join(lib, name)):
                 place(os.path.join(lib, name), os.path.join(copy, "lib", name))
-        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-        for name in os.listdir(lib):
-            if name.startswith("python3") and os.path.isdir(os.path.join(lib, name)):
-                version = name
-        stdlib = os.path.join(lib, version)
+        # the standard library: the folder that holds its site-packages (lib/pythonX.Y)
+        folders = [os.path.dirname(s) for s in described["site"] if s.startswith(lib + "/")]
+        stdlib = (
+            folders[0]
+            if folders
+            else os.path.join(lib, f"python{sys.version_info[0]}.{sys.version_info[1]}")
+        )
         for top, dirs, files in os.walk(stdlib):
             if top == stdlib:
                 dirs[:] = [d for d in dirs if d not in _COPY_SKIPPED]
