@@ -48,3 +48,8 @@ def slow_at_first(prompt, response, answer, **kwargs):
     if n < kwargs["slow_calls"]:
         time.sleep(kwargs["seconds"])
     return digit_fraction(prompt, response, answer)
+
+
+def constant(prompt, response, answer, **kwargs):
+    """The same score for every response: every group's rewards are all equal."""
+    return 0.0

@@ -63,9 +63,25 @@ def data_cfg(truncation: str):
     return cfg.data
 
 
-def test_a_prompt_over_the_limit_is_an_error_naming_its_line_by_default():
-    with pytest.raises(DataError, match=r"t\.jsonl:2: prompt is 21 tokens, .*data\.truncation"):
+def test_a_prompt_over_the_limit_is_an_error_naming_its_line_and_the_value_to_set():
+    """The first long prompt, how many there are, and the longest: its length is the setting."""
+    with pytest.raises(DataError) as err:
         fit_prompt_lengths(build_char_tokenizer(), long_and_short(), data_cfg("error"))
+    assert str(err.value) == (
+        "t.jsonl:2: prompt is 21 tokens, more than data.max_prompt_length (8) (2 prompts are "
+        "over it); the longest, e.jsonl:5, is 31 tokens: set data.max_prompt_length: 31 or "
+        "more, or data.truncation: left (keep the last tokens) or drop"
+    )
+    cfg = data_cfg("error").model_copy(update={"max_prompt_length": 30})
+    with pytest.raises(
+        DataError,
+        match=r"^e\.jsonl:5: prompt is 31 tokens, more than "
+        r"data\.max_prompt_length \(30\): set data\.max_prompt_length: 31 or",
+    ):
+        fit_prompt_lengths(build_char_tokenizer(), long_and_short(), cfg)
+    fit_prompt_lengths(
+        build_char_tokenizer(), long_and_short(), cfg.model_copy(update={"max_prompt_length": 31})
+    )  # the value the message names is enough
 
 
 def test_drop_leaves_long_prompts_out_and_counts_them():

@@ -1,9 +1,10 @@
 """Dynamic sampling (DAPO): concatenating rollouts keeps the layout; all-equal groups are dropped
-and more batches are generated until the batch is full or the round cap is hit."""
+and more batches are generated until the batch is full or the round cap is hit; a run whose
+groups are mostly all-equal for several steps is warned (FlatGroupsWatch)."""
 
 import torch
 
-from keel.controller.sampling import DynamicSampler, concat_rollouts
+from keel.controller.sampling import DynamicSampler, FlatGroupsWatch, concat_rollouts
 from keel.types import Batch
 
 
@@ -95,3 +96,15 @@ def test_a_short_dapo_run_warns_in_events_jsonl_and_on_stderr(tiny_grpo, capsys)
     assert [(e["step"], e["rule"]) for e in events] == [(1, "dynamic_sampling")]
     assert "kept 0 of 4 groups" in events[0]["message"]
     assert "keel: [warning] step 1: dynamic sampling kept 0 of 4" in capsys.readouterr().err
+
+
+def test_flat_groups_warn_after_three_steps_in_a_row_then_at_most_every_fifty():
+    watch = FlatGroupsWatch(n=4)
+    fracs = {1: 0.75, 2: 0.4, 3: 0.6, 4: 1.0, 5: 0.55}  # step 2 breaks the first streak
+    warned = {s: watch.check(s, f, 0.0) for s, f in fracs.items()}
+    assert [s for s, w in warned.items() if w] == [5]
+    assert warned[5] is not None and warned[5].startswith("55% of the groups of step 5")
+    for remedy in ("rollout.n (now 4", "algorithm.filter_groups", "easier prompts"):
+        assert remedy in warned[5]
+    later = [s for s in range(6, 120) if watch.check(s, 1.0, 0.0)]
+    assert later == [55, 105]

@@ -470,9 +470,12 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
-    """Held-out accuracy: at step 0 and every `every` steps (greedy by default)."""
+    """Held-out accuracy (greedy by default): before the first step, every `every` steps and
+    after the last; `every: 0`: never."""
 
-    every: int = Field(10, ge=0, description="0: only at the start and the end")
+    every: int = Field(
+        10, ge=0, description="evaluate every N steps, at step 0 and after the last; 0: never"
+    )
     temperature: float = Field(0.0, ge=0, description="0 means greedy")
     max_new_tokens: int | None = None
     batch_size: int = Field(256, ge=1)
@@ -713,7 +716,21 @@ class MlflowConfig(Section):
 class MonitorConfig(Section):
     """Where metrics go: console, metrics.jsonl, Prometheus, TensorBoard, W&B, MLflow."""
 
-    progress: bool = True
+    progress: bool = Field(
+        True, description="progress on stderr: a bar on a terminal, else lines (below)"
+    )
+    progress_every_steps: int = Field(
+        10,
+        ge=0,
+        description="stderr not a terminal: a progress line every N steps (and after the "
+        "first and the last step); 0: by time only",
+    )
+    progress_every_seconds: float = Field(
+        60.0,
+        ge=0,
+        description="stderr not a terminal: a progress line after the first step that ends "
+        "this many seconds after the previous line; 0: by steps only",
+    )
     jsonl: bool = True
     prometheus: PrometheusConfig | None = Field(None, description="null: no exporter")
     tensorboard: bool = Field(False, description="write RUN_DIR/tensorboard event files")

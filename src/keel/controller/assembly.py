@@ -188,11 +188,7 @@ def fit_prompt_lengths(tokenizer: Tokenizer, data: Datasets, cfg: DataConfig) ->
     if not found:
         return data
     if cfg.truncation == "error":
-        ex, n = found[0]
-        raise DataError(
-            f"{ex.source}: prompt is {n} tokens, more than data.max_prompt_length ({limit}); "
-            "raise it, or set data.truncation: left (keep the last tokens) or drop"
-        )
+        raise DataError(too_long_message(found, limit, cfg.apply_chat_template))
     if cfg.truncation == "left":
         return replace(data, truncated_prompts=len(found), long_prompts=_describe(found))
     too_long = {id(ex) for ex, _ in found}
@@ -231,6 +227,21 @@ def check_chat_template(tokenizer: Tokenizer, examples: list[Any], chat: bool) -
             f"{messages.source} is a list of chat messages, which only a chat template renders; "
             "write text prompts, or use a model whose tokenizer has a chat template"
         )
+
+
+def too_long_message(found: list[tuple[Any, int]], limit: int, chat: bool) -> str:
+    """The error for prompts over data.max_prompt_length: the first one, how many, and the
+    longest, whose length is the value to set (a chat template's system prompt counts)."""
+    ex, n = found[0]
+    longest, most = max(found, key=lambda item: item[1])
+    what = "prompt with the chat template" if chat else "prompt"
+    others = f" ({len(found)} prompts are over it)" if len(found) > 1 else ""
+    where = "" if longest is ex else f"; the longest, {longest.source}, is {most} tokens"
+    return (
+        f"{ex.source}: {what} is {n} tokens, more than data.max_prompt_length ({limit})"
+        f"{others}{where}: set data.max_prompt_length: {most} or more, or data.truncation: "
+        "left (keep the last tokens) or drop"
+    )
 
 
 def _describe(found: list[tuple[Any, int]]) -> list[str]:

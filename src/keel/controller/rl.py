@@ -29,7 +29,7 @@ from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.pipeline import RolloutPipeline
 from keel.controller.protocol import Controller
-from keel.controller.sampling import DynamicSampler
+from keel.controller.sampling import DynamicSampler, FlatGroupsWatch
 from keel.data import BatchStream
 from keel.envs.builtin import sandbox_warnings
 from keel.envs.episodes import episode_metrics
@@ -62,6 +62,8 @@ class RLController(Controller):
             else None
         )
         self.rollouts = RolloutPipeline(self.produce, r.max_staleness)
+        # most groups all-equal for several steps: a warning (dynamic sampling has its own)
+        self.flat_groups = None if spec.dynamic_sampling else FlatGroupsWatch(r.n)
         self.max_staleness = r.max_staleness
         self.last_batch: Batch | None = None
         # (rule, message), emitted by the run loop; first: the environment's (a python tool
@@ -138,6 +140,12 @@ class RLController(Controller):
             batch, kl_metrics = self.compute_advantages(batch)
         metrics = {**batch_metrics(batch, spec.tis_cap), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
+        if self.flat_groups is not None and (
+            flat := self.flat_groups.check(
+                step, metrics["reward/all_equal_frac"], metrics["reward/mean"]
+            )
+        ):
+            self.warn("flat_groups", flat)
         if spec.overlong_filter:  # overlong filtering: after the advantages, loss mask only
             batch, metrics["response/truncated_masked"] = mask_truncated(batch)
         if roles.critic is not None:

@@ -186,7 +186,8 @@ class TrainingLoop:
         """Steps start+1 … train.steps under `preemption`'s signal handlers (a signal during the
         step-0 evaluation stops the run before step 1)."""
         cfg, keeping, actions = self.cfg, self.keeping, self.actions
-        first_eval = last_eval = self.controller.evaluate() if start == 0 else {}
+        evaluates = start == 0 and cfg.eval.every > 0  # eval.every 0: no evaluation
+        first_eval = last_eval = self.controller.evaluate() if evaluates else {}
         if first_eval:
             self._log(0, dict(first_eval))
         if preemption.signal is not None:
@@ -234,7 +235,7 @@ class TrainingLoop:
         for rule, message in self.controller.pop_warnings():
             self.events.emit(step, "warning", message, rule=rule)
         every, evaluated = self.cfg.eval.every, {}
-        if step == self.cfg.train.steps or (every and step % every == 0):
+        if every and (step == self.cfg.train.steps or step % every == 0):
             evaluated = self.controller.evaluate()
             metrics.update(evaluated)
         return metrics, evaluated

@@ -106,3 +106,49 @@ class DynamicSampler:
             "rounds": int(state["rounds"]),
             "dropped_groups": int(state["dropped_groups"]),
         }
+
+
+# More than FLAT_FRACTION of a step's groups with all-equal scores (reward/all_equal_frac), for
+# FLAT_STEPS steps in a row, is a warning; again at most once every FLAT_WARN_EVERY steps.
+FLAT_FRACTION = 0.5
+FLAT_STEPS = 3
+FLAT_WARN_EVERY = 50
+
+
+class FlatGroupsWatch:
+    """Watches reward/all_equal_frac, the fraction of a step's groups whose responses all
+    scored the same: such a group has zero advantage and gives no gradient, so a run where most
+    groups are flat learns from few of its samples (a task too hard or too easy for the model,
+    or a reward that does not vary). `check` returns the warning when it is due. Not used with
+    dynamic sampling, which drops such groups and warns when it cannot fill a step."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.streak = 0  # consecutive steps over FLAT_FRACTION
+        self.warned_at: int | None = None
+
+    def check(self, step: int, all_equal_frac: float, reward_mean: float) -> str | None:
+        if all_equal_frac <= FLAT_FRACTION:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak < FLAT_STEPS:
+            return None
+        if self.warned_at is not None and step - self.warned_at < FLAT_WARN_EVERY:
+            return None
+        self.warned_at = step
+        remedies = [
+            f"raise rollout.n (now {self.n}: more answers per prompt, more chances that one "
+            "differs)",
+            "set algorithm.filter_groups: {max_num_gen_batches: 4} (dynamic sampling: drop "
+            "such groups and generate more)",
+            "use easier prompts (a data mix the model solves some of the time) or a reward "
+            "with partial credit",
+            "check that the reward function can score the model's answers differently",
+        ]
+        return (
+            f"{all_equal_frac:.0%} of the groups of step {step} (more than "
+            f"{FLAT_FRACTION:.0%} for {self.streak} steps in a row: reward/all_equal_frac) "
+            f"scored all-equal (mean reward {reward_mean:.3g}), so they had zero advantage and "
+            "gave no gradient. Remedies: " + "; ".join(remedies) + "."
+        )

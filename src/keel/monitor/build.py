@@ -30,7 +30,11 @@ def check_monitor_config(cfg: KeelConfig) -> None:
 def build_monitor(cfg: KeelConfig, run_dir: Path, title: str) -> tuple[Monitor, SamplesLog]:
     """The run's Monitor and samples log, as `cfg.monitor` asks."""
     m = cfg.monitor
-    console = ConsoleSink(cfg.train.steps, title=title, enabled=m.progress)
+    console = ConsoleSink(
+        cfg.train.steps, title=title, every=m.progress_every_steps,
+        seconds=m.progress_every_seconds, enabled=m.progress,
+    )  # fmt: skip
+    console.announce()
     sinks: list = [console]
     if m.jsonl:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))

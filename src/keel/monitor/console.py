@@ -3,7 +3,8 @@ numbers) and a plain progress bar over items (`ItemProgress`, for `keel eval`)."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -46,16 +47,47 @@ def started_bar(
 
 
 class ConsoleSink:
-    """Progress over `total` steps; without a terminal it prints one line every `every` steps."""
+    """Progress over `total` steps. On a terminal: a bar whose description is the headline.
+    Otherwise (a log file, a pipe, a Job's logs) plain lines: after the first step this process
+    runs, then every `every` steps and after the first step that ends `seconds` or more after
+    the previous line (0 turns either off), after the last step, and at once for a row with
+    evaluation results (`eval/*`). Each line says the pace: seconds per step and the time left
+    at that pace. clock: seconds (time.monotonic), for tests."""
 
-    def __init__(self, total: int, *, title: str = "train", every: int = 10, enabled: bool = True):
+    def __init__(
+        self,
+        total: int,
+        *,
+        title: str = "train",
+        every: int = 10,
+        seconds: float = 0.0,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.total = total
-        self.every = max(every, 1)
+        self.every, self.seconds = max(every, 0), max(seconds, 0.0)
         self.enabled = enabled
+        self.clock = clock
         self.console = Console(stderr=True)
         self.last: dict[str, float] = {}
         self.measured_at: dict[str, int] = {}  # the step each key of `last` was logged at
         self.progress = started_bar(self.console, total, title, enabled, headline=True)
+        self.started = self.last_line = self.last_log = clock()
+        self.first_step: int | None = None  # the first step this process logged (a resume's)
+
+    def announce(self) -> None:
+        """Without a terminal: one line saying when progress lines will come."""
+        if self.progress is not None or not self.enabled:
+            return
+        when = [f"every {self.every} steps"] if self.every else []
+        when += [f"every {self.seconds:g} s"] if self.seconds else []
+        how = " or ".join(when) or "after the first and the last step"
+        self.console.print(
+            f"{self.total} steps; a progress line {how} (monitor.progress_every_steps, "
+            "monitor.progress_every_seconds)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.last.update(metrics)
@@ -63,12 +95,51 @@ class ConsoleSink:
         text = headline(self.last, self.measured_at)
         if self.progress is not None:
             self.progress.update(self.progress.task_ids[0], completed=step, description=text)
-        elif self.enabled and (step % self.every == 0 or step == self.total):
-            self.console.print(f"step {step}/{self.total}  {text}", highlight=False, soft_wrap=True)
+            return
+        if not self.enabled:
+            return
+        now, before = self.clock(), self.last_log
+        self.last_log = now
+        first = False
+        if step > 0 and self.first_step is None:  # its time runs from the previous row's log
+            self.first_step, self.started, first = step, before, True
+        due = (
+            first
+            or step == self.total
+            or any(key.startswith("eval/") for key in metrics)
+            or (self.every and step > 0 and step % self.every == 0)
+            or (self.seconds and now - self.last_line >= self.seconds)
+        )
+        if due:
+            self.console.print(
+                f"step {step}/{self.total}  {text}{self._pace(step, now)}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            self.last_line = now
+
+    def _pace(self, step: int, now: float) -> str:
+        """`  [12.3 s/step, 4m10s left]` from the steps this process ran; '' before any."""
+        if self.first_step is None or step < self.first_step:
+            return ""
+        done = step - self.first_step + 1
+        per = (now - self.started) / done
+        left = max(self.total - step, 0) * per
+        return f"  [{per:.3g} s/step, {duration(left)} left]"
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def duration(seconds: float) -> str:
+    """1h02m, 4m10s, 12s."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
 
 def headline(metrics: Mapping[str, float], measured_at: Mapping[str, int] | None = None) -> str:
