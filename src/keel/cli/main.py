@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MODEL_HELP = (
-    "a run directory, one of its checkpoints (RUN_DIR/checkpoints/step_N), an HF folder or a "
-    "hub id in the HF cache"
+    "a run directory, one of its checkpoints (RUN_DIR/checkpoints/step_N), an HF folder, a GGUF "
+    "file or a hub id in the HF cache"
 )
 
 

@@ -18,8 +18,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "model", metavar="MODEL",
-        help="a run directory, a checkpoint (RUN_DIR/checkpoints/step_N), an HF folder or "
-        "builtin:NAME (with --reward: a reward model, e.g. an rm run or builtin:tiny-pref-rm)",
+        help="a run directory, a checkpoint (RUN_DIR/checkpoints/step_N), an HF folder, a GGUF "
+        "file or builtin:NAME (with --reward: a reward model, e.g. an rm run or "
+        "builtin:tiny-pref-rm)",
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0: any)")
