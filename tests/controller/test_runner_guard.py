@@ -225,3 +225,8 @@ def test_the_trip_count_survives_a_kill_right_after_a_rollback(tiny_grpo, monkey
     lrs = [r["actor/lr"] for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
            if r["step"] > 0]  # fmt: skip
     assert lrs[-1] == pytest.approx(lrs[0] * cfg.guard.lr_factor)
+    # and the run version the rollback began (2), from its record: the target is version 1
+    assert state["rollback"]["run_version"] == 2
+    assert export_record(result.model_dir)["run_version"] == 2
+    [last] = [c for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints") if c.step == 6]
+    assert last.run_version == 2 and (last.model_id or "").startswith("run-v2-s6-")
