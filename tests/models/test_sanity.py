@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.checkpoint.policy import resolve_policy
 from keel.cli.main import main
 from keel.models import (
     ModelLoadError,
@@ -86,6 +87,8 @@ def test_an_eos_that_opens_the_assistants_turn_is_an_error_naming_the_folder_and
     message = str(error.value)
     assert str(folder) in message
     assert f"'<|im_start|>' (id {START})" in message and f"'<|im_end|>' (id {END})" in message
+    with pytest.raises(ModelLoadError, match="opens the assistant's turn"):
+        resolve_policy(folder)  # keel generate, eval and serve name their model so
     # through the CLI: bad input, exit 2, before any model is loaded
     assert main(["generate", str(folder), "hi", "--chat"]) == 2
     assert "opens the assistant's turn" in capsys.readouterr().err

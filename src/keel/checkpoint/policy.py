@@ -11,7 +11,7 @@ from keel.checkpoint.export import export_record
 from keel.checkpoint.sharded import is_sharded_folder
 from keel.checkpoint.state import info_of, list_checkpoints
 from keel.models.gguf import looks_like_gguf
-from keel.models.loading import hub_snapshot, is_hub_id, resolve_model_path
+from keel.models.loading import check_tokenizer, hub_snapshot, is_hub_id, resolve_model_path
 
 CHECKPOINTS = "checkpoints"
 EXPORTED = "model"  # RUN_DIR/model: the policy a finished run exports
@@ -41,7 +41,8 @@ class PolicySource:
 def resolve_policy(model: str | Path) -> PolicySource:
     """MODEL → the policy folder.
 
-    - an HF folder (config.json): itself;
+    - an HF folder (config.json): itself, its tokenizer checked as the resolver checks every
+      model's (keel.models.loading.check_tokenizer);
     - a GGUF file: its conversion in the Keel cache (keel.models.gguf.resolve_gguf);
     - a hub id (`org/name`) that is no path: its snapshot (main) in the Hugging Face cache;
     - a checkpoint (RUN_DIR/checkpoints/step_N, complete): its actor/ folder;
@@ -52,7 +53,9 @@ def resolve_policy(model: str | Path) -> PolicySource:
     path = Path(model).expanduser()
     if not path.exists():
         if is_hub_id(str(model)):  # its snapshot in the HF cache (ModelLoadError when absent)
-            return PolicySource(hub_snapshot(str(model)), hub_id=str(model))
+            snapshot = hub_snapshot(str(model))
+            check_tokenizer(snapshot)
+            return PolicySource(snapshot, hub_id=str(model))
         raise PolicyNotFound(f"{model}: no such file or directory")
     if path.is_file() and looks_like_gguf(path):  # converted once into the Keel cache
         return PolicySource(resolve_model_path(path))
@@ -60,6 +63,7 @@ def resolve_policy(model: str | Path) -> PolicySource:
         run_dir = (
             path.parent if path.name == EXPORTED and (path.parent / CHECKPOINTS).is_dir() else None
         )
+        check_tokenizer(path)  # a user's folder (a run's own were checked when it trained)
         return PolicySource(path, None, run_dir, model_id=_exported_id(path))
     if (path / "meta.json").is_file() and (path / "actor").exists():
         return _checkpoint(path)
