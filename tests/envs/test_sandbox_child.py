@@ -23,8 +23,7 @@ from keel.envs.sandbox_child import SandboxViolation, make_hook, parse_config
 CONFIG = {
     "code": "main.py", "cpu_s": 2, "memory_bytes": 2**30, "file_bytes": 2**20,
     "open_files": 64, "processes": None, "unchecked_fds": [], "pid1": False, "seccomp": False,
-    "audit_hook": True,
-    "child": None,
+    "landlock": False, "audit_hook": True, "child": None,
 }  # fmt: skip
 STDLIB = os.path.dirname(os.__file__)
 
@@ -239,3 +238,25 @@ def test_the_seccomp_filter_in_the_child_without_the_hook(tmp_path):
     proc = run_child(tmp_path, code, {**CONFIG, "seccomp": True, "audit_hook": False})
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout == "thread\nsignalled\nfork 1\nexec 1\nsocket 1\n"
+
+
+def test_landlock_in_the_child_without_the_hook(tmp_path):
+    """The child with Landlock and without the hook: the work folder and the standard library
+    work, every other path is refused by the kernel (EACCES)."""
+    if sandbox_child.landlock_abi() == 0:
+        pytest.skip("this kernel has no Landlock (Linux 5.13+, enabled in its LSM list)")
+    code = (
+        "import os, json\n"
+        "open('mine', 'w').write('x')\n"
+        "print(open('mine').read(), len(open(json.__file__).read()) > 0)\n"
+        "for path, mode in [('/etc/hostname', 'r'), ('/tmp/keel-landlock-x', 'w'),\n"
+        "                   (f'/proc/{os.getppid()}/cmdline', 'r')]:\n"
+        "    try:\n"
+        "        open(path, mode)\n"
+        "    except PermissionError as exc:\n"
+        "        print(exc.errno)\n"
+    )
+    proc = run_child(tmp_path, code, {**CONFIG, "landlock": True, "audit_hook": False})
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "x True\n13\n13\n13\n"
+    assert not Path("/tmp/keel-landlock-x").exists()

@@ -711,6 +711,13 @@ PAST_THE_HOOK = {
               "a uid 65534 process's environment", "a subinterpreter (_xxsubinterpreters)",
               "a subinterpreter (_testcapi)", "ctypes"},
 }  # fmt: skip
+# past the hook with Landlock too (a kernel that has it): what the code may reach is the work
+# folder, the standard library and /usr, its own /proc; os.stat is not Landlock's
+PAST_THE_HOOK_AND_LANDLOCK = {
+    "bwrap": {"a subinterpreter (_xxsubinterpreters)", "a subinterpreter (_testcapi)", "ctypes"},
+    "inner": {"metadata of a project file", "a subinterpreter (_xxsubinterpreters)",
+              "a subinterpreter (_testcapi)", "ctypes"},
+}  # fmt: skip
 # what the seccomp filter stops on its own (past the hook, with or without bubblewrap)
 SECCOMP_STOPS = {
     "a socket pair", "a netlink socket", "os.system", "subprocess", "posix_spawn", "fork",
@@ -726,36 +733,48 @@ def test_what_each_layer_stops(host, bubblewrap):
     host["measuring"] = True
     mode = "bwrap" if bubblewrap else "inner"
     probes = [*PROBES, *FILLS, *PROBES_BWRAP_ONLY, EXEC] if bubblewrap else [*PROBES, EXEC]
-    full = run_through_the_tool(probes, host, bubblewrap)
-    no_hook = run_with_layers_off(probes, host, bubblewrap, ("audit_hook",))
-    remove_left_behind()
-    neither = run_with_layers_off(probes, host, bubblewrap, ("audit_hook", "seccomp"))
-    remove_left_behind()
-
-    def escaped(found: dict) -> set[str]:
-        return {name for name, (outcome, _) in found.items() if outcome != "contained"}
-
-    assert escaped(full) == GAPS[mode] & {p.name for p in probes}
-    assert escaped(no_hook) <= PAST_THE_HOOK[mode], {n: no_hook[n] for n in escaped(no_hook)}
-    assert not SECCOMP_STOPS & escaped(no_hook)
-    # each of these is stopped by the seccomp filter alone: without it, past the hook, they
-    # reach the kernel (bubblewrap's namespaces and the uid stop the rest in the kernel)
-    let_through = escaped(neither) - escaped(no_hook)
-    assert let_through <= SECCOMP_STOPS
-    assert {"fork", "exec", "a netlink socket", "keyctl"} <= let_through
+    landlock = "landlock" in sandbox.isolation(bubblewrap=bubblewrap).layers
+    found = {(): run_through_the_tool(probes, host, bubblewrap)}
+    for off in [("audit_hook",), ("audit_hook", "seccomp"), ("audit_hook", "landlock"),
+                ("audit_hook", "landlock", "seccomp")]:  # fmt: skip
+        found[off] = run_with_layers_off(probes, host, bubblewrap, off)
+        remove_left_behind()
+    escaped = {
+        off: {name for name, (outcome, _) in result.items() if outcome != "contained"}
+        for off, result in found.items()
+    }
+    past_the_hook = escaped[("audit_hook",)]
+    assert escaped[()] == GAPS[mode] & {p.name for p in probes}
+    assert past_the_hook <= PAST_THE_HOOK[mode], {
+        n: found[("audit_hook",)][n] for n in past_the_hook
+    }
+    if landlock:
+        assert past_the_hook <= PAST_THE_HOOK_AND_LANDLOCK[mode]
+    assert not SECCOMP_STOPS & past_the_hook
+    # what the seccomp filter stops alone (it let through without it, past the hook): these
+    # reach the kernel without it; bubblewrap, the uid and Landlock stop the rest in the kernel
+    seccomp_alone = escaped[("audit_hook", "seccomp")] - past_the_hook
+    assert {"fork", "a netlink socket", "keyctl"} <= seccomp_alone <= SECCOMP_STOPS
+    landlock_alone = escaped[("audit_hook", "landlock")] - past_the_hook
+    if landlock and not bubblewrap:  # the host's files, as uid 65534 may reach them
+        assert {"read /etc/passwd", "create in /tmp", "the parent's cmdline"} <= landlock_alone
     if os.environ.get("KEEL_HOSTILE_TABLE"):
-        hook = {n for n, (o, d) in full.items() if o == "contained" and d.startswith("hook:")}
+        bare = escaped[("audit_hook", "landlock", "seccomp")]
+        hook = {n for n, (o, d) in found[()].items() if o == "contained" and d.startswith("hook:")}
         print(
             f"\n{mode}: {len(probes)} probes; contained with every layer "
-            f"{len(probes) - len(escaped(full))}; the audit hook stops {len(hook)}; "
-            f"past the hook contained {len(probes) - len(escaped(no_hook))}; seccomp alone "
-            f"stops {len(let_through)}; without hook and seccomp contained "
-            f"{len(probes) - len(escaped(neither))}"
+            f"{len(probes) - len(escaped[()])}; the audit hook stops {len(hook)}; past the hook "
+            f"contained {len(probes) - len(past_the_hook)}; seccomp alone stops "
+            f"{len(seccomp_alone)}; Landlock alone stops {len(landlock_alone)}; without hook, "
+            f"seccomp and Landlock contained {len(probes) - len(bare)}"
         )
+        print("seccomp alone:", sorted(seccomp_alone))
+        print("Landlock alone:", sorted(landlock_alone))
+        print("past the hook:", sorted(past_the_hook))
         for p in probes:
-            print(f"{p.name:45s} | {full[p.name][0]:9s} {full[p.name][1][:40]:40s} | "
-                  f"{no_hook[p.name][0]:9s} {no_hook[p.name][1][:40]:40s} | "
-                  f"{neither[p.name][0]:9s} {neither[p.name][1][:40]}")  # fmt: skip
+            print(f"{p.name:45s} | " + " | ".join(
+                f"{found[off][p.name][0]:9s} {found[off][p.name][1][:30]:30s}" for off in found
+            ))  # fmt: skip
 
 
 @WITH_AND_WITHOUT_BWRAP

@@ -80,7 +80,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from keel.envs.sandbox_child import AUDIT_ARCHES, SETUP_FAILED
+from keel.envs.sandbox_child import AUDIT_ARCHES, SETUP_FAILED, landlock_abi
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ WORK_SPACE_LIMIT = 64 * 2**20
 SHM_LIMIT = 64 * 2**20
 """Under bubblewrap: the size of /dev/shm's tmpfs, in bytes."""
 
-LAYERS = ("bwrap", "uid65534", "netns", "seccomp", "audit_hook", "rlimits")
+LAYERS = ("bwrap", "uid65534", "netns", "landlock", "seccomp", "audit_hook", "rlimits")
 """Every layer's name, outer to inner (the module docstring says what each is)."""
 
 _DRAIN_AFTER_KILL_S = 1.0  # how long output is still read after the process group was killed
@@ -177,6 +177,7 @@ class Isolation:
             *(("bwrap",) if self.bwrap else ()),
             *(("uid65534",) if self.host_uid == NOBODY else ()),
             *(("netns",) if self.network_namespace and not self.bwrap else ()),
+            *(("landlock",) if _landlock_version() else ()),
             *(("seccomp",) if _seccomp_machine() else ()),
             "audit_hook",
             "rlimits",
@@ -432,6 +433,19 @@ def _probe_isolation(python: str, bubblewrap: bool) -> Isolation:
     return chosen
 
 
+_landlock: list[int] = []
+
+
+def _landlock_version() -> int:
+    """This kernel's Landlock ABI version (0: none), asked once per process."""
+    if not _landlock:
+        try:
+            _landlock.append(landlock_abi())
+        except (OSError, AttributeError):
+            _landlock.append(0)
+    return _landlock[0]
+
+
 def _seccomp_machine() -> bool:
     """Whether the child installs its seccomp filter here (a machine the filter knows)."""
     return os.uname().machine in AUDIT_ARCHES
@@ -577,7 +591,7 @@ def run_python(
     start, memory_mb: address space, max_output_bytes: bytes kept per stream (stdout, stderr);
     the process is killed when a stream exceeds it. bubblewrap: use it where it works
     (isolation(python, bubblewrap=...)); require_bubblewrap: refuse to run without it.
-    layers_off: "seccomp" and/or "audit_hook", left out of this run (for the test that
+    layers_off: "landlock", "seccomp" and/or "audit_hook", left out of this run (for the test that
     measures what each layer stops, tests/envs/test_sandbox_hostile.py; the python tool never
     passes it); the result's `layers` name the layers that ran. Never
     raises for anything the code does (a syntax error, NUL bytes and lone surrogates in it
@@ -591,10 +605,10 @@ def run_python(
             "run_python: cpu_s, wall_s and memory_mb must be > 0 and max_output_bytes >= 0 "
             f"(got {cpu_s}, {wall_s}, {memory_mb}, {max_output_bytes})"
         )
-    unknown = set(layers_off) - {"seccomp", "audit_hook"}
+    unknown = set(layers_off) - {"landlock", "seccomp", "audit_hook"}
     if unknown:
         raise ValueError(
-            f"run_python: layers_off may hold 'seccomp' and 'audit_hook', not {unknown}"
+            f"run_python: layers_off may hold 'landlock', 'seccomp' and 'audit_hook', not {unknown}"
         )
     layers = isolation(python, bubblewrap=bubblewrap)
     ran = tuple(layer for layer in layers.layers if layer not in layers_off)
@@ -616,6 +630,7 @@ def run_python(
         "unchecked_fds": list(layers.pass_fds),
         "pid1": bool(layers.bwrap),
         "seccomp": "seccomp" in ran,
+        "landlock": "landlock" in ran,
         "audit_hook": "audit_hook" in ran,
     }
 

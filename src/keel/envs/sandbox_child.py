@@ -30,6 +30,7 @@ CONFIG_KEYS = {
     "unchecked_fds": list,
     "pid1": bool,  # the interpreter is a PID namespace's init (under bubblewrap)
     "seccomp": bool,  # install SECCOMP_FILTER (seccomp_program) before the hook; fail if it fails
+    "landlock": bool,  # restrict the file system with Landlock (install_landlock); fail if it fails
     "audit_hook": bool,  # install the hook (False only where a test measures the other layers)
     "child": (str, type(None)),  # this file's copy, removed before the code runs; None: keep
 }
@@ -228,9 +229,92 @@ def install_seccomp(machine, pid):
         if libc.prctl(option, argument, pointer, 0, 0) != 0:
             errno = ctypes.get_errno()
             raise OSError(errno, f"prctl({option}) failed: {os.strerror(errno)}")
+    _forget_ctypes()
+
+
+def _forget_ctypes():
+    """Drop ctypes from sys.modules, so that the code's own import of it reaches the hook."""
     for name in [name for name in sys.modules if name == "ctypes" or name.startswith("ctypes.")]:
         del sys.modules[name]
-    del sys.modules["_ctypes"]
+    sys.modules.pop("_ctypes", None)
+
+
+# ---------------------------------------------------------------- Landlock
+# Landlock (Linux 5.13+): an unprivileged process restricts its own file system access, by
+# folder. System calls 444-446 (landlock_create_ruleset, _add_rule, _restrict_self) on x86_64
+# and aarch64 alike; the access bits of <linux/landlock.h>.
+LANDLOCK_SYSCALLS = (444, 445, 446)
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
+LANDLOCK_DEVICES = {"/dev/null": "rw", "/dev/zero": "r", "/dev/urandom": "r", "/dev/random": "r"}
+"""Device files the code may open (as the hook allows them): r: reading, rw: also writing."""
+
+
+def landlock_abi():
+    """The Landlock ABI version this kernel has, 0 where it has none (or it is disabled)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    version = libc.syscall(
+        ctypes.c_long(LANDLOCK_SYSCALLS[0]), None, ctypes.c_long(0), ctypes.c_long(1)
+    )  # LANDLOCK_CREATE_RULESET_VERSION; fmt: skip
+    return max(0, version)
+
+
+def install_landlock(home, read_roots):
+    """Restrict this process (and what it starts) to: everything in `home`, reading files and
+    listing folders under `read_roots` and its own /proc/PID, the LANDLOCK_DEVICES. Every
+    other path is refused (EACCES) for every access the kernel's Landlock ABI handles (reading,
+    writing, creating, removing, linking, executing; renaming across folders from ABI 2,
+    truncating from ABI 3). no_new_privs is set first. Raises OSError when it cannot."""
+    import ctypes
+    import os
+    import stat
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+
+    def call(*args):
+        result = libc.syscall(*(ctypes.c_long(a) for a in args))
+        if result < 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"landlock system call {args[0]}: {os.strerror(error)}")
+        return result
+
+    abi = call(LANDLOCK_SYSCALLS[0], 0, 0, 1)
+    handled = (1 << 13) - 1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    on_files = (_FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE) & handled
+    attr = ctypes.create_string_buffer(struct.pack("<Q", handled), 8)
+    ruleset = call(LANDLOCK_SYSCALLS[0], ctypes.addressof(attr), 8, 0)
+    try:
+
+        def allow(path, access):
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return  # not there: nothing to allow
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    access &= on_files
+                rule = ctypes.create_string_buffer(struct.pack("<Qi", access & handled, fd), 12)
+                call(LANDLOCK_SYSCALLS[1], ruleset, 1, ctypes.addressof(rule), 0)
+            finally:
+                os.close(fd)
+
+        allow(home, handled)
+        for root in (*read_roots, f"/proc/{os.getpid()}"):
+            allow(root, _FS_READ_FILE | _FS_READ_DIR)
+        for device, mode in LANDLOCK_DEVICES.items():
+            writing = _FS_WRITE_FILE | _FS_TRUNCATE if mode == "rw" else 0
+            allow(device, _FS_READ_FILE | writing)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        call(LANDLOCK_SYSCALLS[2], ruleset, 0)
+    finally:
+        os.close(ruleset)
+    return abi
 
 
 SETUP_FAILED = "keel sandbox setup failed: "
@@ -462,12 +546,21 @@ def _run(config):
     # every descriptor open now, before the hook: one may be above RLIMIT_NOFILE
     inherited = [int(name) for name in os.listdir("/proc/self/fd")]
     _limits(config)
+    if config["landlock"]:
+        try:  # what the code may read: the standard library, /usr's shared libraries
+            reads = [*standard_library_roots(sys.path), "/usr"]
+            reads += [path for path in ("/lib", "/lib32", "/lib64") if not os.path.islink(path)]
+            install_landlock(os.getcwd(), reads)
+        except (OSError, ImportError, AttributeError) as exc:
+            sys.stderr.write(f"{SETUP_FAILED}Landlock could not be set up: {exc!r}\n")
+            os._exit(SETUP_FAILED_STATUS)
     if config["seccomp"]:
         try:
             install_seccomp(os.uname().machine, os.getpid())
         except (OSError, KeyError, ImportError, AttributeError) as exc:
             sys.stderr.write(f"{SETUP_FAILED}the seccomp filter could not be installed: {exc!r}\n")
             os._exit(SETUP_FAILED_STATUS)
+    _forget_ctypes()
     fd_bound = max([resource.getrlimit(resource.RLIMIT_NOFILE)[1], *(fd + 1 for fd in inherited)])
     with open(config["code"], "rb") as f:
         source = f.read()
