@@ -22,6 +22,11 @@ outer to inner; `isolation()` says which this machine gives, `SandboxResult.laye
   as uid 0: where no way starts it as uid 65534, run_python raises SandboxUnavailable.
 - `netns`, without bubblewrap (which has its own): a new, empty network namespace (util-linux
   `unshare --net`, as root; `unshare --user --net` otherwise).
+- `landlock`, where the kernel has Landlock (Linux 5.13+): the child restricts itself before
+  the hook (keel.envs.sandbox_child.install_landlock) to reading the standard library, /usr and
+  its own /proc/PID, the work folder, and /dev/null, /dev/zero, /dev/urandom, /dev/random; the
+  kernel refuses every other path (reading, writing, creating, executing, ...). A ruleset that
+  cannot be set up ends the run before the code.
 - `seccomp`, always on x86_64 and aarch64: a classic-BPF filter the child installs before the
   hook (keel.envs.sandbox_child.seccomp_program; no_new_privs set): no fork, vfork or exec
   (threads only: clone with CLONE_THREAD and no namespace flag), no sockets of any family, no
@@ -55,8 +60,10 @@ between the hook's check and the open (the cwd race: another thread changes the 
 directory). Past the hook, under bubblewrap the code still sees only the sandbox's file system,
 no other process and no network, and seccomp keeps it from new processes, sockets and the
 kernel's rarer doors; without bubblewrap it is an unprivileged uid 65534 process without
-network or new processes that can read and write what anyone may (world-readable files, /tmp,
-the host's /dev/shm, other uid 65534 processes' /proc files). Total disk use is bounded only
+network or new processes that Landlock keeps to the work folder, the standard library and
+/usr, and, on a kernel without Landlock, can read and write what anyone may (world-readable
+files, /tmp, the host's /dev/shm, other uid 65534 processes' /proc files; `os.stat` of any path
+in any case). Total disk use is bounded only
 under bubblewrap (elsewhere per file and by time). Syscalls seccomp allows reach the kernel: a
 kernel bug is still an escape. Linux only.
 """
