@@ -336,6 +336,16 @@ PROBES = [
     ),
     probe("ctypes", "import ctypes\nreturn ctypes.CDLL(None).getpid()"),
     # limits
+    probe(
+        "no process limit",
+        """
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        if os.getuid() == 0 or soft == resource.RLIM_INFINITY:
+            return f'uid {os.getuid()}, RLIMIT_NPROC {soft}'
+        raise LookupError(f'uid {os.getuid()}, RLIMIT_NPROC {soft}')
+        """,
+    ),
     probe("a memory bomb", "x = bytearray(2**33)\nreturn 'allocated 8 GiB'"),
     probe(
         "an mmap bomb",
