@@ -92,8 +92,8 @@ from keel.envs.sandbox_child import AUDIT_ARCHES, SETUP_FAILED, landlock_abi
 logger = logging.getLogger(__name__)
 
 NOBODY = 65534
-"""The unprivileged uid and gid the code runs as (on the host when the caller is root and the
-machine allows it; inside bubblewrap's user namespace always)."""
+"""The unprivileged uid and gid the code runs as: on the host whenever the caller is root (with
+bubblewrap or without; nothing runs it as root), inside bubblewrap's user namespace always."""
 FILE_SIZE_LIMIT = 32 * 2**20
 """RLIMIT_FSIZE: the largest file the code may write, in bytes."""
 OPEN_FILES_LIMIT = 64
@@ -101,7 +101,7 @@ OPEN_FILES_LIMIT = 64
 PROCESS_LIMIT = 256
 """RLIMIT_NPROC when the code runs as uid 65534 on the host: processes and threads of that uid,
 all sandboxes together (the kernel counts per uid). Not set otherwise: for the caller's own uid
-it would count the caller's threads, and root ignores it."""
+it would count the caller's threads (the seccomp filter lets the code start threads only)."""
 CODE_FILE = "main.py"
 """The user code's file in the sandbox directory; tracebacks name it."""
 CHILD_FILE = "keel_sandbox_child.py"
