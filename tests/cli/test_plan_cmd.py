@@ -75,3 +75,16 @@ def test_shapes_come_from_a_folder_a_builtin_name_or_the_hf_cache_without_weight
     assert config == LLAMA2_7B and where == "org/llama7b (HF cache)"
     with pytest.raises(ModelLoadError, match=r"no config\.json in the Hugging Face cache"):
         model_config("org/absent", None)
+
+
+def test_a_cpu_plan_counts_the_process_and_a_gpu_plan_the_cuda_context(run_7b, capsys):
+    from keel.cli.main import main
+
+    assert main(["plan", str(run_7b), "--device", "cpu", "--memory", "2000GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "on the CPU, 2000.00 GiB of memory" in out
+    assert "local: 1 CPU process; each holds" in out
+    assert "+ 512.0 MiB: the interpreter and libraries" in out and "per process" in out
+    assert main(["plan", str(run_7b), "--gpus", "8", "--set", "models.lora.r=16"]) == 0
+    out = capsys.readouterr().out
+    assert "+ 500.0 MiB: the CUDA context" in out and "per GPU" in out

@@ -294,7 +294,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from keel.cli.plan_cmd import plan
 
-        return plan(args.config, args.set, gpus=args.gpus, gpu_memory=args.gpu_memory)
+        return plan(
+            args.config, args.set, gpus=args.gpus, gpu_memory=args.gpu_memory, device=args.device
+        )
     if args.command == "serve":
         from keel.cli.serve_cmd import serve
 

@@ -1,4 +1,5 @@
-"""`keel plan FILE [--gpus N] [--gpu-memory 80GiB]`: whether a run fits its GPUs, before launch.
+"""`keel plan FILE [--gpus N] [--gpu-memory 80GiB] [--device cpu]`: whether a run fits its GPUs
+(or, with --device cpu, this machine's memory), before launch.
 
 Each role's shape is read from its model's config.json (a folder, a `builtin:` name, a GGUF file,
 a hub id in the HF cache: nothing is downloaded, no weights are loaded); the estimate is
@@ -51,10 +52,20 @@ def add_plan_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--gpu-memory",
+        "--memory",
+        dest="gpu_memory",
         type=memory_size,
-        default=80 * GiB,
+        default=None,
         metavar="SIZE",
-        help="memory of one GPU (default 80GiB; GB is 10⁹ bytes, a bare number GiB)",
+        help="memory of one GPU (default 80GiB), with --device cpu of the machine (default: "
+        "this machine's); GB is 10⁹ bytes, a bare number GiB",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default): per GPU, with its CUDA context; cpu: the training process's "
+        "resident memory, with the interpreter and libraries",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable)")  # fmt: skip
@@ -135,10 +146,26 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
 
 
+def machine_memory() -> int:
+    """Bytes of this machine's physical memory (80 GiB where the system does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 80 * GiB
+
+
 def plan(
-    path: Path, overrides: Sequence[str], *, gpus: int | None = None, gpu_memory: int = 80 * GiB
+    path: Path,
+    overrides: Sequence[str],
+    *,
+    gpus: int | None = None,
+    gpu_memory: int | None = None,
+    device: str = "cuda",
 ) -> int:
-    """Print the plan; 0 when it fits, 1 when it does not."""
+    """Print the plan; 0 when it fits, 1 when it does not. gpu_memory: of one GPU (default
+    80 GiB), or with device cpu of the machine (default: this machine's)."""
     from keel.config import load_config
     from keel.engine.memory import advise, plan_inputs, plan_memory, shape_from_config
     from keel.engine.memory.fit import ROLES
@@ -169,13 +196,20 @@ def plan(
             except ShapeError as e:
                 raise ModelLoadError(str(e)) from e
         shapes[role] = read[source][0]
-    inputs = plan_inputs(cfg, spec.roles, shapes, gpus=gpus, gpu_memory=gpu_memory)
+    cpu = device == "cpu"
+    if gpu_memory is None:
+        gpu_memory = machine_memory() if cpu else 80 * GiB
+    inputs = plan_inputs(
+        cfg, spec.roles, shapes, gpus=gpus, gpu_memory=gpu_memory, device="cpu" if cpu else "cuda"
+    )
     result = plan_memory(inputs)
+    unit = "process" if cpu else "GPU"
     print(
         f"{path}: {cfg.algorithm.name}, models.dtype {m.dtype}"
         f"{', LoRA r ' + str(m.lora.r) if m.lora else ''}, "
         f"{inputs.micro_batch_size} rows × {inputs.prompt_tokens + inputs.response_tokens} "
-        f"tokens per micro-batch, {size(gpu_memory)} per GPU"
+        f"tokens per micro-batch, "
+        + (f"on the CPU, {size(gpu_memory)} of memory" if cpu else f"{size(gpu_memory)} per GPU")
     )
     for source, (shape, where) in read.items():
         label = _short(source)
@@ -189,11 +223,11 @@ def plan(
     for note in inputs.notes:
         print(f"  note: {note}")
     for gpu in result.gpus:
-        _print_gpu(gpu, gpu_memory)
+        _print_gpu(gpu, gpu_memory, cpu)
     if result.fits:
-        print(f"fits: peak {size(result.peak)} of {size(gpu_memory)} per GPU")
+        print(f"fits: peak {size(result.peak)} of {size(gpu_memory)} per {unit}")
         return 0
-    print(f"does not fit: peak {size(result.peak)} of {size(gpu_memory)} per GPU. Change:")
+    print(f"does not fit: peak {size(result.peak)} of {size(gpu_memory)} per {unit}. Change:")
     for advice in advise(inputs):
         sets = " ".join(f"--set {s}" for s in advice.settings)
         verdict = "fits" if advice.fits else "does not fit"
@@ -205,14 +239,16 @@ COLUMNS = ("params", "weights", "grads", "optimizer", "activations", "ckpt off/o
            "KV cache")  # fmt: skip
 
 
-def _print_gpu(gpu: Any, gpu_memory: int) -> None:
+def _print_gpu(gpu: Any, gpu_memory: int, cpu: bool = False) -> None:
     if not any(r.resident or r.kv_cache or r.activations for r in gpu.roles):
         names = ", ".join(r.role for r in gpu.roles)
         print(f"\n{gpu.group}: {names}: no model to hold")
         return
     shard = ", FSDP" if gpu.fsdp else ""
+    unit = "CPU process" if cpu else "GPU"
     print(
-        f"\n{gpu.group}: {gpu.workers} GPU{'s' if gpu.workers > 1 else ''}{shard}; each holds "
+        f"\n{gpu.group}: {gpu.workers} {unit}{'es' if cpu and gpu.workers > 1 else ''}"
+        f"{'s' if not cpu and gpu.workers > 1 else ''}{shard}; each holds "
         f"{', '.join(r.role for r in gpu.roles)}"
     )
     rows = [("role", *COLUMNS)]
@@ -241,6 +277,9 @@ def _print_gpu(gpu: Any, gpu_memory: int) -> None:
     print(f"  resident {size(gpu.resident)} ({held})")
     for phase, total in gpu.phases.items():
         print(f"  {phase}: {size(total)}")
+    if gpu.runtime:
+        what = "the interpreter and libraries" if cpu else "the CUDA context"
+        print(f"  + {size(gpu.runtime)}: {what} (docs/memory.md), in the peak")
     verdict = "fits" if gpu.peak <= gpu_memory else "does NOT fit"
     print(f"  peak {size(gpu.peak)} ({gpu.peak_phase}) of {size(gpu_memory)}: {verdict}")
 

@@ -75,3 +75,32 @@ def trained_weights_dtype(dtype: str, pure_low_precision: bool) -> str:
 def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """`model` moved to `device` (a no-op when it is already there)."""
     return model if model_device(model) == device else model.to(device)
+
+
+# glibc's mallopt parameter, and the size from which a CPU process's allocations are their own
+# mappings (docs/memory.md, "The CPU's allocator")
+M_MMAP_THRESHOLD = -3
+CPU_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Under glibc, serve every allocation of CPU_MMAP_THRESHOLD bytes or more (a tensor of a
+    quarter million floats) by a mapping of its own, unmapped when it is freed, so a training
+    process's resident memory follows its live tensors. glibc's default raises this threshold
+    as large blocks are freed, up to 32 MiB, after which the activations of one update stay in
+    its heap and fragment it: measured on SmolLM2-135M, GRPO with LoRA on the CPU peaked at
+    4.55 GiB by default and 3.69 GiB with this (the tensors planned: 3.35 GiB). Not when
+    MALLOC_MMAP_THRESHOLD_ is set (the user's own choice), nor off glibc. True when set."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator as it is
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD) == 1

@@ -31,6 +31,7 @@ from keel.engine.devices import (
     compute_dtype,
     place,
     resolve_device,
+    return_freed_memory,
     trained_weights_dtype,
 )
 from keel.engine.distributed import is_sharded
@@ -171,13 +172,11 @@ def worker_inputs(
     """The WorkerInputs of `cfg` run as `spec` (the run plan's, and each Ray rank's own: its
     device is its own). device: False leaves the device unresolved (no worker is built here)."""
     stage = stage_plan(cfg, spec)
+    on = resolve_device(cfg.resources.device) if device else None
+    if on is not None and on.type == "cpu":
+        return_freed_memory()  # the process's memory follows its live tensors (glibc)
     return WorkerInputs(
-        models=resolve_models(
-            cfg.models,
-            stage.roles,
-            resolve_device(cfg.resources.device) if device else None,
-            tokenizer=tokenizer,
-        ),
+        models=resolve_models(cfg.models, stage.roles, on, tokenizer=tokenizer),
         stage=stage,
         batch=batch_plan(cfg),
         train=cfg.train,

@@ -57,7 +57,13 @@ def test_checkpointing_and_chunking_and_fewer_rows_each_lower_the_estimate():
     eager = activation_bytes(shape, checkpointing=False, eager_attention=True, **kw)
     assert eager > off  # the s × s scores of every head
     full = logits_bytes(rows=8, tokens=1024, vocab=32000, compute_bytes=2)
-    assert full == 8 * 1024 * 32000 * (12 + 2)
+    assert full == 8 * 1024 * 32000 * (16 + 2)  # four float32 tensors and the bf16 logits
+    shared = activation_bytes(shape, checkpointing=False, prompt_rows=1, prompt_len=512, **kw)
+    # 8 rows of one group: the prompt's 512 tokens run once, their keys and values gathered
+    gathered = 8 * 512 * 2 * shape.kv_dim * 2 * shape.num_layers
+    per_token = (off - 8 * 1536**2) / (8 * 1536)  # the mask aside, activations per token
+    assert shared == pytest.approx(per_token * (512 + 8 * 1024) + 8 * 1536**2 + gathered)
+    assert activation_bytes(shape, checkpointing=True, prompt_rows=1, prompt_len=512, **kw) == on
     assert logits_bytes(rows=8, tokens=1024, vocab=32000, compute_bytes=2,
                         chunk_tokens=1024) == full // 8  # fmt: skip
     assert logits_bytes(rows=8, tokens=1024, vocab=32000, compute_bytes=4, training=False) == (

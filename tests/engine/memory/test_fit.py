@@ -5,6 +5,7 @@ import pytest
 
 from keel.config import KeelConfig
 from keel.engine.memory import advise, plan_inputs, plan_memory, shape_from_config
+from keel.engine.memory.fit import CPU_PROCESS, CUDA_CONTEXT
 from tests.engine.memory.test_estimate import LLAMA2_7B
 
 SHAPE = shape_from_config(LLAMA2_7B)
@@ -90,6 +91,20 @@ def test_vllm_holds_its_share_of_the_gpu_and_a_reward_function_holds_nothing():
                  resources=ray)  # fmt: skip
     plan = plan_memory(plan_inputs(cfg, ROLES, SHAPES, gpu_memory=80 * GiB))
     rollout_gpu = next(g for g in plan.gpus if g.group == "groups[1]")
+    # its share holds vLLM's own CUDA context: none added
     assert rollout_gpu.resident == rollout_gpu.peak == int(0.4 * 80 * GiB)
-    (reward,) = next(g for g in plan.gpus if g.group == "driver").roles
-    assert reward.resident == 0 and reward.parameters == 0
+    driver = next(g for g in plan.gpus if g.group == "driver")
+    (reward,) = driver.roles
+    assert reward.resident == 0 and reward.parameters == 0 and driver.peak == 0
+    actor_gpu = next(g for g in plan.gpus if g.group == "groups[0]")  # the context counted
+    assert actor_gpu.runtime == CUDA_CONTEXT
+    assert actor_gpu.peak == CUDA_CONTEXT + max(actor_gpu.resident, *actor_gpu.phases.values())
+
+
+def test_a_cpu_plan_counts_the_process_and_offers_no_more_gpus():
+    inputs = plan_inputs(config(), ROLES, SHAPES, gpu_memory=80 * GiB, device="cpu")
+    plan = plan_memory(inputs)
+    assert plan.gpus[0].runtime == CPU_PROCESS
+    assert plan.peak == CPU_PROCESS + max(plan.gpus[0].phases.values())
+    settings = [s for a in advise(inputs) for s in a.settings]
+    assert "models.lora.r=16" in settings and "resources.backend=ray" not in settings

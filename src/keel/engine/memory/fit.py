@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from keel.engine.memory.estimate import (
     DTYPE_BYTES,
@@ -36,6 +36,19 @@ if TYPE_CHECKING:
 TRAINED = ("actor", "critic")
 ROLES = ("actor", "critic", "reference", "reward", "rollout")  # the order plans list them
 GiB = 1 << 30
+MiB = 1 << 20
+
+# What a device holds besides the planned tensors, a constant per GPU or per CPU process
+# (docs/memory.md, "What the device itself takes"):
+# - a GPU: the CUDA context torch creates (the driver's state, the loaded kernels, cuBLAS's
+#   workspace), about 500 MiB per GPU on recent GPUs and CUDA 12;
+# - a CPU process: the interpreter and the libraries `keel train` imports (torch, transformers,
+#   peft, keel: 362-369 MiB measured) with the tokenizer, the data, the thread pools and the
+#   kernels' buffers: 512 MiB, the resident set of `keel train` once SmolLM2-135M's weights are
+#   loaded (1025 MiB) less those weights (513 MiB).
+CUDA_CONTEXT = 500 * MiB
+CPU_PROCESS = 512 * MiB
+Device = Literal["cuda", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -79,11 +92,14 @@ class PlanInputs:
     eager_attention: bool = False
     generate_prompts: int = 1  # prompts per generate call (rollout.batch_size)
     rollout_n: int = 1
+    share_prompts: bool = False  # train.share_prompts in an RL stage: a group's prompt runs once
     rollout_engine: str = "hf"
     vllm_memory_fraction: float = 0.5
     rollout_copy: bool = False
     gpu_memory: int = 80 * GiB
     backend: str = "local"
+    device: Device = "cuda"
+    runtime: int = 0  # bytes each GPU or process holds besides tensors (CUDA_CONTEXT, CPU_PROCESS)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -127,13 +143,16 @@ class RoleMemory:
 
 @dataclass(frozen=True)
 class GPUPlan:
-    """One GPU (a rank of a group): its roles, its resident bytes, each phase's peak."""
+    """One GPU (a rank of a group) or CPU process: its roles, their resident bytes, each
+    phase's peak (tensors only), and `runtime`: what the device holds besides tensors (the CUDA
+    context; a CPU process's interpreter and libraries), counted in `peak`."""
 
     group: str
     workers: int
     fsdp: bool
     roles: tuple[RoleMemory, ...]
     phases: Mapping[str, int]
+    runtime: int = 0
 
     @property
     def resident(self) -> int:
@@ -141,7 +160,7 @@ class GPUPlan:
 
     @property
     def peak(self) -> int:
-        return max([self.resident, *self.phases.values()])
+        return self.runtime + max([self.resident, *self.phases.values()])
 
     @property
     def peak_phase(self) -> str:
@@ -207,6 +226,7 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
             states = model_state_bytes(
                 trained, 0, trained_bytes=inputs.trained_bytes, frozen_bytes=b, shards=shards
             )
+        shared = inputs.share_prompts and inputs.rollout_n > 1 and head == "lm"
         acts = {
             on: activation_bytes(
                 shape,
@@ -215,6 +235,8 @@ def _role_memory(inputs: PlanInputs, role: RoleInput, group: GroupInput) -> Role
                 compute_bytes=b,
                 checkpointing=on,
                 eager_attention=inputs.eager_attention,
+                prompt_rows=-(-rows // inputs.rollout_n) if shared else None,
+                prompt_len=inputs.prompt_tokens,
             )
             for on in (False, True)
         }
@@ -341,9 +363,18 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         actor = inputs.roles.get("actor")
         if actor is not None and "actor" in group.roles and actor.shape is not None:
             phases["actor log-probs"] = resident + _no_grad_pass(actor.shape, inputs, group)
+        # none where nothing is held (the driver's reward function), nor for vLLM alone, whose
+        # gpu_memory_utilization share holds its own context
+        holds = [r for r in roles if r.resident or r.kv_cache or r.activations]
+        alone = bool(holds) and all(r.reserved for r in holds)
         gpus.append(
             GPUPlan(
-                group=group.name, workers=group.workers, fsdp=group.fsdp, roles=roles, phases=phases
+                group=group.name,
+                workers=group.workers,
+                fsdp=group.fsdp,
+                roles=roles,
+                phases=phases,
+                runtime=inputs.runtime if holds and not alone else 0,
             )
         )
     return MemoryPlan(gpus=tuple(gpus), gpu_memory=inputs.gpu_memory)
@@ -404,6 +435,8 @@ def advise(inputs: PlanInputs) -> list[Advice]:
     if len(levers) > 1:
         plan = plan_memory(together)
         out.append(Advice(tuple(settings_all), plan.peak, plan.fits))
+    if inputs.device == "cpu":  # more processes on one machine share its memory
+        return out
     i = _actor_group(inputs)
     now = inputs.groups[i]
     for n in (now.workers, 2, 4, 8, 16, 32, 64, 128, 256, 512):
@@ -452,11 +485,14 @@ def plan_inputs(
     *,
     gpus: int | None = None,
     gpu_memory: int = 80 * GiB,
+    device: Device = "cuda",
 ) -> PlanInputs:
     """The planner's inputs from a validated `KeelConfig`. roles: the algorithm's roles
     (`AlgorithmSpec.roles`); shapes: each role's model shape (None: no model, e.g. a reward
     function). gpus: ranks of the actor's group (each one GPU; default: the config's workers;
-    with the local backend all roles share one process, planned as one group of `gpus`)."""
+    with the local backend all roles share one process, planned as one group of `gpus`).
+    device: cuda (each GPU also holds CUDA_CONTEXT) or cpu (each process: CPU_PROCESS, and the
+    memory is the machine's)."""
     from keel.config import batch_plan
     from keel.config.derived import OFFLINE, PAIR_STAGES
 
@@ -557,10 +593,13 @@ def plan_inputs(
         eager_attention=m.attn_implementation == "eager",
         generate_prompts=r.batch_size or t.batch_size,
         rollout_n=r.n,
+        share_prompts=t.share_prompts and name not in OFFLINE,
         rollout_engine=r.engine,
         vllm_memory_fraction=r.vllm.gpu_memory_utilization,
         rollout_copy=rollout_copy,
         gpu_memory=gpu_memory,
         backend=cfg.resources.backend,
+        device=device,
+        runtime=CUDA_CONTEXT if device == "cuda" else CPU_PROCESS,
         notes=tuple(notes),
     )
