@@ -198,7 +198,8 @@ def _demo_smollm2(cfg: Any, say: Any) -> int:
         "(`What is 7 * 8?` → a response whose last number is 56), answered in "
         f"{cfg.rollout.max_new_tokens} tokens.\n"
         f"  GRPO: {cfg.train.steps} steps × {cfg.train.batch_size} prompts × {cfg.rollout.n} "
-        f"samples, held-out accuracy every {cfg.eval.every} steps; about 10-20 CPU-minutes.\n"
+        f"samples, held-out accuracy every {cfg.eval.every} steps; about 4 minutes of one CPU "
+        "core (longer on a busy machine).\n"
         "  The model: a hub id (downloaded unless HF_HUB_OFFLINE=1), a local folder or a .gguf "
         "file: --set models.actor=PATH"
     )
