@@ -36,7 +36,8 @@ def test_progress_lines_on_a_pipe_no_evaluation_and_the_flat_groups_warning(
         assert found, f"no line starts with {prefix!r}:\n{proc.stderr}"
         return found[0]
 
-    assert "a progress line every 3 steps (monitor.progress_every_steps" in proc.stderr
+    announced = index("4 steps; a progress line every 3 steps (monitor.progress_every_steps")
+    assert announced == index("step 1/4") - 1  # with the first line, not at the start
     progress = [line.split("  ")[0] for line in lines if line.startswith("step ")]
     assert progress == ["step 1/4", "step 3/4", "step 4/4"]  # the first, every 3rd, the last
     assert " s/step, " in lines[index("step 1/4")]

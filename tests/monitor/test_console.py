@@ -14,6 +14,8 @@ def test_eval_accuracy_between_evaluations_shows_its_step(capsys):
         sink.log(step, metrics)
     lines = [line.split("  [")[0] for line in capsys.readouterr().err.splitlines()]
     assert lines == [
+        "30 steps; a progress line every 10 steps (monitor.progress_every_steps, "
+        "monitor.progress_every_seconds)",  # with the first line, here step 0's evaluation
         "step 0/30  eval_acc=0.25 (step 0)",
         "step 1/30  reward=0.01  eval_acc=0.25 (step 0)",
         "step 10/30  reward=0.1  eval_acc=0.25 (step 0)",
@@ -31,20 +33,19 @@ class Clock:
 
 
 def test_lines_by_seconds_carry_the_pace(capsys):
-    """every 0 steps, 60 s: a line after the first step, then after the first step ending 60 s
-    or more after the previous line, and after the last; each with s/step and the time left."""
+    """every 0 steps, 60 s: a line after the first step (the line saying when lines come just
+    before it, not at the start), then after the first step ending 60 s or more after the
+    previous line, and after the last; each with s/step and the time left."""
     clock = Clock()
     sink = ConsoleSink(total=10, every=0, seconds=60, enabled=True, clock=clock)
-    sink.announce()
+    assert capsys.readouterr().err == ""  # an error before the first step stays the only line
     for step in range(1, 11):
         clock.now += 25.0  # 25 s per step
         sink.log(step, {"reward/mean": 0.5})
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == (
+    assert lines == [
         "10 steps; a progress line every 60 s (monitor.progress_every_steps, "
-        "monitor.progress_every_seconds)"
-    )
-    assert lines[1:] == [
+        "monitor.progress_every_seconds)",
         "step 1/10  reward=0.5  [25 s/step, 3m45s left]",
         "step 4/10  reward=0.5  [25 s/step, 2m30s left]",
         "step 7/10  reward=0.5  [25 s/step, 1m15s left]",
@@ -54,7 +55,6 @@ def test_lines_by_seconds_carry_the_pace(capsys):
 
 def test_disabled_prints_nothing(capsys):
     sink = ConsoleSink(total=3, every=1, seconds=1, enabled=False)
-    sink.announce()
     for step in range(4):
         sink.log(step, {"eval/accuracy": 0.1, "reward/mean": 0.2})
     assert capsys.readouterr().err == ""

@@ -34,7 +34,6 @@ def build_monitor(cfg: KeelConfig, run_dir: Path, title: str) -> tuple[Monitor, 
         cfg.train.steps, title=title, every=m.progress_every_steps,
         seconds=m.progress_every_seconds, enabled=m.progress,
     )  # fmt: skip
-    console.announce()
     sinks: list = [console]
     if m.jsonl:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))

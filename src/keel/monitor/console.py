@@ -52,7 +52,9 @@ class ConsoleSink:
     runs, then every `every` steps and after the first step that ends `seconds` or more after
     the previous line (0 turns either off), after the last step, and at once for a row with
     evaluation results (`eval/*`). Each line says the pace: seconds per step and the time left
-    at that pace. clock: seconds (time.monotonic), for tests."""
+    at that pace. The first line comes with one before it saying when lines will come (not at
+    the start: a run that stops on an error before its first line prints only the error).
+    clock: seconds (time.monotonic), for tests."""
 
     def __init__(
         self,
@@ -74,19 +76,16 @@ class ConsoleSink:
         self.progress = started_bar(self.console, total, title, enabled, headline=True)
         self.started = self.last_line = self.last_log = clock()
         self.first_step: int | None = None  # the first step this process logged (a resume's)
+        self.announced = False  # the line saying when lines come, printed with the first one
 
-    def announce(self) -> None:
-        """Without a terminal: one line saying when progress lines will come."""
-        if self.progress is not None or not self.enabled:
-            return
+    def announcement(self) -> str:
+        """Without a terminal: the line saying when progress lines will come."""
         when = [f"every {self.every} steps"] if self.every else []
         when += [f"every {self.seconds:g} s"] if self.seconds else []
         how = " or ".join(when) or "after the first and the last step"
-        self.console.print(
+        return (
             f"{self.total} steps; a progress line {how} (monitor.progress_every_steps, "
-            "monitor.progress_every_seconds)",
-            highlight=False,
-            soft_wrap=True,
+            "monitor.progress_every_seconds)"
         )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -111,6 +110,9 @@ class ConsoleSink:
             or (self.seconds and now - self.last_line >= self.seconds)
         )
         if due:
+            if not self.announced:
+                self.console.print(self.announcement(), highlight=False, soft_wrap=True)
+                self.announced = True
             self.console.print(
                 f"step {step}/{self.total}  {text}{self._pace(step, now)}",
                 highlight=False,
