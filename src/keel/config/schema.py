@@ -471,10 +471,17 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     """Held-out accuracy (greedy by default): before the first step, every `every` steps and
-    after the last; `every: 0`: never."""
+    after the last; `every: 0`: never. `at_start` / `at_end` force the evaluation before the
+    first step / after the last one on or off (null: as `every` says)."""
 
     every: int = Field(
         10, ge=0, description="evaluate every N steps, at step 0 and after the last; 0: never"
+    )
+    at_start: bool | None = Field(
+        None, description="evaluate before the first step (step 0); null: when every > 0"
+    )
+    at_end: bool | None = Field(
+        None, description="evaluate after the last step; null: when every > 0"
     )
     temperature: float = Field(0.0, ge=0, description="0 means greedy")
     max_new_tokens: int | None = None

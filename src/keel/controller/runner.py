@@ -157,6 +157,12 @@ def _run(
             loop.close()
 
 
+def scheduled(forced: bool | None, every: int) -> bool:
+    """Whether the evaluation before the first step (`eval.at_start`) or after the last
+    (`eval.at_end`) runs: as forced, else when `eval.every` > 0."""
+    return every > 0 if forced is None else forced
+
+
 class TrainingLoop:
     """The step loop and the run's files: each step, its evaluation, the guard's verdict (its
     actions: `actions`), the checkpoint due (`keeping`), the logged row and samples, signals."""
@@ -186,7 +192,7 @@ class TrainingLoop:
         """Steps start+1 … train.steps under `preemption`'s signal handlers (a signal during the
         step-0 evaluation stops the run before step 1)."""
         cfg, keeping, actions = self.cfg, self.keeping, self.actions
-        evaluates = start == 0 and cfg.eval.every > 0  # eval.every 0: no evaluation
+        evaluates = start == 0 and scheduled(cfg.eval.at_start, cfg.eval.every)
         first_eval = last_eval = self.controller.evaluate() if evaluates else {}
         if first_eval:
             self._log(0, dict(first_eval))
@@ -235,7 +241,8 @@ class TrainingLoop:
         for rule, message in self.controller.pop_warnings():
             self.events.emit(step, "warning", message, rule=rule)
         every, evaluated = self.cfg.eval.every, {}
-        if every and (step == self.cfg.train.steps or step % every == 0):
+        last = step == self.cfg.train.steps and scheduled(self.cfg.eval.at_end, every)
+        if last or (every and step % every == 0):
             evaluated = self.controller.evaluate()
             metrics.update(evaluated)
         return metrics, evaluated
