@@ -27,7 +27,7 @@ def own_task(tmp_path, tiny_dir, rows, **data):
         "data": {"train": "data/train.jsonl", "eval": "data/eval.jsonl", **data},
         "reward": {"fn": "builtin:exact_match"},
         "train": {"steps": 2, "batch_size": 2, "lr": 1e-3},
-        "eval": {"every": 0},
+        "eval": {"every": 2},  # before the first step and after the last
         "monitor": {"progress": False},
     }
     path = conf / "run.yaml"

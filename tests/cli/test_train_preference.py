@@ -16,7 +16,7 @@ def test_rm_trains_exports_and_scores_grpo_rollouts(keel, tiny_dir, tmp_path):
     proc = keel(
         "train", "examples/rm_pref_tiny.yaml", "--run-dir", str(rm_dir),
         "--set", f"models.actor={tiny_dir}", "--set", "train.steps=30",
-        "--set", "eval.every=0", "--set", "data.arithmetic.eval_size=64",
+        "--set", "eval.every=30", "--set", "data.arithmetic.eval_size=64",  # steps 0 and 30
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "eval/rm/accuracy" in proc.stderr

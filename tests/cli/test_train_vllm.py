@@ -99,7 +99,7 @@ def runs(tmp_path_factory):
     cache = root / "cache"
     started = {
         "trains": WatchedRun(root / "trains", [*base, f"{reward}:digit_fraction",
-                                               "train.steps=3"], cache),
+                                               "train.steps=3", "eval.every=3"], cache),
         "crashes": WatchedRun(root / "crashes", [*base, f"{reward}:explode"], cache),
         "sigterm": WatchedRun(root / "sigterm", [*base, f"{reward}:digit_fraction",
                                                  "train.steps=200", "rollout.max_staleness=1"],

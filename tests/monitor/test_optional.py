@@ -190,7 +190,7 @@ def test_online_with_a_server_out_of_reach_fails_within_the_init_timeout(
 
 def test_an_offline_run_is_one_wandb_run_across_a_resume(tiny_dir, tmp_path, no_wandb_credentials):
     raw = tiny_grpo(tiny_dir, tmp_path / "run", wandb={"project": "keel-test", "tags": ["t"]})
-    raw["train"]["steps"], raw["eval"]["every"] = 4, 0
+    raw["train"]["steps"], raw["eval"]["every"] = 4, 4  # evaluations at steps 0 and 4
     cfg = validate(raw)
     with pytest.raises(RunPreempted):
         run_training(cfg, stop_after=2)  # checkpoint at step 2, then stop
