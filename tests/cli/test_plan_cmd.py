@@ -88,3 +88,6 @@ def test_a_cpu_plan_counts_the_process_and_a_gpu_plan_the_cuda_context(run_7b, c
     assert main(["plan", str(run_7b), "--gpus", "8", "--set", "models.lora.r=16"]) == 0
     out = capsys.readouterr().out
     assert "+ 500.0 MiB: the CUDA context" in out and "per GPU" in out
+    assert "--device cpu plans a run on this machine's CPU" in out  # resources.device: auto
+    assert main(["plan", str(run_7b), "--set", "resources.device=cpu", "--memory", "2000"]) == 0
+    assert "1 CPU process" in capsys.readouterr().out  # the config's device by default

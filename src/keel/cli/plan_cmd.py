@@ -63,9 +63,10 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
-        default="cuda",
-        help="cuda (default): per GPU, with its CUDA context; cpu: the training process's "
-        "resident memory, with the interpreter and libraries",
+        default=None,
+        help="cuda: per GPU, with its CUDA context; cpu: the training process's resident "
+        "memory, with the interpreter and libraries; default: cpu when the config says "
+        "resources.device: cpu, else cuda",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable)")  # fmt: skip
@@ -162,10 +163,11 @@ def plan(
     *,
     gpus: int | None = None,
     gpu_memory: int | None = None,
-    device: str = "cuda",
+    device: str | None = None,
 ) -> int:
     """Print the plan; 0 when it fits, 1 when it does not. gpu_memory: of one GPU (default
-    80 GiB), or with device cpu of the machine (default: this machine's)."""
+    80 GiB), or with device cpu of the machine (default: this machine's). device: cuda or cpu
+    (default: cpu when resources.device is cpu, else cuda)."""
     from keel.config import load_config
     from keel.engine.memory import advise, plan_inputs, plan_memory, shape_from_config
     from keel.engine.memory.fit import ROLES
@@ -196,6 +198,8 @@ def plan(
             except ShapeError as e:
                 raise ModelLoadError(str(e)) from e
         shapes[role] = read[source][0]
+    if device is None:
+        device = "cpu" if cfg.resources.device == "cpu" else "cuda"
     cpu = device == "cpu"
     if gpu_memory is None:
         gpu_memory = machine_memory() if cpu else 80 * GiB
@@ -222,6 +226,8 @@ def plan(
         )
     for note in inputs.notes:
         print(f"  note: {note}")
+    if not cpu and cfg.resources.device == "auto":
+        print("  note: planned for GPUs; --device cpu plans a run on this machine's CPU")
     for gpu in result.gpus:
         _print_gpu(gpu, gpu_memory, cpu)
     if result.fits:
