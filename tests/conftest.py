@@ -88,6 +88,7 @@ def smollm2_gguf(smollm2_dir, _private_keel_cache):
 TINY_GRPO = [
     "data.arithmetic.eval_size=8", "train.batch_size=4", "train.mini_batch_size=4",
     "train.warmup_steps=0", "rollout.n=4", "monitor.progress=false", "eval.every=0",
+    "eval.at_start=true", "eval.at_end=true",  # evaluate before the first and after the last step
 ]  # fmt: skip
 
 
