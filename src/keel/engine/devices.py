@@ -89,7 +89,8 @@ def return_freed_memory() -> bool:
     process's resident memory follows its live tensors. glibc's default raises this threshold
     as large blocks are freed, up to 32 MiB, after which the activations of one update stay in
     its heap and fragment it: measured on SmolLM2-135M, GRPO with LoRA on the CPU peaked at
-    4.55 GiB by default and 3.69 GiB with this (the tensors planned: 3.35 GiB). Not when
+    4.46-4.55 GiB by default and 3.65-3.69 GiB with this, for about 8% more CPU time (the
+    kernel zeroing the pages of each new mapping; docs/memory.md). Not when
     MALLOC_MMAP_THRESHOLD_ is set (the user's own choice), nor off glibc. True when set."""
     import ctypes
     import ctypes.util
