@@ -36,7 +36,8 @@ def tiny_grpo(tiny_dir, run_dir, **resources):
         "data": {"arithmetic": {"eval_size": 4}}, "rollout": {"n": 4, "max_new_tokens": 4},
         "train": {"batch_size": 8, "mini_batch_size": 16, "micro_batch_size": 4, "lr": 1e-3,
                   "steps": 3},
-        "eval": {"every": 0}, "resources": resources,
+        "eval": {"every": 0, "at_start": True, "at_end": True},  # before step 1, after the last
+        "resources": resources,
     })  # fmt: skip
 
 

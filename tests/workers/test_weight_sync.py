@@ -141,7 +141,7 @@ def grpo(tiny_dir, run_dir, transport, steps=2, rollout_workers=1):
         "data": {"arithmetic": {"eval_size": 4}}, "rollout": {"n": 4, "max_new_tokens": 4},
         "train": {"batch_size": 4, "mini_batch_size": 16, "micro_batch_size": 8, "lr": 1e-3,
                   "steps": steps},
-        "eval": {"every": 0},
+        "eval": {"every": 0, "at_start": True, "at_end": True},  # before step 1, after the last
         "resources": {"backend": "ray", "weight_sync": transport,
                       "weight_sync_bucket_mb": 0.05, "groups": [
             {"roles": ["actor"], "workers": 1, "cpus_per_worker": 0.25},
