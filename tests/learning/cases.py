@@ -5,8 +5,9 @@ shorter budget, a shared warm start, a private run directory). A case passes whe
 moves in the right direction by at least `margin` between the first and the last measurement:
 
 - eval metrics (`eval/...`) are measured on held-out data at step 0, then every `eval_every`
-  steps; the end value is the mean of the last `window` evaluations (one evaluation moves by a
-  few points between neighbouring steps on this small model; the mean of three does not);
+  steps and after the last step (eval.at_start, eval.at_end); the end value is the mean of the
+  last `window` evaluations (one evaluation moves by a few points between neighbouring steps on
+  this small model; the mean of three does not);
 - training metrics (KL, the critic's explained variance) are averaged over the first and the
   last `window` logged steps.
 
@@ -87,6 +88,7 @@ class LearningCase:
         extra = [o.replace(WARM, str(warm)) for o in self.overrides]
         actor = [f"models.actor={warm}"] if self.needs_warm_start and warm is not None else []
         return [*COMMON, *actor, f"train.steps={self.steps}", f"eval.every={self.eval_every}",
+                "eval.at_start=true", "eval.at_end=true",  # eval_every 0: step 0 and the last
                 f"seed={seed}", f"run_dir={run_dir}", *extra]  # fmt: skip
 
 

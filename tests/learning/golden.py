@@ -54,6 +54,7 @@ DEFAULT_TOL = (2e-5, 1e-3)
 
 COMMON = (
     f"train.steps={STEPS}", "seed=0", "eval.every=0", "data.arithmetic.eval_size=8",
+    "eval.at_start=true", "eval.at_end=true",  # the curves were recorded with these two
     "checkpoint.save_steps=0", "monitor.progress=false", "monitor.tensorboard=false",
     "monitor.samples.every=0", "train.warmup_steps=2",
 )  # fmt: skip
