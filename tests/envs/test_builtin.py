@@ -81,3 +81,16 @@ def test_a_python_tool_without_bubblewrap_is_refused_when_required(monkeypatch):
         sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=True)
     [(rule, _)] = sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=False)
     assert rule == "sandbox"
+
+
+def test_a_python_tool_told_not_to_use_bubblewrap_is_refused_when_required():
+    """The tool's own `bubblewrap: false` option is no way around rollout.env.require_bubblewrap:
+    the startup check probes the sandbox as the tool will run it."""
+    from keel.envs.builtin import sandbox_warnings
+    from keel.envs.loading import EnvLoadError
+
+    kwargs = {"tools": [{"name": "python", "bubblewrap": False}]}
+    with pytest.raises(EnvLoadError, match=r"require_bubblewrap is true .* bubblewrap: false"):
+        sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=True)
+    [(rule, message)] = sandbox_warnings("builtin:tools", kwargs, require_bubblewrap=False)
+    assert rule == "sandbox" and "without bubblewrap" in message

@@ -181,11 +181,18 @@ def sandbox_warnings(
         if not isinstance(options, Mapping) or options.get("name") not in PYTHON_TOOL:
             continue
         python = options.get("python", sys.executable)
-        found = isolation(python)
+        found = isolation(python, bubblewrap=options.get("bubblewrap", True) is not False)
         if not found.command:
             raise EnvLoadError(
                 f"rollout.env.kwargs.tools: the python tool's sandbox cannot run code here: "
                 f"{found.note} (docs/tools.md)"
+            )
+        if require_bubblewrap and options.get("bubblewrap", True) is False:
+            raise EnvLoadError(
+                "rollout.env.require_bubblewrap is true and the python tool's options say "
+                "bubblewrap: false (rollout.env.kwargs.tools): drop that option, or set "
+                "rollout.env.require_bubblewrap: false to run the code without bubblewrap "
+                "(docs/tools.md)"
             )
         if require_bubblewrap and "bwrap" not in found.layers:
             raise EnvLoadError(
