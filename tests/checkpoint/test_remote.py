@@ -14,11 +14,18 @@ from unittest.mock import ANY
 
 import pytest
 
-from keel.checkpoint.export import export_record, parse_model_id
-from keel.checkpoint.remote import download_checkpoint, upload_checkpoint, upload_options
+from keel.checkpoint.export import ADAPTER_FOLDER, export_record, parse_model_id
+from keel.checkpoint.remote import (
+    download_checkpoint,
+    upload_checkpoint,
+    upload_export,
+    upload_options,
+)
+from keel.checkpoint.state import CheckpointError
 from keel.controller import run_training
 from keel.guard import read_events
 from keel.monitor import read_metrics
+from tests.checkpoint.test_export import lora_sft
 
 
 @pytest.fixture
@@ -135,6 +142,43 @@ def test_aes256_uploads_and_older_layouts(tiny_grpo, tmp_path, s3_server):
     assert (fetched / "actor" / "model.safetensors").read_bytes() == (
         local / "actor" / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_lora_runs_adapter_is_uploaded_in_its_export(tiny_dir, tmp_path, s3_server):
+    """A LoRA run's RUN_DIR/adapter goes up inside its export's folder
+    (URL/models/<model id>/adapter/), encrypted like every other object, before the export
+    record; an adapter folder without peft's config is refused before anything is written."""
+    import s3fs
+
+    run_dir = tmp_path / "run"
+    cfg = lora_sft(
+        tiny_dir, run_dir, "train.steps=1", "checkpoint.upload_to=s3://keel-ckpt/lora",
+        "checkpoint.upload_encryption={type: AES256}",
+    )  # fmt: skip
+    cfg.checkpoint.storage_options = s3_server
+    result = run_training(cfg)
+    model_id = export_record(result.model_dir)["model_id"]
+    fs = s3fs.S3FileSystem(**s3_server)
+    remote = f"keel-ckpt/lora/models/{model_id}"
+    assert fs.cat_file("keel-ckpt/lora/models/latest").decode().strip() == model_id
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (
+            fs.cat_file(f"{remote}/adapter/{name}")
+            == (run_dir / ADAPTER_FOLDER / name).read_bytes()
+        )
+    assert (
+        fs.cat_file(f"{remote}/model.safetensors")
+        == (result.model_dir / "model.safetensors").read_bytes()
+    )
+    encrypted = encryption_of(s3_client(s3_server, "s3"), "keel-ckpt", "lora/")
+    assert f"lora/models/{model_id}/adapter/adapter_model.safetensors" in encrypted
+    assert f"lora/models/{model_id}/keel_export.json" in encrypted
+    assert set(encrypted.values()) == {("AES256", None)}
+
+    options = upload_options("s3://keel-ckpt/bad", s3_server, {"type": "AES256"})
+    with pytest.raises(CheckpointError, match=r"no adapter_config\.json"):
+        upload_export(result.model_dir, "s3://keel-ckpt/bad", options, tmp_path)
+    assert not fs.exists("keel-ckpt/bad")
 
 
 def test_failed_upload_is_an_event_and_training_goes_on(tiny_grpo):

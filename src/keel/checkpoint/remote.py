@@ -4,7 +4,8 @@
 Layout under `checkpoint.upload_to` (URL): each checkpoint in `URL/<model id>/` (its versioned
 model id, keel.checkpoint.export.Lineage; a checkpoint without one, written before ids existed,
 in `URL/<step folder>/`), `URL/latest` naming the newest; the exported policy in
-`URL/models/<model id>/`, `URL/models/latest` naming it. A model id is unique per save, so an
+`URL/models/<model id>/` (a LoRA run's peft adapter, RUN_DIR/adapter, in its `adapter/`),
+`URL/models/latest` naming it. A model id is unique per save, so an
 upload never replaces an earlier one (a rollback's new trajectory saves its steps again under
 new ids).
 
@@ -25,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keel.checkpoint.export import EXPORT_RECORD, export_record, step_folder_name
+from keel.checkpoint.export import (
+    ADAPTER_FOLDER,
+    EXPORT_RECORD,
+    export_record,
+    step_folder_name,
+)
 from keel.checkpoint.state import LATEST, MARKER, CheckpointError, read_meta, validate_checkpoint
 from keel.durable import fsync_dir
 
@@ -48,25 +54,48 @@ def upload_checkpoint(folder: Path, url: str, storage_options: dict[str, Any]) -
     return _upload_folder(folder, url, name, MARKER, storage_options)
 
 
-def upload_export(folder: Path, url: str, storage_options: dict[str, Any]) -> str:
-    """Copy the exported policy `folder` (RUN_DIR/model) to `url/models/<model id>/`, its
-    export record last, and update `url/models/latest`; returns the remote folder's URL."""
+def upload_export(
+    folder: Path, url: str, storage_options: dict[str, Any], adapter: Path | None = None
+) -> str:
+    """Copy the exported policy `folder` (RUN_DIR/model) to `url/models/<model id>/` (with
+    `adapter`, a LoRA run's RUN_DIR/adapter, in its `adapter/` subfolder), its export record
+    last, and update `url/models/latest`; returns the remote folder's URL."""
     record = export_record(folder)
     name = record.get("model_id") or f"model-{step_folder_name(int(record.get('step', 0)))}"
+    extra: dict[str, Path] = {}
+    if adapter is not None:
+        if not (adapter / "adapter_config.json").is_file():
+            raise CheckpointError(f"{adapter} is no peft adapter folder (no adapter_config.json)")
+        if (folder / ADAPTER_FOLDER).exists():  # save_pretrained never writes one
+            raise CheckpointError(f"{folder} holds an {ADAPTER_FOLDER}/ of its own")
+        extra[ADAPTER_FOLDER] = adapter
     return _upload_folder(folder, f"{url.rstrip('/')}/{MODELS}", name, EXPORT_RECORD,
-                          storage_options)  # fmt: skip
+                          storage_options, extra)  # fmt: skip
 
 
 def _upload_folder(
-    folder: Path, url: str, name: str, marker: str, storage_options: dict[str, Any]
+    folder: Path,
+    url: str,
+    name: str,
+    marker: str,
+    storage_options: dict[str, Any],
+    extra: dict[str, Path] | None = None,
 ) -> str:
-    """Every file of `folder` to `url/name/`, `marker` last, then `url/latest` naming it."""
+    """Every file of `folder` (and of each `extra` folder, in its subfolder of that name) to
+    `url/name/`, `marker` last, then `url/latest` naming it."""
     fs, root = _filesystem(url, storage_options)
     remote = f"{root}/{name}"
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / marker)
+    files = [
+        (p, p.relative_to(folder).as_posix())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p != folder / marker
+    ]
+    for sub, local in (extra or {}).items():
+        files += [(p, f"{sub}/{p.relative_to(local).as_posix()}")
+                  for p in sorted(local.rglob("*")) if p.is_file()]  # fmt: skip
     made: set[str] = set()
-    for file in files:
-        target = f"{remote}/{file.relative_to(folder).as_posix()}"
+    for file, relative in files:
+        target = f"{remote}/{relative}"
         parent = posixpath.dirname(target)
         if parent not in made:  # file:// needs its folders (a sharded role's dcp/ too)
             fs.makedirs(parent, exist_ok=True)
@@ -161,6 +190,7 @@ class UploadJob:
     step: int
     folder: Path
     export: bool = False  # the exported policy (upload_export), never superseded
+    adapter: Path | None = None  # with export: a LoRA run's RUN_DIR/adapter, uploaded with it
 
 
 class BackgroundUploader:
@@ -200,10 +230,11 @@ class BackgroundUploader:
             self._start()
             return skipped
 
-    def submit_export(self, step: int, folder: Path) -> None:
-        """Queue the exported policy `folder` (of `step`), after the checkpoints queued."""
+    def submit_export(self, step: int, folder: Path, adapter: Path | None = None) -> None:
+        """Queue the exported policy `folder` (of `step`; with `adapter`, a LoRA run's adapter
+        folder, uploaded in its `adapter/`), after the checkpoints queued."""
         with self._cond:
-            job = UploadJob(step, folder, export=True)
+            job = UploadJob(step, folder, export=True, adapter=adapter)
             if self._running is None:
                 self._running = job
             else:
@@ -249,8 +280,10 @@ class BackgroundUploader:
                     return
                 job = self._running
             try:
-                upload = upload_export if job.export else upload_checkpoint
-                url = upload(job.folder, self.url, self.options)
+                if job.export:
+                    url = upload_export(job.folder, self.url, self.options, job.adapter)
+                else:
+                    url = upload_checkpoint(job.folder, self.url, self.options)
                 outcome = UploadOutcome(job.step, job.folder, url=url, export=job.export)
             except Exception as exc:  # the local copy is safe; the caller records it
                 outcome = UploadOutcome(job.step, job.folder, error=repr(exc), export=job.export)

@@ -170,9 +170,13 @@ class Keeping:
 
     def upload_export(self, folder: Path, step: int) -> None:
         """Hand the exported policy to the uploader (after the checkpoints it holds, never
-        superseded); finish_uploads waits for it as for them."""
+        superseded), with models.lora its adapter folder beside it (save_policy's
+        `ADAPTER_FOLDER`) too; finish_uploads waits for it as for them."""
         if self.uploader is not None:
-            self.uploader.submit_export(step, folder)
+            lora = self.cfg.models.lora is not None
+            self.uploader.submit_export(
+                step, folder, folder.parent / ADAPTER_FOLDER if lora else None
+            )
 
     def report_uploads(self) -> None:
         """Record the uploads that finished since the last call."""
