@@ -136,7 +136,6 @@ def demo(
     overrides: Sequence[str] = (),
     model: str = "tiny",
 ) -> int:
-    from keel.controller import run_training
     from keel.models import builtin_folder
 
     if model not in MODELS:
@@ -172,6 +171,18 @@ def demo(
         + f"  GRPO: {cfg.train.steps} steps × {cfg.train.batch_size} prompts × "
         f"{cfg.rollout.n} samples, held-out accuracy every {cfg.eval.every} steps."
     )
+    return _run_and_report(
+        cfg,
+        held_out=f"{cfg.data.arithmetic.eval_size} problems, greedy",
+        start_label="after SFT warm-start (step 0)",
+        run_files="metrics.jsonl, config.yaml",
+    )
+
+
+def _run_and_report(cfg: Any, *, held_out: str, start_label: str, run_files: str) -> int:
+    """Run the demo's GRPO and print held-out accuracy at step 0 and after the last step."""
+    from keel.controller import run_training
+
     start = time.perf_counter()
     result = run_training(cfg, title="GRPO")
     before = result.first_eval.get("eval/accuracy", float("nan"))
@@ -179,11 +190,11 @@ def demo(
     minutes = (time.perf_counter() - start) / 60
     print(
         "\n"
-        f"  held-out accuracy ({cfg.data.arithmetic.eval_size} problems, greedy)\n"
-        f"  {'after SFT warm-start (step 0)':<34}{before:>8.1%}\n"
+        f"  held-out accuracy ({held_out})\n"
+        f"  {start_label:<34}{before:>8.1%}\n"
         f"  {'after GRPO':<34}{after:>8.1%}\n"
         f"  {'change':<34}{(after - before) * 100:>+7.1f} points\n\n"
-        f"  run:     {result.run_dir}  (metrics.jsonl, config.yaml)\n"
+        f"  run:     {result.run_dir}  ({run_files})\n"
         f"  policy:  {result.model_dir}  (an HF folder: AutoModelForCausalLM.from_pretrained)\n"
         f"  GRPO took {minutes:.1f} min"
     )
@@ -191,8 +202,6 @@ def demo(
 
 
 def _demo_smollm2(cfg: Any, say: Any) -> int:
-    from keel.controller import run_training
-
     say(
         f"keel demo --model smollm2: GRPO on {cfg.models.actor}, single-digit arithmetic "
         "(`What is 7 * 8?` → a response whose last number is 56), answered in "
@@ -203,20 +212,9 @@ def _demo_smollm2(cfg: Any, say: Any) -> int:
         "  The model: a hub id (downloaded unless HF_HUB_OFFLINE=1), a local folder or a .gguf "
         "file: --set models.actor=PATH"
     )
-    start = time.perf_counter()
-    result = run_training(cfg, title="GRPO")
-    before = result.first_eval.get("eval/accuracy", float("nan"))
-    after = result.last_eval.get("eval/accuracy", float("nan"))
-    minutes = (time.perf_counter() - start) / 60
-    print(
-        "\n"
-        f"  held-out accuracy ({SMOLLM2_HELD_OUT} problems, greedy, "
-        f"{cfg.rollout.max_new_tokens} tokens)\n"
-        f"  {'base model (step 0)':<34}{before:>8.1%}\n"
-        f"  {'after GRPO':<34}{after:>8.1%}\n"
-        f"  {'change':<34}{(after - before) * 100:>+7.1f} points\n\n"
-        f"  run:     {result.run_dir}  (metrics.jsonl, samples.jsonl; keel report)\n"
-        f"  policy:  {result.model_dir}  (an HF folder: AutoModelForCausalLM.from_pretrained)\n"
-        f"  GRPO took {minutes:.1f} min"
+    return _run_and_report(
+        cfg,
+        held_out=f"{SMOLLM2_HELD_OUT} problems, greedy, {cfg.rollout.max_new_tokens} tokens",
+        start_label="base model (step 0)",
+        run_files="metrics.jsonl, samples.jsonl; keel report",
     )
-    return 0
