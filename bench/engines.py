@@ -11,9 +11,10 @@ bench/staleness.py; runs in the main environment too).
 
 The model: a Llama of ≈ 60M parameters (32k vocabulary, hidden 512, 8 layers of 8 heads of 64,
 untied output layer) with random weights, and a word-level tokenizer of 32k words, both built
-here (nothing is downloaded). Workload (default): 32 prompts of 16 tokens × 8 samples × 32 new
-tokens at temperature 1, the RL rollout shape; an untimed warm-up call first, then the best of
-`--repeats` timed calls.
+here (nothing is downloaded); `--size tiny` (hidden 64, 2 layers of 2 heads of 32) is the
+smoke test's (tests/bench/test_engines.py). Workload (default): 32 prompts of 16 tokens × 8
+samples × 32 new tokens at temperature 1, the RL rollout shape; an untimed warm-up call first,
+then the best of `--repeats` timed calls.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import torch
 VOCAB = 32_000
 SPECIAL = ["<pad>", "<unk>", "</s>"]
 DTYPES = ("float32", "bfloat16")
+# build_model's shapes: the benchmark's ≈ 60M Llama, and a tiny one for the smoke test (heads
+# 32 wide, the narrowest vLLM's CPU attention takes)
+SIZES = {"60m": {}, "tiny": {"layers": 2, "hidden": 64, "heads": 2}}
 
 
 def build_model(path: Path, layers: int = 8, hidden: int = 512, heads: int = 8) -> Path:
@@ -98,7 +102,9 @@ def build_engine(engine: str, model_dir: Path, dtype: str, eager: bool = True):
         autocast=None,
         load_copy=lambda: load_causal_lm(model_dir, dtype=TORCH_DTYPES[dtype]).eval(),
     )
-    rollout = RolloutConfig(engine=engine, vllm={"enforce_eager": eager})
+    # vLLM's enforce_eager is rollout.compile's opposite (keel.rollout.vllm); HF keeps its
+    # default (no compile on the CPU)
+    rollout = RolloutConfig(engine=engine, compile=None if engine == "hf" else not eager)
     return build_rollout_engine(rollout, inputs)
 
 
@@ -143,7 +149,7 @@ def tokens_per_second(args: argparse.Namespace) -> list[dict]:
     `--rounds` R alternates the engines R times (on a shared machine the load moves between
     cases) and keeps each engine's best."""
     with tempfile.TemporaryDirectory(prefix="keel-bench-engines-") as tmp:
-        model_dir = build_model(Path(tmp) / "llama-60m")
+        model_dir = build_model(Path(tmp) / f"llama-{args.size}", **SIZES[args.size])
         params = sum(p.numel() for p in _parameters(model_dir))
         rows = []
         for dtype in args.dtypes.split(","):
@@ -258,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bench", choices=sorted(BENCHES), default="tokens")
     p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--size", choices=sorted(SIZES), default="60m", help="tokens: the model")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
