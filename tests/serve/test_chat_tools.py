@@ -12,13 +12,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from keel.chatapi.chat_tools import check_tool_results, read_calls, with_tool_calls
+from keel.chatapi.errors import APIError
+from keel.chatapi.responses import Answer, Reply, chat_body, chat_chunks
 from keel.cli.main import main
 from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.data.tool_calls import HERMES, MistralFormat, ToolCall, tool_call_format_for
 from keel.models import load_tokenizer
-from keel.serve.chat_tools import check_tool_results, read_calls, with_tool_calls
-from keel.serve.errors import APIError
-from keel.serve.responses import Answer, Reply, chat_body, chat_chunks
 from tests.data.test_encoding import CHATML_WITH_TOOLS, LOOKUP, bpe_tokenizer
 from tests.models.families import FAMILIES, build_family
 from tests.serve.live_server import InProcessServer

@@ -12,13 +12,13 @@ from concurrent.futures import CancelledError
 
 import pytest
 
+from keel.chatapi.responses import answer, token_pieces
 from keel.data.examples import Example
 from keel.models.tokenizer import build_char_tokenizer
 from keel.rollout.protocol import RowRequest, RowToken, SamplingParams
 from keel.serve.batching import QueueClosed, QueueFull
 from keel.serve.continuous import ContinuousScheduler, Delta, TextStream, held_back
 from keel.serve.generation import GenerationRunner
-from keel.serve.responses import answer, token_pieces
 from tests.serve.live_server import wait_until
 
 TOKENIZER = build_char_tokenizer()

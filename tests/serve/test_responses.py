@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from keel.chatapi.responses import answer, first_stop, token_pieces
 from keel.config.loading import ConfigError
 from keel.models import build_char_tokenizer
 from keel.serve.config import load_serve_config
 from keel.serve.generation import Generation
-from keel.serve.responses import answer, first_stop, token_pieces
 
 
 @pytest.fixture(scope="module")

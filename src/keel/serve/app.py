@@ -2,7 +2,7 @@
 /v1/models over one `ServedPolicy`, or /v1/score and /v1/models over one `ServedReward`
 (`--reward`), and /healthz, /readyz, /metrics.
 
-Every refusal is an OpenAI-shaped JSON error (keel.serve.errors) with a 4xx status, counted by
+Every refusal is an OpenAI-shaped JSON error (keel.chatapi.errors) with a 4xx status, counted by
 kind; a failed generation is a 500 and the server keeps serving. A client that hangs up before
 its whole body came is counted as status 499, kind `client_disconnected`, never as an internal
 error."""
@@ -26,13 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from keel.serve.chat_tools import chat_prompt, with_tool_calls
-from keel.serve.config import ServeConfig
-from keel.serve.continuous import Delta
-from keel.serve.errors import APIError
-from keel.serve.handling import Plan, answers, authorize, check_model, plan_generation
-from keel.serve.policy import Prompt, ServedPolicy
-from keel.serve.responses import (
+from keel.chatapi.chat_tools import chat_prompt, with_tool_calls
+from keel.chatapi.errors import APIError
+from keel.chatapi.responses import (
     DONE,
     Reply,
     StreamChunks,
@@ -41,15 +37,19 @@ from keel.serve.responses import (
     completion_body,
     completion_chunks,
 )
-from keel.serve.schema import (
+from keel.chatapi.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     ScoreRequest,
     parse_body,
 )
-from keel.serve.schema import (
+from keel.chatapi.schema import (
     Request as APIRequest,
 )
+from keel.serve.config import ServeConfig
+from keel.serve.continuous import Delta
+from keel.serve.handling import Plan, answers, authorize, check_model, plan_generation
+from keel.serve.policy import Prompt, ServedPolicy
 from keel.serve.scoring import ServedReward, check_score_model
 from keel.serve.served import Served
 

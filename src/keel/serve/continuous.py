@@ -37,11 +37,11 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from keel.chatapi.responses import first_stop
 from keel.data.examples import Example
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest, RowToken, SamplingParams
 from keel.serve.batching import BatchReport, WorkQueue, _run_task
 from keel.serve.generation import Generation, GenerationRunner
-from keel.serve.responses import first_stop
 
 # While PACED_ROWS or more rows are live, waiting jobs join every JOIN_EVERY steps (or sooner
 # once their rows are a quarter of the live ones): a join costs a prefill forward and a rebuild
@@ -135,7 +135,7 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 
 def kept_pieces(pieces: Sequence[str], cut: int) -> list[str]:
     """The pieces of the tokens that produced text[:cut] (text = their join), the last one cut
-    at `cut` (the rule of keel.serve.responses.answer)."""
+    at `cut` (the rule of keel.chatapi.responses.answer)."""
     kept: list[str] = []
     used = 0
     for piece in pieces:

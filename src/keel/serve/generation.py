@@ -8,35 +8,15 @@ rows), sampled with `n = 1`, so requests that differ only in n or in their promp
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from keel.chatapi.responses import Generation
 from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One sampled response.
-
-    token_ids: the response's tokens without a closing EOS; text: their decoded text;
-    logprobs: each token's log-prob under logits / temperature (None when the engine gives none);
-    tokens: every token the engine generated (the EOS included), for usage;
-    finish_reason: "stop" (an EOS, or a stop string) or "length"; step: the training step of
-    the weights; pieces: the text each token adds (continuous batching detokenises as it
-    decodes; None: `keel.serve.responses.token_pieces` computes them when needed)."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] | None
-    tokens: int
-    finish_reason: str
-    step: int | None
-    pieces: list[str] | None = None
 
 
 class GenerationRunner:

@@ -4,7 +4,7 @@ requests share batches.
 
 grpcio's synchronous server runs each call on a thread of its pool (serve.grpc_workers); a call
 checks the bearer token in its `authorization` metadata, turns the message into the HTTP API's
-request model (the same validation, limits and error codes: keel.serve.schema and
+request model (the same validation, limits and error codes: keel.chatapi.schema and
 keel.serve.handling), submits its rows and blocks on their future (GenerateStream with
 continuous batching: reads each token's text from a queue the scheduler thread fills, and
 yields its chunk at once; a cancelled call's rows leave the decoder). Refusals are status codes
@@ -29,16 +29,16 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from keel.chatapi.errors import APIError, bad_request
+from keel.chatapi.responses import Answer, Reply, fingerprint, usage
+from keel.chatapi.schema import ChatCompletionRequest, CompletionRequest, ScoreRequest, validate
 from keel.config.loading import ConfigError
 from keel.serve import keel_serve_pb2 as pb
 from keel.serve import keel_serve_pb2_grpc as pb_grpc
 from keel.serve.config import ServeConfig
 from keel.serve.continuous import Delta
-from keel.serve.errors import APIError, bad_request
 from keel.serve.handling import Plan, answers, authorize, check_model, plan_generation
 from keel.serve.policy import Prompt, ServedPolicy
-from keel.serve.responses import Answer, Reply, fingerprint, usage
-from keel.serve.schema import ChatCompletionRequest, CompletionRequest, ScoreRequest, validate
 from keel.serve.scoring import ServedReward, check_score_model
 from keel.serve.served import Served
 

@@ -1,6 +1,6 @@
 """What every front end (the HTTP app, the gRPC servicer) does with a request, whatever carries
 it: the bearer token, the model's name, and a generation request's limits, sampling settings
-and answers. Refusals are `APIError`s (keel.serve.errors); the HTTP app answers them as JSON,
+and answers. Refusals are `APIError`s (keel.chatapi.errors); the HTTP app answers them as JSON,
 the gRPC servicer as status codes."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
+from keel.chatapi.errors import APIError, bad_request
+from keel.chatapi.responses import Answer, answer
+from keel.chatapi.schema import Request
 from keel.rollout.protocol import SamplingParams
 from keel.serve.config import ServeConfig
-from keel.serve.errors import APIError, bad_request
 from keel.serve.generation import Generation
 from keel.serve.policy import Prompt, ServedPolicy
-from keel.serve.responses import Answer, answer
-from keel.serve.schema import Request
 from keel.serve.served import Served
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from keel.chatapi.chat_tools import ChatTools
 from keel.checkpoint.policy import PolicySource
 from keel.config.loading import ConfigError
 from keel.config.schema import RolloutConfig
@@ -21,7 +22,6 @@ from keel.engine.devices import place, resolve_device
 from keel.models import check_vocab, load_causal_lm, load_tokenizer
 from keel.rollout.engines import EngineInputs, build_rollout_engine
 from keel.rollout.protocol import DecodingEngine, RolloutEngine, SamplingParams
-from keel.serve.chat_tools import ChatTools
 from keel.serve.config import ServeFileConfig
 from keel.serve.continuous import ContinuousScheduler, OnDelta
 from keel.serve.generation import Generation, GenerationRunner
@@ -174,7 +174,7 @@ class ServedPolicy(Served):
         encode_prompts gives them to the chat template); QueueFull → 429, QueueClosed → 503.
         Continuous batching: `stops` end a row as soon as they appear, and `on_delta` (on the
         scheduler thread) hears each row's text as it is decoded (`streams`); batch: the
-        answers cut at the stops afterwards (keel.serve.responses.answer)."""
+        answers cut at the stops afterwards (keel.chatapi.responses.answer)."""
         rows = [Example(prompt=p, source=f"prompt {i}", tools=tools) for i, p in enumerate(prompts)]
         rows = [row for row in rows for _ in range(n)]
         key = replace(sampling, n=1)

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from keel.chatapi.errors import APIError, bad_request
+from keel.chatapi.schema import ScoreRequest
 from keel.checkpoint.policy import PolicySource
 from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.serve.config import ServeFileConfig
-from keel.serve.errors import APIError, bad_request
-from keel.serve.schema import ScoreRequest
 from keel.serve.served import Served
 from keel.workers.build import frozen_reward_model
 from keel.workers.reward_model import ModelRewardWorker

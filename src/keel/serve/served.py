@@ -15,10 +15,10 @@ from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
+from keel.chatapi.errors import APIError
 from keel.checkpoint.policy import PolicySource
 from keel.serve.batching import BatchingQueue, QueueClosed, QueueFull
 from keel.serve.config import ServeFileConfig
-from keel.serve.errors import APIError
 from keel.serve.metrics import ServeMetrics
 
 

@@ -17,6 +17,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from keel.chatapi.errors import bad_request
+from keel.chatapi.responses import Answer, new_call_id
+from keel.chatapi.schema import ChatCompletionRequest
 from keel.data.conversation import CallWriter, call_writer
 from keel.data.encoding import render_prompt, template_renders_tools
 from keel.data.tool_calls import (
@@ -28,9 +31,6 @@ from keel.data.tool_calls import (
     parse_tool_calls,
     tool_call_format_for,
 )
-from keel.serve.errors import bad_request
-from keel.serve.responses import Answer, new_call_id
-from keel.serve.schema import ChatCompletionRequest
 
 
 @dataclass(frozen=True)

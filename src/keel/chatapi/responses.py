@@ -25,8 +25,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keel.serve.generation import Generation
-
 DONE = b"data: [DONE]\n\n"
 
 
@@ -41,6 +39,26 @@ class Answer:
     pieces: list[str] | None = None
     logprobs: list[float] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # chat with tools: OpenAI's tool_calls
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response.
+
+    token_ids: the response's tokens without a closing EOS; text: their decoded text;
+    logprobs: each token's log-prob under logits / temperature (None when the engine gives none);
+    tokens: every token the engine generated (the EOS included), for usage;
+    finish_reason: "stop" (an EOS, or a stop string) or "length"; step: the training step of
+    the weights; pieces: the text each token adds (continuous batching detokenises as it
+    decodes; None: `keel.chatapi.responses.token_pieces` computes them when needed)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    tokens: int
+    finish_reason: str
+    step: int | None
+    pieces: list[str] | None = None
 
 
 def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from keel.chatapi.errors import APIError, bad_request
 from keel.data.conversation import CallWriter, assistant_text, assistant_turn, hermes_calls
-from keel.serve.errors import APIError, bad_request
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
