@@ -30,6 +30,7 @@ class BatchMeta(TypedDict, total=False):
       eos_token_ids       rollout engine: every token id that ends a response
       eos_token_id        one EOS id, from producers older than eos_token_ids (only read)
       weight_version      rollout worker: the policy updates its generating weights had seen
+                          (the oldest version of any of its tokens: token_weight_versions)
       weight_version_lag  RL controller: its own weight version minus weight_version
       reward_errors       reward worker: rows whose score fell back (a failed or timed-out call)
       reward_metrics      reward worker: batch means such as reward/<name>, reward/model_mean
@@ -60,6 +61,8 @@ class Batch:
       old_logprobs     [B, R] float  log π_old (the policy that produced the rollout), no grad
       ref_logprobs     [B, R] float  log π_ref (frozen reference policy)
       rollout_logprobs [B, R] float  log-probs reported by the rollout engine
+      token_weight_versions [B, R] long  the weight version that sampled each response token
+                                     (rollout worker; an interruptible rollout's rows mix two)
       values           [B, R] float  critic values
       advantages       [B, R] float  per-token advantages
       returns          [B, R] float  per-token returns
@@ -79,6 +82,7 @@ class Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    token_weight_versions: torch.Tensor | None = None
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None

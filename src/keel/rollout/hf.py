@@ -15,7 +15,7 @@ from keel.models.eos import eos_token_ids
 from keel.rollout.decoding import HFDecoder, compiled_forward, decodes
 from keel.rollout.graphs import StaticSteps
 from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
-from keel.rollout.protocol import Completions, RowRequest, SamplingParams
+from keel.rollout.protocol import Completions, RowRequest, SamplingParams, StepHook
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
 
@@ -84,6 +84,7 @@ class HFRolloutEngine:
         self.eos_ids = stop_ids(eos_token_ids(model, tokenizer), tokenizer, turn_end)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.decode_loop = decode_loop
+        self.step_hook: StepHook | None = None  # an interruptible rollout's (protocol.py)
         graphs = decode_loop == "static" and not synced
         self.lean = (
             decode_loop == "static" or (decode_loop == "keel" and not static_cache)
@@ -95,6 +96,11 @@ class HFRolloutEngine:
             if self.lean and compile and not synced and self._steps is None
             else None
         )
+
+    @property
+    def interruptible(self) -> bool:
+        """Keel's decode loop calls `step_hook` between decode steps (not HF generate)."""
+        return self.lean
 
     def decoder(self) -> HFDecoder:
         """Keel's decode loop on this engine's model, rows joining and leaving at any step
@@ -120,11 +126,18 @@ class HFRolloutEngine:
         chunk = (self.batch_size or len(prompt_ids)) * sampling.n
         responses: list[list[int]] = []
         logps: list[list[float]] = []
+        versions: list[list[int]] = []
         for start in range(0, len(rows), chunk):
-            r, lp = self._generate_chunk(rows[start : start + chunk], sampling, n=sampling.n)
+            r, lp, v = self._generate_chunk(rows[start : start + chunk], sampling, n=sampling.n)
             responses.extend(r)
             logps.extend(lp)
-        return cut_completions(responses, logps if self.return_logprobs else None, self.eos_ids)
+            versions.extend([v] * len(r) if v is not None else [])
+        return cut_completions(
+            responses,
+            logps if self.return_logprobs else None,
+            self.eos_ids,
+            versions if self.step_hook is not None and self.lean else None,
+        )
 
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the policy's full weights (strict: every parameter name must match)."""
@@ -156,8 +169,9 @@ class HFRolloutEngine:
 
     def _generate_chunk(
         self, rows: list[list[int]], sampling: SamplingParams, n: int = 1
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """rows: prompt token ids, each prompt's `n` copies adjacent."""
+    ) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
+        """rows: prompt token ids, each prompt's `n` copies adjacent. Returns the tokens,
+        their log-probs and (Keel's loop with a step hook) each step's weight version."""
         if self.lean:
             return self._decode_chunk(rows, sampling)
         p = max(len(x) for x in rows)
@@ -209,13 +223,14 @@ class HFRolloutEngine:
         logps: list[list[float]] = [[] for _ in rows]
         if recorder is not None:
             logps = recorder.finish(sequences).cpu().tolist()
-        return sequences.cpu().tolist(), logps
+        return sequences.cpu().tolist(), logps, None
 
     def _decode_chunk(
         self, rows: list[list[int]], sampling: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    ) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
         """Keel's loop, every row joined at once, the sampling noise drawn for all of them
-        every step as `generate` draws it (so the same seed gives the same tokens)."""
+        every step as `generate` draws it (so the same seed gives the same tokens); the
+        step hook, when set, between its steps."""
         decoder = HFDecoder(
             self.model, self.eos_ids, self.pad_id, dtype=self.dtype, synced=self.synced,
             share_prefill=self.share_prefill, logprobs=self.return_logprobs,
@@ -225,7 +240,7 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return decoder.decode(requests)
+            return decoder.decode(requests, self.step_hook)
         finally:
             self.model.train(was_training)
 

@@ -36,11 +36,14 @@ class Completions:
     """What `RolloutEngine.generate_ids` returns, one entry per row (the n rows of a prompt
     adjacent): token_ids, the generated ids cut after the first EOS (included); logprobs, each
     of those tokens' log-prob under logits / temperature (None: the engine returns none);
-    finish_reasons, "stop" (ended with an EOS) or "length" (cut at max_new_tokens)."""
+    finish_reasons, "stop" (ended with an EOS) or "length" (cut at max_new_tokens);
+    versions, the weight version that sampled each of those tokens (None: the engine does not
+    record them, and every token is of the version it started with)."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]] | None
     finish_reasons: list[str]
+    versions: list[list[int]] | None = None
 
 
 @runtime_checkable
@@ -151,6 +154,27 @@ class Decoder(Protocol):
     def leave(self, keys: Iterable[Hashable]) -> None: ...
 
     def close(self) -> None: ...
+
+
+# Called by an engine's decode loop before the step that samples each row's token `step`
+# (0: before the prefill); returns the weight version that step samples under, and may load
+# newer weights into the engine first (an interruptible rollout, keel.workers.rollout).
+StepHook = Callable[[int], int]
+
+
+@runtime_checkable
+class InterruptibleEngine(Protocol):
+    """A `RolloutEngine` whose own decode loop can take new weights between decode steps:
+    `step_hook` (None: off) is called by every decode of `generate_ids` before each step, and
+    when the version it returns changes, the running rows continue under the new weights
+    (their KV cache computed again under them) and `Completions.versions` records each
+    token's version. `interruptible`: whether this engine's loop calls the hook (the HF
+    engine on Keel's decode loop); elsewhere rows finish under the version they started with."""
+
+    step_hook: StepHook | None
+
+    @property
+    def interruptible(self) -> bool: ...
 
 
 @runtime_checkable

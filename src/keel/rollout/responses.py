@@ -54,15 +54,22 @@ def valid_length(ids: Sequence[int], eos_ids: Collection[int]) -> int:
 
 
 def cut_completions(
-    responses: list[list[int]], logps: list[list[float]] | None, eos_ids: Collection[int]
+    responses: list[list[int]],
+    logps: list[list[float]] | None,
+    eos_ids: Collection[int],
+    versions: list[list[int]] | None = None,
 ) -> Completions:
-    """`Completions` from generated ids that may run on past the first EOS (cut after it)."""
+    """`Completions` from generated ids that may run on past the first EOS (cut after it);
+    versions: each generated token's weight version, or None."""
     lengths = [valid_length(r, eos_ids) for r in responses]
     kept = [r[:k] for r, k in zip(responses, lengths, strict=True)]
     return Completions(
         token_ids=kept,
         logprobs=None if logps is None else [x[:k] for x, k in zip(logps, lengths, strict=True)],
         finish_reasons=["stop" if r and r[-1] in eos_ids else "length" for r in kept],
+        versions=None
+        if versions is None
+        else [x[:k] for x, k in zip(versions, lengths, strict=True)],
     )
 
 
@@ -77,6 +84,7 @@ def rollout_batch(
     eos_ids: Collection[int],
     pad_id: int,
     tokenizer: Tokenizer,
+    versions: list[list[int]] | None = None,
 ) -> Batch:
     """The `RolloutEngine.generate` Batch (keel.rollout.protocol) of len(examples) × n rows.
 
@@ -84,7 +92,9 @@ def rollout_batch(
     ids of each row, possibly running on past the first EOS (cut after it here); logps: the
     log-prob of each generated token (at least up to the first EOS), or None. rollout_logprobs
     [B, R] is 0 past each response's end; responses are decoded without their closing EOS (also
-    one that is no special token), in one batch_decode call."""
+    one that is no special token), in one batch_decode call. versions: each generated token's
+    weight version (an interruptible rollout), laid out as token_weight_versions [B, R] (past
+    a response's end: its last token's version), or None."""
     lengths = [valid_length(r, eos_ids) for r in responses]
     batch = assemble(rows, responses, lengths, pad_id)
     if logps is not None:
@@ -92,6 +102,12 @@ def rollout_batch(
         batch.rollout_logprobs = torch.tensor(
             [x[:k] + [0.0] * (width - k) for x, k in zip(logps, lengths, strict=True)],
             dtype=torch.float32,
+        )
+    if versions is not None:
+        width = batch.response_length
+        batch.token_weight_versions = torch.tensor(
+            [_filled(v[:k], width) for v, k in zip(versions, lengths, strict=True)],
+            dtype=torch.long,
         )
     batch.group_ids = torch.arange(len(examples)).repeat_interleave(n) + group_offset
     batch.prompts = [ex.prompt for ex in examples for _ in range(n)]
@@ -103,6 +119,13 @@ def rollout_batch(
     batch.finish_reasons = ["stop" if end else "length" for end in ended]
     batch.meta["eos_token_ids"] = list(eos_ids)
     return batch
+
+
+def _filled(versions: list[int], width: int) -> list[int]:
+    """A row's token versions right-padded to `width` with its last one (masked there)."""
+    if not versions:
+        raise ValueError("a generated row has no token")
+    return versions + [versions[-1]] * (width - len(versions))
 
 
 def generate_examples(
@@ -129,4 +152,5 @@ def generate_examples(
         eos_ids=engine.eos_ids,
         pad_id=engine.pad_id,
         tokenizer=engine.tokenizer,
+        versions=done.versions,
     )
