@@ -34,6 +34,10 @@ def check_run_environment(cfg: Any) -> str:
     env = cfg.rollout.env
     if env is None:
         return ""
+    if env.name == "agent":  # the user's agent over the training gateway (keel.envs.agents)
+        from keel.envs.agents import check_agent
+
+        return f", agent {check_agent(env.agent)}"
     from keel.envs.loading import check_environment
 
     tools = check_environment(env.name, env.kwargs)

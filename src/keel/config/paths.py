@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from keel.config.schema import KeelConfig
 
-# The config keys that name input files or folders (reward.fn and rollout.env.name only in their
-# `file.py:name` form; each reward.fns[i].fn as reward.fn).
+# The config keys that name input files or folders (reward.fn, rollout.env.name and
+# rollout.env.agent only in their `file.py:name` form; each reward.fns[i].fn as reward.fn).
 INPUT_PATHS = (
     "models.actor",
     "models.reference",
@@ -27,6 +27,7 @@ INPUT_PATHS = (
     "data.eval",
     "reward.fn",
     "rollout.env.name",
+    "rollout.env.agent",
 )
 LOOKUP_RULE = "a relative path is looked up in the config file's folder, then the working directory"
 
@@ -66,7 +67,7 @@ def resolve_input_paths(cfg: KeelConfig, config_dir: str | Path) -> KeelConfig:
         value = None if section is None else getattr(section, key)
         if value is None:
             continue
-        spec = dotted in ("reward.fn", "rollout.env.name")
+        spec = dotted in ("reward.fn", "rollout.env.name", "rollout.env.agent")
         resolve = resolve_reward_spec if spec else resolve_input
         setattr(section, key, resolve(value, config_dir))
     for part in out.reward.fns or ():  # reward.fns[i].fn, like reward.fn

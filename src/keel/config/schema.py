@@ -344,6 +344,26 @@ class EnvConfig(Section):
         "`keel train` exits 2 where it does not work; false: run the code with the inner "
         "layers only (a warning event says so; docs/tools.md)",
     )
+    agent: str | None = Field(
+        None,
+        description="with name agent: the user's agent, path/to/file.py:function or "
+        "package.module:function, called once per episode with an openai client on the "
+        "training gateway and the example; it returns the episode's reward "
+        "(docs/environments.md)",
+    )
+
+    @model_validator(mode="after")
+    def _agent_needs_function(self) -> EnvConfig:
+        if self.name == "agent" and self.agent is None:
+            raise ValueError(
+                "rollout.env.name agent needs rollout.env.agent (path/to/file.py:function)"
+            )
+        if self.agent is not None and self.name != "agent":
+            raise ValueError(
+                f"rollout.env.agent is for rollout.env.name agent, not {self.name!r}: set "
+                "name: agent, or drop agent"
+            )
+        return self
 
 
 class RolloutConfig(Section):

@@ -320,4 +320,8 @@ def episode_metrics(
     for reason in TERMINATIONS:
         ended = sum(e["termination"] == reason for e in episodes)
         metrics[f"{prefix}/end_{reason}_frac"] = ended / count
+    if all("requests" in e for e in episodes):  # agents over the gateway (keel.envs.agents)
+        metrics[f"{prefix}/requests_mean"] = mean("requests")
+        mismatches = sum(int(e["retokenize_mismatch"]) for e in episodes)
+        metrics[f"{prefix}/retokenize_mismatch"] = float(mismatches)
     return metrics

@@ -35,6 +35,7 @@ from keel.engine.devices import (
     trained_weights_dtype,
 )
 from keel.engine.distributed import is_sharded
+from keel.envs.agents import AGENT_ENV, AgentRunner
 from keel.envs.builtin import ENVIRONMENTS, run_tool_format
 from keel.envs.episodes import EpisodeRunner
 from keel.envs.loading import load_environment
@@ -423,11 +424,26 @@ def rollout_worker(
 
 def episode_runner(
     r: RolloutConfig, data: DataConfig, engine: RolloutEngine, tokenizer: Tokenizer
-) -> EpisodeRunner | None:
-    """With rollout.env: the runner that plays its episodes on `engine`; else None."""
+) -> EpisodeRunner | AgentRunner | None:
+    """With rollout.env: the runner that plays its episodes on `engine` (with name agent, the
+    user's agent over the training gateway, keel.envs.agents); else None."""
     env = r.env
     if env is None:
         return None
+    if env.name == AGENT_ENV:
+        assert env.agent is not None  # the schema's rule
+        return AgentRunner(
+            engine,
+            tokenizer,
+            env.agent,
+            eos_ids=engine.eos_ids,
+            pad_id=engine.pad_id,
+            max_turns=env.max_turns,
+            max_episode_tokens=env.max_episode_tokens,
+            turn_discount=env.turn_discount,
+            max_prompt_length=data.max_prompt_length,
+            tool_format=data.tool_format,
+        )
     return EpisodeRunner(
         engine,
         tokenizer,

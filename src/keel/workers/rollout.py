@@ -11,6 +11,7 @@ import torch
 from keel.checkpoint.state import capture_rng, restore_rng
 from keel.data.examples import Example
 from keel.engine.distributed import rank
+from keel.envs.agents import AgentRunner
 from keel.envs.episodes import EpisodeRunner
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch
@@ -31,14 +32,15 @@ class RolloutWorker:
     weights are always current); None when the engine holds its own copy of the policy (a
     separate rollout worker, a vLLM engine, asynchronous rollout), which receives new weights
     through `load_weights` after each update. `episodes`: with rollout.env, the runner that
-    plays multi-turn episodes on the engine (keel.envs.EpisodeRunner); None: one response per
-    row from the engine itself."""
+    plays multi-turn episodes on the engine (keel.envs.EpisodeRunner, or keel.envs.agents'
+    AgentRunner: a user's agent over the training gateway); None: one response per row from
+    the engine itself."""
 
     def __init__(
         self,
         engine: RolloutEngine,
         weights_from: ActorWorker | None = None,
-        episodes: EpisodeRunner | None = None,
+        episodes: EpisodeRunner | AgentRunner | None = None,
     ):
         self.engine = engine
         self.weights_from = weights_from

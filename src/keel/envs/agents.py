@@ -1,0 +1,283 @@
+"""Agents as episodes: `rollout.env.name: agent` with `rollout.env.agent: file.py:run`.
+
+The user's agent is a function, sync or async, called once per episode with an `openai` client
+(`openai.OpenAI`, or `openai.AsyncOpenAI` for an `async def`) whose base URL is the training
+gateway (keel.envs.gateway) and whose API key is the episode's session id, and with the dataset
+example as a dict (`prompt`, `answer`, `source`, `tools`):
+
+    def run(client, example) -> float | dict
+
+It returns the episode's reward: a float, or a dict with `reward`, optional `turn_rewards` (one
+per turn, added as Σ_k γ^k r_k with γ = rollout.env.turn_discount, as an environment's) and
+`info` (free-form; ints `tool_calls` / `tool_errors` are counted as an environment's are).
+The agent file needs nothing from Keel.
+
+`AgentRunner.generate` has the signature, rows and layout of `RolloutEngine.generate` and of
+keel.envs.episodes.EpisodeRunner: every episode of the call runs at once (one thread each; an
+async agent gets an event loop on its thread), the gateway batches their requests by turn, and
+each session's tokens become one row with holes in `response_mask` (the runner's `_batch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keel.data.encoding import assemble
+from keel.data.examples import Example
+from keel.envs.gateway import WAIT_S, Gateway, Session
+from keel.envs.loading import EnvLoadError, load_object
+from keel.rollout.protocol import RolloutEngine, SamplingParams
+from keel.types import Batch
+
+AGENT_FIELD = "rollout.env.agent"
+AGENT_ENV = "agent"  # rollout.env.name of an agent over the gateway
+
+
+class AgentError(RuntimeError):
+    """An agent raised (before its episode was over), returned something that is not a reward,
+    or never asked the model anything; the message names rollout.env.agent and the example."""
+
+
+@dataclass
+class Outcome:
+    """What one agent call gave: its reward and per-turn rewards and info, or its exception."""
+
+    reward: float = 0.0
+    turn_rewards: tuple[float, ...] = ()
+    info: dict[str, Any] | None = None
+    error: BaseException | None = None
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The function `spec` (`path/to/file.py:run` or `package.module:run`) names; it must take
+    (client, example). EnvLoadError naming rollout.env.agent otherwise."""
+    fn = load_object(spec, AGENT_FIELD)
+    if not callable(fn):
+        raise EnvLoadError(f"{AGENT_FIELD}: {spec} is not a function")
+    try:
+        inspect.signature(fn).bind("client", "example")
+    except TypeError as exc:
+        raise EnvLoadError(
+            f"{AGENT_FIELD}: {spec} must take (client, example), the openai client and the "
+            f"dataset example: {exc}"
+        ) from None
+    except ValueError:  # no signature to check
+        pass
+    return fn
+
+
+def reward_of(value: Any, where: str) -> Outcome:
+    """An agent's return value as an Outcome; AgentError for anything but a number or a dict
+    with a numeric `reward`."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return Outcome(float(value))
+    if isinstance(value, dict) and isinstance(value.get("reward"), int | float):
+        turns = value.get("turn_rewards") or ()
+        info = value.get("info") or {}
+        if not isinstance(info, dict) or not all(isinstance(r, int | float) for r in turns):
+            raise AgentError(f"{where}: info must be a dict and turn_rewards a list of numbers")
+        return Outcome(float(value["reward"]), tuple(float(r) for r in turns), info)
+    raise AgentError(
+        f"{where}: the agent must return the episode's reward (a number, or a dict with "
+        f"'reward', optional 'turn_rewards' and 'info'), got {value!r:.200}"
+    )
+
+
+class AgentRunner:
+    """Plays one agent episode per row over the gateway; `generate` returns the rows in the
+    EpisodeRunner's layout. `last_sessions`: the sessions of the last call (what the gateway
+    served, for checks)."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        agent: str,
+        *,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        max_turns: int = 1,
+        max_episode_tokens: int | None = None,
+        turn_discount: float = 1.0,
+        max_prompt_length: int | None = None,
+        tool_format: str = "auto",
+        wait_s: float = WAIT_S,
+        request_timeout_s: float = 600.0,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.spec = agent
+        self.agent = load_agent(agent)
+        self.eos_ids = list(eos_ids)
+        self.pad_id = pad_id
+        self.max_turns = max_turns
+        self.max_episode_tokens = max_episode_tokens
+        self.turn_discount = turn_discount
+        self.max_prompt_length = max_prompt_length
+        self.tool_format = tool_format
+        self.wait_s = wait_s
+        self.request_timeout_s = request_timeout_s
+        self.last_sessions: list[Session] = []
+        self.last_engine_calls = 0
+
+    def generate(
+        self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
+    ) -> Batch:
+        rows = [ex for ex in examples for _ in range(sampling.n)]
+        gateway = Gateway(
+            self.engine,
+            self.tokenizer,
+            sampling,
+            eos_ids=self.eos_ids,
+            max_turns=self.max_turns,
+            max_episode_tokens=self.max_episode_tokens,
+            max_prompt_length=self.max_prompt_length,
+            tool_format=self.tool_format,
+            wait_s=self.wait_s,
+        )
+        sessions = gateway.open(len(rows))
+        outcomes = [Outcome() for _ in rows]
+        url = gateway.serve()
+        try:
+            threads = [
+                threading.Thread(
+                    target=self._play,
+                    args=(gateway, url, session, example, outcomes),
+                    name=f"keel-agent-{session.index}",
+                    daemon=True,
+                )
+                for session, example in zip(sessions, rows, strict=True)
+            ]
+            for thread in threads:
+                thread.start()
+            gateway.batcher.run()
+            for thread in threads:
+                thread.join()
+        finally:
+            gateway.close()
+        if gateway.batcher.error is not None:
+            raise gateway.batcher.error
+        self.last_sessions = sessions
+        self.last_engine_calls = gateway.batcher.calls
+        for session, example, outcome in zip(sessions, rows, outcomes, strict=True):
+            self._check(session, example, outcome)
+        logprobs = gateway.batcher.logprobs
+        return self._batch(examples, sampling.n, group_offset, sessions, outcomes, logprobs)
+
+    # -- one episode ---------------------------------------------------------------------
+
+    def _play(
+        self, gateway: Gateway, url: str, session: Session, example: Example, outcomes: list
+    ) -> None:
+        where = f"{AGENT_FIELD} {self.spec} on {example.source or 'an example'}"
+        given = {
+            "prompt": example.prompt,
+            "answer": example.answer,
+            "source": example.source,
+            "tools": example.tools,
+        }
+        try:
+            if inspect.iscoroutinefunction(self.agent):
+                value = asyncio.run(self._run_async(url, session.key, given))
+            else:
+                import openai
+
+                with openai.OpenAI(
+                    base_url=url,
+                    api_key=session.key,
+                    max_retries=0,
+                    timeout=self.request_timeout_s,
+                ) as client:
+                    value = self.agent(client, given)
+            outcomes[session.index] = reward_of(value, where)
+        except BaseException as exc:  # the agent's: judged by _check once every episode is done
+            outcomes[session.index] = Outcome(error=exc)
+        finally:
+            gateway.batcher.finish(session.index)
+
+    async def _run_async(self, url: str, key: str, given: dict[str, Any]) -> Any:
+        import openai
+
+        async with openai.AsyncOpenAI(
+            base_url=url, api_key=key, max_retries=0, timeout=self.request_timeout_s
+        ) as client:
+            return await self.agent(client, given)
+
+    def _check(self, session: Session, example: Example, outcome: Outcome) -> None:
+        """AgentError for a failed episode: the agent raised before the gateway ended the
+        episode, or it never asked the model anything (no row to train on)."""
+        where = f"{AGENT_FIELD} {self.spec} on {example.source or 'an example'}"
+        error = outcome.error
+        if error is not None and session.ended is None:
+            if isinstance(error, AgentError):
+                raise error
+            raise AgentError(f"{where}: the agent raised {error!r}") from error
+        if error is not None:  # raised after its episode was over: reward 0 (the gateway's end)
+            outcome.reward, outcome.turn_rewards = 0.0, ()
+        if session.prompt_ids is None or session.turns == 0:
+            raise AgentError(f"{where}: the agent returned without a turn of the model")
+
+    # -- the batch -----------------------------------------------------------------------
+
+    def _batch(
+        self,
+        examples: Sequence[Example],
+        n: int,
+        group_offset: int,
+        sessions: list[Session],
+        outcomes: list[Outcome],
+        with_logprobs: bool,
+    ) -> Batch:
+        prompts = [s.prompt_ids or [] for s in sessions]
+        batch = assemble(prompts, [s.tokens for s in sessions], [len(s.tokens) for s in sessions],
+                         self.pad_id)  # fmt: skip
+        width = batch.response_length
+        batch.response_mask = torch.tensor(
+            [s.mask + [0] * (width - len(s.mask)) for s in sessions], dtype=torch.float32
+        )
+        if with_logprobs:  # the engine returns log-probs for every row or none
+            batch.rollout_logprobs = torch.tensor(
+                [s.logprobs + [0.0] * (width - len(s.logprobs)) for s in sessions],
+                dtype=torch.float32,
+            )
+        batch.group_ids = torch.arange(len(examples)).repeat_interleave(n) + group_offset
+        batch.prompts = [ex.prompt for ex in examples for _ in range(n)]
+        batch.answers = [ex.answer for ex in examples for _ in range(n)]
+        batch.responses = [s.last_text for s in sessions]
+        batch.finish_reasons = [s.last_finish for s in sessions]
+        batch.episodes = [self._summary(s, o) for s, o in zip(sessions, outcomes, strict=True)]
+        batch.meta["eos_token_ids"] = list(self.eos_ids)
+        return batch
+
+    def _summary(self, s: Session, o: Outcome) -> dict[str, Any]:
+        """Batch.episodes[i]: the EpisodeRunner's keys, and the gateway's requests and
+        mismatches."""
+        ret = o.reward + sum(self.turn_discount**k * r for k, r in enumerate(o.turn_rewards))
+        info = o.info or {}
+        model = sum(s.mask)
+        return {
+            "turns": s.turns,
+            "termination": s.ended or "done",
+            "return": ret,
+            "tool_calls": int(info.get("tool_calls", s.tool_calls)),
+            "tool_errors": int(info.get("tool_errors", 0)),
+            "model_tokens": model,
+            "observation_tokens": len(s.mask) - model,
+            "messages": s.messages,
+            "requests": s.requests,
+            "retokenize_mismatch": s.mismatches,
+        }
+
+
+def check_agent(spec: str) -> str:
+    """The start-up check of rollout.env.agent (keel config validate, keel train): the function
+    is loaded and its signature checked; nothing runs. Returns the spec."""
+    load_agent(spec)
+    return spec
