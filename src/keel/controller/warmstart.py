@@ -167,7 +167,7 @@ CALC_SPLIT_SFT = sft_warm_start(
 )
 
 
-def build_tiny_calc(path: Path) -> None:
+def build_tiny_calc(path: Path, sft: dict[str, Any] = CALC_SFT, name: str = "tiny-calc") -> None:
     """SFT the tiny model on calculator demonstrations (whole episodes); write it as an HF
     folder."""
     from keel.data.arithmetic import arithmetic_splits
@@ -175,14 +175,29 @@ def build_tiny_calc(path: Path) -> None:
     from keel.data.guessing import write_jsonl
 
     train, _ = arithmetic_splits(**CALC_TASK)
-    with tempfile.TemporaryDirectory(prefix="keel-tiny-calc-data-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"keel-{name}-data-") as tmp:
         demos = Path(tmp) / "demonstrations.jsonl"
         rows = calculator_conversations(
             train, tool_frac=CALC_TOOL_FRAC, answer_rows=CALC_ANSWER_ROWS, seed=0
         )
         write_jsonl(demos, rows)
-        config = {**CALC_SFT, "data": {**CALC_SFT["data"], "train": str(demos)}}
-        _train_into(path, config, name="tiny-calc", title="SFT warm-start (calculator)")
+        config = {**sft, "data": {**sft["data"], "train": str(demos)}}
+        _train_into(path, config, name=name, title="SFT warm-start (calculator)")
+
+
+# The calculator user of examples/calculator_agent/ (an agent over the training gateway, whose
+# first request is a chat message): builtin:tiny-calc's recipe with the prompt rendered by the
+# char model's chat template, `<|user|>37*58=\n<|assistant|>` (28 tokens), as the gateway
+# renders the agent's first request; the episodes' turns and tool messages are the same.
+CALC_CHAT_SFT = {
+    **CALC_SFT,
+    "data": {**CALC_SFT["data"], "max_prompt_length": 32, "apply_chat_template": True},
+}
+
+
+def build_tiny_calc_chat(path: Path) -> None:
+    """builtin:tiny-calc with chat prompts (CALC_CHAT_SFT)."""
+    build_tiny_calc(path, CALC_CHAT_SFT, name="tiny-calc-chat")
 
 
 def build_tiny_calc_split(path: Path) -> None:
@@ -204,3 +219,4 @@ def build_tiny_calc_split(path: Path) -> None:
 
 # version 2: whole-episode demonstrations (version 1 was build_tiny_calc_split)
 register_builtin_model("tiny-calc", build_tiny_calc, version=2)
+register_builtin_model("tiny-calc-chat", build_tiny_calc_chat)
