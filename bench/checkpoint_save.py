@@ -127,7 +127,7 @@ def _rank(rank: int, world: int, store: str, model_dir: str, work: str, mode: st
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import torch.multiprocessing as mp
 
     from keel.models.factory import TinyModelSpec, create_tiny_model
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--modes", default=",".join(MODES))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

@@ -7,6 +7,7 @@ The warm start's accuracy depends on the CPU and its kernel level (docs/testing.
 curves"), so the documented figures are ranges over runs under several levels:
 
     ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 python -m bench.example_figures [NAMES...]
+        [--set KEY=VALUE ...]   # overrides for every example (the smoke test: 1 step)
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ EXAMPLES = ("sft", "grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp",
             "reinforce_pp_baseline", "ppo")  # fmt: skip
 
 
-def run_example(name: str, run_dir: Path) -> dict[str, float | str]:
+def run_example(
+    name: str, run_dir: Path, extra: list[str] | tuple[str, ...] = ()
+) -> dict[str, float | str]:
     from keel.config.loading import load_config
     from keel.controller import run_training
     from keel.monitor.jsonl import read_metrics
 
     path = ROOT / "examples" / f"{name}_arith_tiny.yaml"
     overrides = [f"run_dir={run_dir}", "checkpoint.save_steps=0", "monitor.progress=false",
-                 "monitor.tensorboard=false", "monitor.samples.every=0"]  # fmt: skip
+                 "monitor.tensorboard=false", "monitor.samples.every=0", *extra]  # fmt: skip
     start = time.perf_counter()
     run_training(load_config(path, overrides), config_dir=path.parent)
     seconds = time.perf_counter() - start
@@ -56,8 +59,13 @@ def run_example(name: str, run_dir: Path) -> dict[str, float | str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=list(EXAMPLES))
+    parser.add_argument("names", nargs="*", default=list(EXAMPLES), help=", ".join(EXAMPLES))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every example")  # fmt: skip
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(EXAMPLES))
+    if unknown:
+        parser.error(f"unknown examples {unknown}; known: {', '.join(EXAMPLES)}")
     import torch
 
     torch.set_num_threads(1)
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="keel-example-figures-") as tmp:
         os.environ["KEEL_CACHE"] = str(Path(tmp) / "cache")
         for name in args.names:
-            row = run_example(name, Path(tmp) / name)
+            row = run_example(name, Path(tmp) / name, args.set)
             print(json.dumps({"cpu_capability": level, **row}), flush=True)
     return 0
 

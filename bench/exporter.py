@@ -7,10 +7,13 @@
    /api/v1/query (or a later step), for scrape intervals of 1 s and 5 s (expected: spread
    between 0 and the interval).
 Prints one JSON line per measurement.
+
+    python -m bench.exporter [--calls 2000] [--visibility 1:15,5:40]   # interval:duration, s
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -97,9 +100,11 @@ def visibility(interval_s: float, duration_s: float, every: float = 0.25) -> Non
             sink.close()
     print(json.dumps({
         "case": "visibility", "scrape_interval_s": interval_s, "step_every_s": every,
-        "steps": len(lags), "median_s": round(statistics.median(lags), 3),
-        "p90_s": round(statistics.quantiles(lags, n=10)[-1], 3),
-        "max_s": round(max(lags), 3),
+        "steps": len(lags),
+        # None: no step logged after Prometheus' first scrape (a run shorter than its start)
+        "median_s": round(statistics.median(lags), 3) if lags else None,
+        "p90_s": round(statistics.quantiles(lags, n=10)[-1], 3) if len(lags) > 1 else None,
+        "max_s": round(max(lags), 3) if lags else None,
     }))  # fmt: skip
 
 
@@ -126,7 +131,7 @@ def measure(sink: PrometheusSink, base: str, duration: float, every: float, inte
             reads.append((time.time(), int(float(r["value"][1]))))
         time.sleep(0.005)
     thread.join()
-    lags = []
+    lags: list[float] = []
     started = reads[0][0] if reads else math.inf  # steps before the first scrape don't count
     for step, at in logged.items():
         if at < started:
@@ -157,10 +162,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    overhead()
-    visibility(1.0, duration_s=15)
-    visibility(5.0, duration_s=40)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="log calls timed (overhead)")
+    parser.add_argument(
+        "--visibility", default="1:15,5:40",
+        help="scrape interval:seconds of logging, comma-separated; '' for none",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    overhead(args.calls)
+    for pair in filter(None, args.visibility.split(",")):
+        interval, duration = (float(x) for x in pair.split(":"))
+        visibility(interval, duration_s=duration)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ MODELS = {
 }
 SPEC = AlgorithmSpec(
     name="grpo", stage="rl", roles=frozenset({"actor", "rollout", "reward"}),
-    agg_mode="seq-mean-token-mean", advantage="grpo", policy_loss="vanilla",
+    loss_agg_mode="seq-mean-token-mean", advantage="grpo", policy_loss="vanilla",
     policy_loss_kwargs={"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
 )  # fmt: skip
 
@@ -81,13 +81,13 @@ def seconds(fn, reps: int) -> float:
     return round(statistics.median(times), 4)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--micro", type=int, default=8, help="rows per padded micro-batch")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tokenizer = build_char_tokenizer()
     batch = skewed_batch(args.rows, len(tokenizer))
     width = batch.input_ids.shape[1]

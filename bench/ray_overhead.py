@@ -7,10 +7,13 @@ Cases (8 prompts × 8 responses × 8 tokens per step, reference on, median of 10
   ray_2          actor + reference on 2 Ray workers (gloo), the rollout on a third
 Then `weight_push`: the median seconds of `Roles.push_weights()` (gather on the actor's rank 0,
 ship through Ray's object store, load into the rollout worker) over 20 pushes.
+
+    python -m bench.ray_overhead [--steps 10] [--warmup 3] [--pushes 20] [--cases local,ray_1,ray_2]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -53,7 +56,9 @@ def config(model_dir: Path, groups: list | None, steps: int):
     })  # fmt: skip
 
 
-def step_seconds(model_dir: Path, groups: list | None, steps: int = 10, warmup: int = 3):
+def step_seconds(
+    model_dir: Path, groups: list | None, steps: int = 10, warmup: int = 3, push_count: int = 20
+):
     cfg = config(model_dir, groups, steps + warmup)
     spec = build_spec(cfg)
     roles = assemble_roles(resolve_run_plan(cfg, spec), build_reward(cfg))
@@ -62,7 +67,7 @@ def step_seconds(model_dir: Path, groups: list | None, steps: int = 10, warmup: 
         times = timed_steps(ctl, steps, warmup)
         pushes = []
         if groups is RAY_2:
-            for _ in range(20):
+            for _ in range(push_count):
                 start = time.perf_counter()
                 roles.push_weights()
                 pushes.append(time.perf_counter() - start)
@@ -71,23 +76,40 @@ def step_seconds(model_dir: Path, groups: list | None, steps: int = 10, warmup: 
         roles.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--pushes", type=int, default=20, help="weight pushes timed (ray_2)")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated")
+    args = parser.parse_args(argv)
+    names = [n for n in args.cases.split(",") if n]
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
     torch.manual_seed(0)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = create_tiny_model(Path(tmp) / "tiny")
-        params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
-        base = None
-        for name, groups in CASES.items():
-            seconds, push = step_seconds(model_dir, groups)
-            base = base or seconds
-            row = {"case": f"ray_overhead/{name}", "s_per_step": round(seconds, 4),
-                   "ratio_to_local": round(seconds / base, 2)}  # fmt: skip
-            print(json.dumps(row), flush=True)
-            if push is not None:
-                print(json.dumps({"case": "ray_overhead/weight_push", "s": round(push, 4),
-                                  "params": params}), flush=True)  # fmt: skip
-    ray.shutdown()
+    # address="local": a Ray of its own, even when a cluster is up (ray start)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = create_tiny_model(Path(tmp) / "tiny")
+            params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
+            base = None
+            for name in names:
+                groups = CASES[name]
+                seconds, push = step_seconds(
+                    model_dir, groups, args.steps, args.warmup, args.pushes
+                )
+                if name == "local":
+                    base = seconds
+                row = {"case": f"ray_overhead/{name}", "s_per_step": round(seconds, 4),
+                       "ratio_to_local": round(seconds / base, 2) if base else None}  # fmt: skip
+                print(json.dumps(row), flush=True)
+                if push is not None:
+                    print(json.dumps({"case": "ray_overhead/weight_push", "s": round(push, 4),
+                                      "params": params}), flush=True)  # fmt: skip
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

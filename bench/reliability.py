@@ -5,10 +5,13 @@
 - the guard's overhead per step (its check, median, against the median step time);
 - steps from an injected reward collapse to the guard's trip, at the default guard settings.
 Prints one JSON line per measurement.
+
+    OMP_NUM_THREADS=1 python -m bench.reliability [--steps 12] [--saves 5] [--trials 20]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -47,13 +50,13 @@ def tiny_run(model_dir: Path, steps: int = 12) -> tuple[object, RLController, ob
     return cfg, RLController(cfg, spec, roles, load_datasets(cfg, spec)), roles
 
 
-def checkpoint_costs(model_dir: Path, root: Path) -> dict:
+def checkpoint_costs(model_dir: Path, root: Path, repeats: int = 5) -> dict:
     cfg, ctl, roles = tiny_run(model_dir)
     ctl.step(1)  # the optimizer has state
     components = {"controller": ctl, "guard": Guard(cfg.guard)}
     kwargs = {"roles": trainable_roles(roles), "components": components}
     saves, loads, checks = [], [], []
-    for i in range(5):
+    for i in range(repeats):
         start = time.perf_counter()
         info = save_checkpoint(root, i + 1, **kwargs, config_text="{}", healthy=True)
         saves.append(time.perf_counter() - start)
@@ -74,8 +77,10 @@ def checkpoint_costs(model_dir: Path, root: Path) -> dict:
     }
 
 
-def guard_overhead(model_dir: Path) -> dict:
-    cfg, ctl, _ = tiny_run(model_dir)
+def guard_overhead(model_dir: Path, steps: int = 12) -> dict:
+    """The guard's check against the step, medians over the steps after the first two (all of
+    them when there are fewer than 3)."""
+    cfg, ctl, _ = tiny_run(model_dir, steps)
     guard = Guard(cfg.guard)
     steps, checks = [], []
     for step in range(1, cfg.train.steps + 1):
@@ -85,7 +90,8 @@ def guard_overhead(model_dir: Path) -> dict:
         start = time.perf_counter()
         guard.check(step, metrics)
         checks.append(time.perf_counter() - start)
-    step_s, check_s = statistics.median(steps[2:]), statistics.median(checks[2:])
+    skip = 2 if len(steps) > 2 else 0
+    step_s, check_s = statistics.median(steps[skip:]), statistics.median(checks[skip:])
     return {
         "case": "guard_overhead",
         "check_us": round(check_s * 1e6, 1),
@@ -94,13 +100,13 @@ def guard_overhead(model_dir: Path) -> dict:
     }
 
 
-def steps_to_trip() -> dict:
+def steps_to_trip(trials: int = 20) -> dict:
     """A reward that climbs 0.2 → 0.6 with noise (σ 0.05), then collapses to 0.05: how many
     steps after the collapse does the default guard trip?"""
     cfg = validate({"models": {"actor": "x"}, "algorithm": {"name": "grpo"}})
     gen = torch.Generator().manual_seed(0)
     trips = []
-    for trial in range(20):
+    for trial in range(trials):
         guard, collapse_at = Guard(cfg.guard), 40 + trial
         for step in range(1, 200):
             mean = min(0.2 + 0.01 * step, 0.6) if step < collapse_at else 0.05
@@ -118,14 +124,19 @@ def steps_to_trip() -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="steps of the guard's run")
+    parser.add_argument("--saves", type=int, default=5, help="checkpoint saves and loads")
+    parser.add_argument("--trials", type=int, default=20, help="collapses the guard meets")
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_tiny_model(Path(tmp) / "tiny")
         for row in (
-            checkpoint_costs(model_dir, Path(tmp) / "ckpt"),
-            guard_overhead(model_dir),
-            steps_to_trip(),
+            checkpoint_costs(model_dir, Path(tmp) / "ckpt", args.saves),
+            guard_overhead(model_dir, args.steps),
+            steps_to_trip(args.trials),
         ):
             print(json.dumps({**row, "threads": torch.get_num_threads()}), flush=True)
 

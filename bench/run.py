@@ -1,9 +1,13 @@
 """`make bench`: seconds per GRPO step on the tiny model, at the work of the CPU anchor TRL's
 GRPOTrainer was measured at (8 completions × 8 tokens per step; docs/performance.md), and a
-larger step. Prints one JSON line per case."""
+larger step. Prints one JSON line per case.
+
+    OMP_NUM_THREADS=1 python -m bench.run [--steps 30] [--warmup 5] [--cases grpo_8x8,...]
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -57,12 +61,21 @@ def timed_steps(controller, steps: int, warmup: int) -> list[float]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated")
+    args = parser.parse_args(argv)
+    names = [n for n in args.cases.split(",") if n]
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_tiny_model(Path(tmp) / "tiny")
-        for name, case in CASES.items():
-            s = step_seconds(model_dir, case)
+        for name in names:
+            s = step_seconds(model_dir, CASES[name], args.steps, args.warmup)
             row = {"case": name, "median_step_s": round(s, 4), "threads": torch.get_num_threads()}
             print(json.dumps(row), flush=True)
 

@@ -100,13 +100,13 @@ def run(example: str, save: Path | None) -> dict[str, object]:
         return {"example": example, "wall": round(wall, 2), **head, **phases(pstats.Stats(prof))}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", nargs="+", default=["grpo_arith_tiny", "ppo_arith_tiny"])
     parser.add_argument("--save", type=Path, help="keep the profiles in this folder")
     parser.add_argument("--read", nargs="+", type=Path, help="phases of saved profiles")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child(*args.child)
         return

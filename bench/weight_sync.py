@@ -8,7 +8,8 @@ RSS before them (VmHWM reset through /proc/self/clear_refs). The object store mo
 state twice (actor → driver, driver → rollout); the collective moves it once, in bfloat16, from
 the actor's process to the rollout's. Prints one JSON line per transport.
 
-    .venv/bin/python -m bench.weight_sync [--hidden 1024 --layers 4 --pushes 5 --bucket-mb 64]
+    .venv/bin/python -m bench.weight_sync [--hidden 1024 --layers 4 --heads 16 --pushes 5
+        --bucket-mb 64 --transports object_store,collective]
 """
 
 from __future__ import annotations
@@ -91,26 +92,33 @@ def measure(model_dir: Path, transport: str, pushes: int, bucket_mb: float) -> d
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
-    args = parser.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated")
+    args = parser.parse_args(argv)
+    transports = [t for t in args.transports.split(",") if t]
+    unknown = sorted(set(transports) - set(TRANSPORTS))
+    if unknown:
+        parser.error(f"--transports: unknown {unknown}; known: {', '.join(TRANSPORTS)}")
+    # address="local": a Ray of its own, even when a cluster is up (ray start)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             spec = TinyModelSpec(
                 hidden_size=args.hidden,
                 num_layers=args.layers,
-                num_heads=16,
-                num_kv_heads=16,
+                num_heads=args.heads,
+                num_kv_heads=args.heads,
                 intermediate_size=4 * args.hidden,
             )
             model_dir = create_tiny_model(Path(tmp) / "model", spec)
             params = count_parameters(load_causal_lm(model_dir))
-            for transport in TRANSPORTS:
+            for transport in transports:
                 row = measure(model_dir, transport, args.pushes, args.bucket_mb)
                 print(json.dumps({**row, "params": params}), flush=True)
     finally:

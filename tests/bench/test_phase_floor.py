@@ -115,3 +115,17 @@ def test_matmul_rate_is_measured_on_one_thread_and_threads_restored():
     rate = matmul_gflops(64, 32, 48, repeats=3)
     assert math.isfinite(rate) and rate > 0
     assert torch.get_num_threads() == before
+
+
+def test_main_prints_each_sides_floors(capsys):
+    from bench.phase_floor import main
+
+    main(["--variant", "p4", "--workloads", "W1,W3"])
+    out = capsys.readouterr().out
+    assert out.startswith("mini: 0.")  # the p4 variant's model, its parameters
+    lines = [line for line in out.splitlines() if line.startswith("W")]
+    assert [line.split()[:2] for line in lines] == [
+        ["W1", "keel"], ["W1", "trl"], ["W3", "keel"], ["W3", "trl"]
+    ]  # fmt: skip
+    for line in lines:
+        assert "GFLOP/s = " in line and line.count(" s") >= 2

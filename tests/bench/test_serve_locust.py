@@ -4,6 +4,7 @@ ordered percentiles, TTFT of the streamed share, errors by kind). No timing is a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from bench.serve_locust import (
     RETRIED,
     STREAM,
     TTFT,
+    main,
     parse_args,
     read_stats,
     run_level,
@@ -78,3 +80,14 @@ def test_users_arrival_runs_locusts_constant_throughput_users(server: str, tmp_p
     assert level.arrival == "users"
     assert level.sent > 0 and level.ok == level.sent and level.errors == {}
     assert level.p99_s is not None
+
+
+def test_main_reports_a_level_and_its_summary(server: str, capsys) -> None:
+    """`make bench-serve`'s entry point against the running server, one second of load."""
+    main(["--url", server, "--qps", "5", "--duration", "1", "--warmup", "0", "--max-tokens", "4"])
+    lines = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
+    level, summary = lines[-2], lines[-1]["summary"]
+    assert level["level"]["offered_qps"] == 5.0 and level["level"]["sent"] >= 1
+    assert summary["max_tokens"] == 4 and summary["all_hold"] == level["holds"]
