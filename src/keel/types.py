@@ -61,6 +61,8 @@ class Batch:
       old_logprobs     [B, R] float  log π_old (the policy that produced the rollout), no grad
       ref_logprobs     [B, R] float  log π_ref (frozen reference policy)
       rollout_logprobs [B, R] float  log-probs reported by the rollout engine
+      rollout_is_weights [B, R] float  rollout correction's importance weights (decoupled mode;
+                                     detached, fixed for the step's epochs)
       token_weight_versions [B, R] long  the weight version that sampled each response token
                                      (rollout worker; an interruptible rollout's rows mix two)
       values           [B, R] float  critic values
@@ -82,6 +84,7 @@ class Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
     token_weight_versions: torch.Tensor | None = None
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None

@@ -7,6 +7,8 @@ mode that records each factory call (torch.zeros, arange, full, …) made withou
 tensor they made would be mixed with meta ones and raise.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -16,8 +18,10 @@ from keel.algo import (
     AGG_MODES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    RS_OPTIONS,
     agg_loss,
     clipped_value_loss,
+    decoupled_correction,
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
@@ -25,10 +29,12 @@ from keel.algo import (
     masked_mean,
     masked_whiten,
     overlong_penalty,
+    resolve_correction,
     sft_loss,
     token_level_rewards,
     varied_groups,
 )
+from keel.algo.correction import ISThreshold
 from keel.algo.kl import batch_mean_kl
 from keel.algo.preference import DPO_LOSSES, dpo_loss, sequence_logps
 
@@ -76,13 +82,22 @@ def inputs(device: str = "cpu") -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in cpu.items()}
 
 
+EVERY_RS = resolve_correction({"rollout_rs": ",".join(RS_OPTIONS), "rollout_rs_threshold": 2.0})
+CORRECTIONS = [
+    replace(EVERY_RS, is_level="token", batch_normalize=True, bypass=True),
+    replace(EVERY_RS, is_level="sequence", is_threshold=ISThreshold(5.0, 0.5), bypass=True,
+            loss_type="reinforce"),
+]  # fmt: skip
+
+
 def every_algo_call(x: dict[str, torch.Tensor], *, value_dependent: bool = True) -> None:
     """Calls every function of keel.algo that a step uses, in every registered variant."""
     m = x["mask"]
     for name, loss in POLICY_LOSSES.items():
+        if name == "bypass_mode":  # reads values (its rejection counts): below
+            continue
         for mode in AGG_MODES:
             loss(x["logprobs"], x["old"], x["adv"], m, agg_mode=mode, num_tokens=13, num_seqs=5)
-        assert name
     for kind in KL_ESTIMATORS:
         kl = kl_penalty(x["logprobs"], x["ref"], kind)
         agg_loss(kl, m, mode="token-mean", num_tokens=13, num_seqs=5)
@@ -97,6 +112,12 @@ def every_algo_call(x: dict[str, torch.Tensor], *, value_dependent: bool = True)
     if not value_dependent:  # below: shapes or branches that depend on values (no meta)
         return
     masked_whiten(x["adv"], m)
+    for correction in CORRECTIONS:  # rollout correction: every option, both modes
+        decoupled_correction(x["old"], x["ref"], m, correction)
+        for mode in AGG_MODES:
+            bypass = POLICY_LOSSES["bypass_mode"]
+            bypass(x["logprobs"], x["old"], x["adv"], m, agg_mode=mode, num_tokens=13,
+                   num_seqs=5, correction=correction)  # fmt: skip
     seq = sequence_logps(x["logprobs"], m)
     for loss_type in DPO_LOSSES:  # its metrics are read back as floats
         lengths = m.sum(dim=1)

@@ -28,7 +28,11 @@ def test_the_name_types_list_the_registry_keys_in_order():
 
 def test_the_config_offers_the_same_choices():
     loss_mode = algorithms.PolicyLossConfig.model_fields["loss_mode"].annotation
-    assert get_args(loss_mode) == get_args(PolicyLossName)
+    # bypass_mode is chosen by algorithm.rollout_correction.bypass_mode, not by loss_mode
+    assert (*get_args(loss_mode), "bypass_mode") == get_args(PolicyLossName)
+    preset = algorithms.RolloutCorrectionConfig.model_fields["preset"].annotation
+    assert set(get_args(get_args(preset)[0])) == set(algorithms.ROLLOUT_CORRECTION_PRESETS)
+    assert len(algorithms.ROLLOUT_CORRECTION_PRESETS) == 19  # verl 0.9.1's
     assert get_args(algorithms.AggMode) == get_args(AggMode)
     assert get_args(algorithms.KLType) == get_args(KLEstimatorName)
     assert get_args(algorithms.DPOLossType) == get_args(DPOLossName)

@@ -236,15 +236,35 @@ def test_config_with_a_byte_order_mark_loads(tmp_path):
     assert load_config(path, environ={}).models.actor == "builtin:tiny"
 
 
-def test_tis_cap_needs_the_engines_logprobs_and_names_both_fields(tmp_path):
-    msg = load_error(write_config(tmp_path, rollout={"tis_cap": 2.0}))
-    assert "rollout.tis_cap" in msg and "rollout.return_logprobs" in msg
-    assert "greater than 0" in load_error(write_config(
-        tmp_path, rollout={"tis_cap": 0, "return_logprobs": True}))  # fmt: skip
-    cfg = load_config(write_config(tmp_path, rollout={"tis_cap": 2.0, "return_logprobs": True}),
-                      environ={})  # fmt: skip
-    assert cfg.rollout.tis_cap == 2.0
-    assert load_config(write_config(tmp_path), environ={}).rollout.tis_cap is None  # off
+def test_the_old_tis_cap_is_the_decoupled_token_is_preset(tmp_path):
+    """rollout.tis_cap: C (read with a warning) becomes algorithm.rollout_correction's
+    decoupled_token_is preset at C; beside a correction of its own it is an error naming both;
+    null, or on a stage without rollouts, it is left out."""
+    with pytest.warns(FutureWarning, match="rollout.tis_cap"):
+        cfg = load_config(
+            write_config(tmp_path, rollout={"tis_cap": 3.0, "return_logprobs": True}), environ={}
+        )
+    corr = cfg.algorithm.rollout_correction
+    assert corr.preset == "decoupled_token_is" and corr.rollout_is == "token"
+    assert corr.rollout_is_threshold == 3.0 and not corr.bypass_mode
+    both = write_config(
+        tmp_path,
+        rollout={"tis_cap": 3.0},
+        algorithm={"name": "grpo", "rollout_correction": {"preset": "decoupled_seq_is"}},
+    )
+    msg = load_error(both)
+    assert "rollout.tis_cap" in msg and "algorithm.rollout_correction" in msg
+    with pytest.warns(FutureWarning):
+        off = load_config(write_config(tmp_path, rollout={"tis_cap": None}), environ={})
+    assert off.algorithm.rollout_correction is None
+    with pytest.warns(FutureWarning):
+        sft = load_config(
+            write_config(tmp_path, rollout={"tis_cap": 2.0}, algorithm={"name": "sft"}), environ={}
+        )
+    assert not hasattr(sft.algorithm, "rollout_correction")
+    with pytest.warns(FutureWarning):
+        cli = load_config(write_config(tmp_path), ["rollout.tis_cap=2.5"], environ={})
+    assert cli.algorithm.rollout_correction.rollout_is_threshold == 2.5
 
 
 BASE = {"models": {"actor": "builtin:tiny"}, "algorithm": {"name": "grpo"}}

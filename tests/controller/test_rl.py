@@ -209,19 +209,23 @@ def test_no_shortcut_where_old_logprobs_are_read_before_the_update(tiny_dir):
     assert "compute_logprobs" in seen
 
 
-def test_tis_steps_log_the_drift_and_the_weights(tiny_dir):
-    """rollout.tis_cap reaches the actor through the spec; the step logs the TIS diagnostics
-    next to the drift. The colocated HF engine samples with the trainer's own weights, so the
-    drift is ≈ 0 and the weights ≈ 1 (none capped)."""
-    ctl = controller(tiny_dir, {"name": "grpo"}, rollout={
-        "n": 2, "max_new_tokens": 4, "return_logprobs": True, "tis_cap": 2.0})  # fmt: skip
-    assert ctl.spec.tis_cap == 2.0 and not ctl.on_policy_shortcut
+def test_token_tis_steps_log_the_drift_and_the_weights(tiny_dir):
+    """The old rollout.tis_cap is the decoupled_token_is preset; the step logs its metrics next
+    to the drift. The colocated HF engine samples with the trainer's own weights, so the drift
+    is ≈ 0 and the weights ≈ 1 (none capped)."""
+    with pytest.warns(FutureWarning, match="rollout.tis_cap"):
+        ctl = controller(tiny_dir, {"name": "grpo"}, rollout={
+            "n": 2, "max_new_tokens": 4, "return_logprobs": True, "tis_cap": 2.0})  # fmt: skip
+    corr = ctl.spec.rollout_correction
+    assert corr.preset == "decoupled_token_is" and corr.is_threshold.upper == 2.0
+    assert not ctl.on_policy_shortcut
     before = params(ctl.roles.actor)
     metrics = ctl.step(1)
     assert not same(before, params(ctl.roles.actor))
     assert metrics["rollout/logprob_kl"] < 1e-4 and metrics["rollout/logprob_abs_diff_max"] < 1e-2
-    assert metrics["rollout/tis_clip_frac"] == 0.0
-    assert metrics["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert ctl.last_batch.rollout_is_weights is not None
 
 
 def test_drift_metrics_of_a_batch_by_hand():
@@ -229,16 +233,13 @@ def test_drift_metrics_of_a_batch_by_hand():
     rollout = torch.tensor([[-1.0, -2.0, float("nan")]])
     old = rollout + torch.tensor([[0.0, math.log(3), 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    metrics = drift_metrics(rollout, old, mask, tis_cap=2.0)
+    metrics = drift_metrics(rollout, old, mask)
     assert metrics == pytest.approx({
         "rollout/logprob_abs_diff": math.log(3) / 2,
         "rollout/logprob_abs_diff_max": math.log(3),
         "rollout/logprob_kl": (2 - math.log(3)) / 2,
         "rollout/logprob_kl_k1": -math.log(3) / 2,
-        "rollout/tis_clip_frac": 0.5,
-        "rollout/tis_weight_mean": 1.5,
     })  # fmt: skip
-    assert "rollout/tis_clip_frac" not in drift_metrics(rollout, old, mask, tis_cap=None)
 
 
 def _spy(call, seen):

@@ -2,12 +2,21 @@
 a multi-turn batch has its observations as holes in the mask, episodes end for the right
 reason, and the environment's rewards are discounted over turns."""
 
+import threading
+
 import pytest
 import torch
 
 from keel.data import Example
 from keel.envs.builtin import SingleTurnEnvironment
-from keel.envs.episodes import EpisodeRunner, episode_metrics, with_episode_returns
+from keel.envs.episodes import (
+    EpisodeRunner,
+    EpisodesFailedError,
+    ResetError,
+    drop_failed_groups,
+    episode_metrics,
+    with_episode_returns,
+)
 from keel.envs.protocol import StepResult
 from keel.models import load_causal_lm, load_tokenizer
 from keel.rollout import HFRolloutEngine, SamplingParams
@@ -135,3 +144,101 @@ def test_a_failing_environment_names_itself(engine):
     sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=2)
     with pytest.raises(RuntimeError, match=r"rollout\.env: step failed: KeyError"):
         runner(engine, Broken, max_turns=2).generate(EXAMPLES, sampling)
+
+
+class FailingFirst(Echo):
+    """Two turns per episode; the first `fail` steps of all (a class-level count) raise."""
+
+    fail = 0
+    steps = 0
+
+    def step(self, response):
+        FailingFirst.steps += 1
+        if FailingFirst.steps <= FailingFirst.fail:
+            raise ConnectionError("the sandbox went away")
+        self.turn += 1
+        return StepResult(observation=" ok|", done=self.turn == 2)
+
+
+def test_a_failed_episode_is_played_again_with_a_fresh_environment(engine):
+    FailingFirst.fail, FailingFirst.steps = 2, 0
+    built = []
+
+    def make():
+        built.append(FailingFirst())
+        return built[-1]
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=2)
+    torch.manual_seed(5)
+    batch = runner(engine, make, max_turns=3, retries=2).generate(EXAMPLES, sampling)
+    assert len(built) == 4 + 2  # one per row, one per failed attempt
+    assert all(e["termination"] == "done" and e["turns"] == 2 for e in batch.episodes)
+    assert sum(e["failures"] for e in batch.episodes) == 2
+    kept, metrics = drop_failed_groups(batch)
+    assert kept is batch
+    assert metrics == {"episode/failed": 0.0, "episode/retried": 2.0, "episode/groups_dropped": 0.0}
+
+
+class FailsOnSecond(Echo):
+    """Every step of the second example's episodes fails."""
+
+    def reset(self, example):
+        self.bad = example.prompt == "12-5="
+        return None
+
+    def step(self, response):
+        if self.bad:
+            raise RuntimeError("lost the container")
+        return super().step(response)
+
+
+def test_a_group_whose_episode_keeps_failing_is_dropped_whole(engine):
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=2)
+    torch.manual_seed(6)
+    batch = runner(engine, FailsOnSecond, max_turns=2, retries=1, max_failed_frac=0.5).generate(
+        EXAMPLES, sampling, group_offset=10
+    )
+    failed = [e for e in batch.episodes if e["termination"] == "failed"]
+    assert len(failed) == 2 and all(e["failures"] == 2 for e in failed)
+    assert "lost the container" in failed[0]["error"]
+    kept, metrics = drop_failed_groups(batch)
+    assert kept.group_ids.tolist() == [10, 10] and kept.prompts == ["3+4=", "3+4="]
+    assert metrics == {"episode/failed": 2.0, "episode/retried": 2.0, "episode/groups_dropped": 1.0}
+    # more than max_failed_frac of the call failed: the run stops, naming the cause
+    with pytest.raises(EpisodesFailedError, match=r"2 of 4 episodes failed.*lost the container"):
+        runner(engine, FailsOnSecond, max_turns=2, retries=1, max_failed_frac=0.25).generate(
+            EXAMPLES, sampling
+        )
+
+
+def test_an_environment_that_refuses_every_example_is_a_user_error(engine):
+    class NoStart(Echo):
+        def reset(self, example):
+            raise ValueError("needs an integer answer")
+
+    sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=2)
+    with pytest.raises(ResetError, match=r"2 of 2 episodes failed.*needs an integer answer"):
+        runner(engine, NoStart, retries=1).generate(EXAMPLES, sampling)
+
+
+def test_a_step_past_its_time_limit_is_a_failed_attempt(engine):
+    release = threading.Event()
+
+    class HangsOnce(Echo):
+        hung = False
+
+        def step(self, response):
+            if not HangsOnce.hung:
+                HangsOnce.hung = True
+                release.wait(60)  # until the test lets it go
+            return StepResult(done=True)
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=2)
+    try:
+        batch = runner(engine, HangsOnce, max_turns=2, retries=1, timeout_s=0.2).generate(
+            EXAMPLES, sampling
+        )
+    finally:
+        release.set()
+    assert sorted(e["failures"] for e in batch.episodes) == [0, 0, 0, 1]
+    assert {e["termination"] for e in batch.episodes} == {"done"}

@@ -53,10 +53,9 @@ def test_the_drift_guard_needs_the_engines_logprobs_in_an_rl_run():
     grpo = unused(algorithm={"name": "grpo"}, guard=rules)
     assert "rollout.return_logprobs" in grpo["guard.rules[1]"] and "guard.rules[0]" not in grpo
     logged = unused(algorithm={"name": "grpo"}, rollout={"return_logprobs": True}, guard=rules)
-    assert "guard.rules[1]" not in logged and "rollout.tis_cap" not in logged
-    sft = unused(algorithm={"name": "sft"}, rollout={"return_logprobs": True, "tis_cap": 2.0},
-                 guard=rules)  # fmt: skip
-    assert "guard.rules[0]" in sft and "guard.rules[1]" in sft and "rollout.tis_cap" in sft
+    assert "guard.rules[1]" not in logged
+    sft = unused(algorithm={"name": "sft"}, rollout={"return_logprobs": True}, guard=rules)
+    assert "guard.rules[0]" in sft and "guard.rules[1]" in sft
 
 
 def test_a_token_budget_replaces_the_micro_batch_size():
@@ -85,7 +84,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
     assert (
         "#   rollout.n, rollout.temperature, rollout.return_logprobs, "
-        "rollout.share_prompt_prefill, rollout.tis_cap, rollout.max_staleness: " in out
+        "rollout.share_prompt_prefill, rollout.max_staleness: " in out
     )
     assert "# derived" in out
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0

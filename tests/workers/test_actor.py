@@ -92,32 +92,26 @@ def test_non_finite_gradient_skips_the_update(tiny_dir):
         assert torch.equal(v, before[k]), k
 
 
-def with_tis(spec: AlgorithmSpec, cap: float | None) -> AlgorithmSpec:
-    return AlgorithmSpec(**{**spec.__dict__, "tis_cap": cap})
-
-
-def test_truncated_importance_sampling_in_the_update(tiny_dir):
-    """rollout.tis_cap: engine log-probs equal to π_old (w = 1) give today's update bit for
-    bit; a gap that caps every weight at 2 doubles the gradient (SGD: twice the step); a batch
-    without the engine's log-probs is an error naming the setting."""
+def test_rollout_correction_weights_on_the_batch_multiply_each_tokens_term(tiny_dir):
+    """Decoupled rollout correction stores its IS weights on the batch (rollout_is_weights):
+    weights of 1 give the unweighted update bit for bit; weights of 2 double the gradient
+    (SGD: twice the step)."""
     tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = synthetic_batch(len(tok))
     spec = rl_spec("token-mean")
 
-    def step(b: Batch, s: AlgorithmSpec) -> list[torch.Tensor]:
+    def step(b: Batch) -> list[torch.Tensor]:
         model = copy.deepcopy(base)
-        sgd_actor(model, tok, 4).update(b, s)
+        sgd_actor(model, tok, 4).update(b, spec)
         return [p.detach() - q.detach() for p, q in zip(model.parameters(), base.parameters(),
                                                         strict=True)]  # fmt: skip
 
-    plain = step(batch, spec)
-    same = step(batch.replace(rollout_logprobs=batch.old_logprobs.clone()), with_tis(spec, 2.0))
-    assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
-    capped = step(batch.replace(rollout_logprobs=batch.old_logprobs - 1.0), with_tis(spec, 2.0))
-    for a, b in zip(plain, capped, strict=True):
+    plain = step(batch)
+    ones = step(batch.replace(rollout_is_weights=torch.ones_like(batch.old_logprobs)))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ones, strict=True))
+    doubled = step(batch.replace(rollout_is_weights=torch.full_like(batch.old_logprobs, 2.0)))
+    for a, b in zip(plain, doubled, strict=True):
         torch.testing.assert_close(b, 2 * a, atol=1e-6, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"rollout\.tis_cap"):
-        step(batch, with_tis(spec, 2.0))
 
 
 class EmbeddingLM(torch.nn.Module):
@@ -143,11 +137,10 @@ def test_the_actor_loss_runs_on_the_meta_device(tiny_dir, policy_loss):
     with torch.device("meta"):
         model = EmbeddingLM(len(tok))
     spec = rl_spec("seq-mean-token-mean", kl=0.1, entropy=0.01)
-    spec = AlgorithmSpec(**{**spec.__dict__, "policy_loss": policy_loss, "policy_loss_kwargs": {},
-                            "tis_cap": 2.0})  # fmt: skip
+    spec = AlgorithmSpec(**{**spec.__dict__, "policy_loss": policy_loss, "policy_loss_kwargs": {}})
     actor = ActorWorker(model, tok, None, temperature=0.7, mini_batch_size=8, micro_batch_size=8)
     batch = synthetic_batch(len(tok))
-    batch = batch.replace(rollout_logprobs=batch.old_logprobs - 0.5).to("meta")
+    batch = batch.replace(rollout_is_weights=torch.full_like(batch.old_logprobs, 1.5)).to("meta")
     loss, metrics = actor._policy_loss(batch, spec=spec, kl_coef=0.1, num_tokens=25, num_seqs=7)
     loss.backward()
     assert loss.device.type == "meta"
@@ -169,6 +162,7 @@ def holed_batch(vocab: int) -> Batch:
     return batch.replace(
         response_mask=torch.where(holes, 0.0, batch.response_mask),
         rollout_logprobs=torch.full_like(batch.response_mask, -4.2),
+        rollout_is_weights=torch.full_like(batch.response_mask, 1.5),
         meta={"holes": holes},
     )
 
@@ -192,9 +186,9 @@ def test_observation_tokens_do_not_reach_the_gradient(tiny_dir, mode):
         old_logprobs=noise(batch.old_logprobs),
         ref_logprobs=noise(batch.ref_logprobs),
         rollout_logprobs=noise(batch.rollout_logprobs),
+        rollout_is_weights=noise(batch.rollout_is_weights),
     )
     spec = rl_spec(mode, kl=0.1, entropy=0.01)
-    spec = type(spec)(**{**spec.__dict__, "tis_cap": 2.0})
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     logits: list[torch.Tensor] = []
 

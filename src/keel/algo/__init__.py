@@ -1,5 +1,5 @@
-"""Pure RL math: losses, advantages, KL estimators, rollout drift and truncated importance
-sampling. Tensors and numbers in, tensors out.
+"""Pure RL math: losses, advantages, KL estimators, rollout drift and its correction (importance
+weights, rejection sampling, bypass mode). Tensors and numbers in, tensors out.
 
 Nothing here imports transformers, ray or vllm, and nothing reads a config object: every formula
 is testable in milliseconds. The formulas follow docs/algorithms.md (§0–§10; verl semantics).
@@ -16,6 +16,14 @@ from keel.algo.advantages import (
     token_level_rewards,
 )
 from keel.algo.aggregation import AGG_MODES, AggMode, agg_loss, loss_denominators
+from keel.algo.correction import (
+    RS_OPTIONS,
+    CorrectionError,
+    RolloutCorrection,
+    bypass_loss,
+    decoupled_correction,
+    resolve_correction,
+)
 from keel.algo.drift import LogprobDrift, logprob_drift, truncated_is_weights
 from keel.algo.kl import KL_ESTIMATORS, KLEstimatorName, kl_penalty
 from keel.algo.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
@@ -38,19 +46,24 @@ __all__ = [
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "RS_OPTIONS",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "AdvantageName",
     "AggMode",
+    "CorrectionError",
     "FixedKLController",
     "KLEstimatorName",
     "LogprobDrift",
     "PolicyLossFn",
     "PolicyLossName",
     "PolicyLossOutput",
+    "RolloutCorrection",
     "agg_loss",
     "build_kl_controller",
+    "bypass_loss",
     "clipped_value_loss",
+    "decoupled_correction",
     "discounted_returns",
     "entropy_from_logits",
     "gae_advantage_return",
@@ -66,6 +79,7 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "ppo_clip_loss",
+    "resolve_correction",
     "rloo_outcome_advantage",
     "sft_loss",
     "token_level_rewards",

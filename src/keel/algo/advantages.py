@@ -186,7 +186,12 @@ class AdvantageEstimator(Protocol):
     """A registered estimator: token_rewards [B, R] (score on the last valid token, −β·k where
     KL is in the reward), response_mask [B, R], group_ids [B], values [B, R] or None (critic)
     → (advantages [B, R], returns [B, R], or None for an estimator without a critic). Its own
-    options (AlgorithmSpec.advantage_kwargs) are keyword arguments with defaults."""
+    options (AlgorithmSpec.advantage_kwargs) are keyword arguments with defaults.
+    score_mask [B, R] (default: response_mask): the mask each row's outcome score is summed
+    under. Rollout correction narrows response_mask (m' = m ⊙ keep) after the rewards were
+    placed under m: the outcome estimators (grpo, rloo, reinforce_pp_baseline) keep every
+    row's score in its group's statistics, its advantages × m'; the token-level ones (gae,
+    reinforce_pp) read the rewards under m'."""
 
     def __call__(
         self,
@@ -194,10 +199,15 @@ class AdvantageEstimator(Protocol):
         response_mask: torch.Tensor,
         group_ids: torch.Tensor,
         values: torch.Tensor | None = None,
+        score_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 Advantages = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _or(mask: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if mask is None else mask
 
 
 def _grpo(
@@ -205,11 +215,12 @@ def _grpo(
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     values: torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
     *,
     norm_adv_by_std: bool = True,
     adv_epsilon: float = 1e-6,
 ) -> Advantages:
-    scores = sequence_scores(token_rewards, response_mask)
+    scores = sequence_scores(token_rewards, _or(score_mask, response_mask))
     advantages = grpo_outcome_advantage(
         scores, response_mask, group_ids, norm_adv_by_std=norm_adv_by_std, adv_epsilon=adv_epsilon
     )
@@ -221,6 +232,7 @@ def _gae(
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     values: torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
     *,
     norm_adv: bool = True,
     gamma: float = 1.0,
@@ -241,8 +253,9 @@ def _rloo(
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     values: torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
 ) -> Advantages:
-    scores = sequence_scores(token_rewards, response_mask)
+    scores = sequence_scores(token_rewards, _or(score_mask, response_mask))
     return rloo_outcome_advantage(scores, response_mask, group_ids), None
 
 
@@ -251,6 +264,7 @@ def _reinforce_pp(
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     values: torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
     *,
     gamma: float = 1.0,
 ) -> Advantages:
@@ -263,8 +277,9 @@ def _reinforce_pp_baseline(
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     values: torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
 ) -> Advantages:
-    scores = sequence_scores(token_rewards, response_mask)
+    scores = sequence_scores(token_rewards, _or(score_mask, response_mask))
     centred = _broadcast(group_mean_baseline(scores, group_ids), response_mask)
     return masked_whiten(centred, response_mask), None
 

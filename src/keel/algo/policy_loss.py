@@ -7,23 +7,26 @@ the loss nor the gradient ever sees them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
 
 from keel.algo.aggregation import agg_loss
+from keel.algo.correction import bypass_loss
 from keel.algo.masked import masked_mean
 
 
 @dataclass
 class PolicyLossOutput:
-    """The aggregated loss (scalar, with grad) and its diagnostics (0-dim tensors, no grad)."""
+    """The aggregated loss (scalar, with grad) and its diagnostics (0-dim tensors, no grad);
+    `metrics`: further diagnostics by their full metric key (bypass mode's rollout_corr/*)."""
 
     loss: torch.Tensor
     clipfrac: torch.Tensor
     clipfrac_lower: torch.Tensor
     ppo_kl: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def ppo_clip_loss(
@@ -184,7 +187,9 @@ def gspo_token_loss(
 
 
 # The names of the registered losses (AlgorithmSpec.policy_loss; the registry's keys).
-PolicyLossName = Literal["vanilla", "gspo", "gspo_token"]
+# bypass_mode: rollout correction's bypass mode (keel.algo.correction.bypass_loss), which takes
+# the engine's log-probs as ℓ_old and its RolloutCorrection as `correction`.
+PolicyLossName = Literal["vanilla", "gspo", "gspo_token", "bypass_mode"]
 
 
 class PolicyLossFn(Protocol):
@@ -213,4 +218,5 @@ POLICY_LOSSES: dict[PolicyLossName, PolicyLossFn] = {
     "vanilla": ppo_clip_loss,
     "gspo": gspo_loss,
     "gspo_token": gspo_token_loss,
+    "bypass_mode": bypass_loss,
 }

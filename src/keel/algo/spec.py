@@ -7,10 +7,11 @@ section or branches on its name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from keel.algo.advantages import AdvantageName
 from keel.algo.aggregation import AggMode
+from keel.algo.correction import RolloutCorrection
 from keel.algo.kl import KLEstimatorName
 from keel.algo.kl_control import KLControlOptions
 from keel.algo.policy_loss import PolicyLossName
@@ -45,9 +46,11 @@ class AlgorithmSpec:
       until the batch is full, at most max_num_gen_batches generation rounds per step (0: no cap).
     overlong_filter: responses cut at the length budget (no EOS) get response mask 0.
     overlong_buffer_len, overlong_penalty_factor: soft overlong punishment (0: off).
-    tis_cap: truncated importance sampling (keel.algo.drift): the policy loss's per-token terms
-      are weighted by min(π_old/π_rollout, tis_cap), detached; None: off. Needs the rollout
-      engine's log-probs in the batch (`rollout_logprobs`).
+    rollout_correction: the rollout correction (keel.algo.correction; None: none). Decoupled:
+      the controller's correction stage weights and rejects before the advantages; bypass:
+      policy_loss is "bypass_mode", π_old := the engine's log-probs (no recomputation), and
+      policy_loss_kwargs carries the same object as `correction`. Needs the rollout engine's
+      log-probs in the batch (`rollout_logprobs`).
     """
 
     name: str
@@ -57,7 +60,7 @@ class AlgorithmSpec:
     advantage: AdvantageName | None = None
     advantage_kwargs: dict[str, float | bool] = field(default_factory=dict)
     policy_loss: PolicyLossName | None = None
-    policy_loss_kwargs: dict[str, float] = field(default_factory=dict)
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     loss_scale_factor: float | None = None
     kl_loss_coef: float = 0.0
     kl_loss_type: KLEstimatorName = "low_var_kl"
@@ -77,7 +80,7 @@ class AlgorithmSpec:
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     critic_lr: float | None = None
-    tis_cap: float | None = None
+    rollout_correction: RolloutCorrection | None = None
 
     @property
     def needs_reference(self) -> bool:

@@ -74,6 +74,9 @@ def show(path: Path, overrides: Sequence[str]) -> int:
     }
     for key, value in plan.as_dict().items():
         print(f"#   {key}: {value}    ({descriptions[key]})")
+    correction = getattr(spec, "rollout_correction", None)
+    if correction is not None:  # the resolved algorithm.rollout_correction
+        print(f"#   rollout_correction: {correction.describe()}")
     return 0
 
 

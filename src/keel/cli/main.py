@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
+    _add_env(sub)
     add_serve_parser(sub)
     add_plan_parser(sub)
     add_convert_parser(sub)
@@ -177,6 +178,20 @@ def _add_generate(sub: Any) -> None:
         help="answer one turn even when the run has rollout.env (default: play its episodes)",
     )
     _add_overrides(gen)
+
+
+def _add_env(sub: Any) -> None:
+    env = sub.add_parser("env", help="environments")
+    esub = env.add_subparsers(dest="env_command", required=True)
+    es = esub.add_parser("serve", help="serve an environment over HTTP (keel-env protocol; "
+                         "rollout.env.name: http, docs/environments.md)")  # fmt: skip
+    es.add_argument("env", help="builtin:NAME, package.module:Class or path/to/file.py:Class")
+    es.add_argument("--kwargs", default="{}", help="the constructor's keyword arguments (JSON)")
+    es.add_argument("--host", default="127.0.0.1")
+    es.add_argument("--port", type=int, default=8711, help="0: a free port (printed)")
+    es.add_argument("--max-sessions", type=_positive, default=256, help="episodes live at once")
+    es.add_argument("--session-ttl-s", type=float, default=600.0,
+                    help="an idle session is forgotten after this many seconds")  # fmt: skip
 
 
 def _positive(text: str) -> int:
@@ -297,6 +312,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return plan(
             args.config, args.set, gpus=args.gpus, gpu_memory=args.gpu_memory, device=args.device
         )
+    if args.command == "env":
+        from keel.envs.server import serve_main
+
+        return serve_main(args)
     if args.command == "serve":
         from keel.cli.serve_cmd import serve
 

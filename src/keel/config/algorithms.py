@@ -49,6 +49,97 @@ class PolicyLossConfig(Section):
     )
 
 
+# Rollout-correction presets (verl 0.9.1's RolloutCorrectionConfig.<name>(), all 19, with their
+# default thresholds): name → the section's keys it sets. The user's own keys win over a
+# preset's (`preset: decoupled_token_is, rollout_is_threshold: 3.0` is Token-TIS at 3).
+_GEO = {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"}
+_K3 = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}
+_SEQ_IS = {"rollout_is": "sequence", "rollout_is_threshold": 2.0}
+_TOKEN_IS = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+_ICEPOP = {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}
+_BYPASS = {"bypass_mode": True, "loss_type": "ppo_clip"}
+_PG = {"bypass_mode": True, "loss_type": "reinforce"}
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled_token_is": _TOKEN_IS,  # Token-TIS
+    "decoupled_seq_is": _SEQ_IS,  # Seq-TIS
+    "decoupled_token_icepop": _ICEPOP,  # IcePop
+    "decoupled_seq_is_rs": {  # Seq-MIS
+        **_SEQ_IS, "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0",
+    },
+    "decoupled_geo_rs": _GEO,  # Geo-RS
+    "decoupled_geo_rs_seq_tis": {**_SEQ_IS, **_GEO},
+    "decoupled_geo_rs_token_tis": {**_TOKEN_IS, **_GEO},
+    "decoupled_k3_rs": _K3,  # K3-RS
+    "decoupled_k3_rs_seq_tis": {**_SEQ_IS, **_K3},
+    "decoupled_k3_rs_token_tis": {**_TOKEN_IS, **_K3},
+    "disabled": {},  # metrics only
+    "bypass_ppo_clip": _BYPASS,
+    "bypass_ppo_clip_geo_rs": {**_BYPASS, **_GEO},
+    "bypass_ppo_clip_k3_rs": {**_BYPASS, **_K3},
+    "bypass_pg_is": {**_PG, **_SEQ_IS},
+    "bypass_pg_token_icepop": {**_PG, **_ICEPOP},
+    "bypass_pg_geo_rs": {**_PG, **_GEO},
+    "bypass_pg_geo_rs_seq_tis": {**_PG, **_SEQ_IS, **_GEO},
+    "bypass_pg_geo_rs_token_tis": {**_PG, **_TOKEN_IS, **_GEO},
+}  # fmt: skip
+CorrectionPreset = Literal[
+    "decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop", "decoupled_seq_is_rs",
+    "decoupled_geo_rs", "decoupled_geo_rs_seq_tis", "decoupled_geo_rs_token_tis",
+    "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis", "disabled",
+    "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs", "bypass_pg_is",
+    "bypass_pg_token_icepop", "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis",
+    "bypass_pg_geo_rs_token_tis",
+]  # fmt: skip
+
+
+class RolloutCorrectionConfig(Section):
+    """Rollout correction (docs/algorithms.md, "Rollout correction"): importance weights and
+    rejection sampling for the gap between the engine's and the trainer's probabilities, in
+    decoupled or bypass mode; verl 0.9.1's keys. A preset fills the keys the section leaves
+    out. The section present with nothing set logs the metrics only. The thresholds' format is
+    checked when the spec is built (keel config validate), naming the key."""
+
+    preset: CorrectionPreset | None = Field(
+        None, description="one of verl's 19 presets (ROLLOUT_CORRECTION_PRESETS); null: none"
+    )
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="importance-weight level; null: no weights"
+    )
+    rollout_is_threshold: float | str = Field(
+        2.0, description="U > 0: TIS, w = min(ρ, U); 'lo_hi': IcePop, w = ρ·[lo ≤ ρ ≤ hi]"
+    )
+    rollout_is_batch_normalize: bool = Field(
+        False, description="divide the weights by their batch mean"
+    )
+    rollout_rs: str | None = Field(
+        None,
+        description="rejection options, comma-separated, all must pass: token_k1/k2/k3, "
+        "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; null: none",
+    )
+    rollout_rs_threshold: float | str | None = Field(
+        None,
+        description="one threshold for all options or one per option, comma-separated; k1: "
+        "'lo_hi' or u (= 1/u_u); k2/k3: u",
+    )
+    bypass_mode: bool = Field(
+        False,
+        description="π_old := the engine's log-probs (no recomputation), weights and "
+        "rejection inside the loss; false: decoupled (three policies)",
+    )
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip",
+        description="bypass mode's loss: ppo_clip (weights for metrics only) or "
+        "reinforce (weights applied)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in ROLLOUT_CORRECTION_PRESETS:
+            return with_preset(data, ROLLOUT_CORRECTION_PRESETS[data["preset"]])
+        return data
+
+
 class RLAlgorithm(Section):
     """Fields every RL algorithm shares: the policy loss, the aggregation of every loss term
     (docs/algorithms.md §1), KL as a loss and the entropy bonus."""
@@ -61,6 +152,11 @@ class RLAlgorithm(Section):
     kl_loss_coef: float = Field(0.0, ge=0, description="KL as a loss; 0 loads no reference")
     kl_loss_type: KLType = "low_var_kl"
     entropy_coeff: float = 0.0
+    rollout_correction: RolloutCorrectionConfig | None = Field(
+        None,
+        description="rollout correction (IS weights, rejection, bypass mode); needs "
+        "rollout.return_logprobs; null: none",
+    )
 
 
 class FilterGroupsConfig(Section):

@@ -56,7 +56,12 @@ SHAPED: tuple[tuple[str, str], ...] = (
     ("algorithm.overlong_buffer_len", "algorithm.overlong_buffer.len (0: null)"),
     ("algorithm.overlong_penalty_factor", "algorithm.overlong_buffer.penalty_factor"),
     ("rollout.vllm.enforce_eager", "rollout.compile (its negation; with the vllm engine)"),
+    ("rollout.tis_cap", "algorithm.rollout_correction (preset decoupled_token_is, "
+     "rollout_is_threshold: the cap)"),
 )  # fmt: skip
+TIS_CAP = "algorithm.rollout_correction"
+# the stages without rollouts to correct: an old rollout.tis_cap there is left out
+_OFFLINE = ("sft", "rm", "dpo")
 _ENV_KEYS = ("env_kwargs", "max_turns", "max_episode_tokens", "turn_discount", "env_workers")
 
 
@@ -80,6 +85,7 @@ def upgrade(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
     algorithm = out.get("algorithm")
     if isinstance(algorithm, dict):
         renamed += _algorithm(algorithm)
+    renamed += _tis_cap(out)
     for old, new in MOVES:
         value = _pop(out, old)
         if value is _MISSING:
@@ -116,6 +122,8 @@ def override(
         if _get(tree, "rollout.engine") != "vllm":
             return dotted, value, []  # nothing to set: upgrade leaves it out
         return "rollout.compile", not value, [(dotted, "rollout.compile")]
+    if dotted == "rollout.tis_cap" and _get(tree, "algorithm.name") not in _OFFLINE:
+        return TIS_CAP, _token_is(value), [(dotted, TIS_CAP)]
     if dotted == "algorithm.importance_level":
         mode = {"sequence": "gspo", "token": "gspo_token"}.get(value, value)
         return (
@@ -209,6 +217,26 @@ def _enforce_eager(rollout: dict[str, Any]) -> list[tuple[str, str]]:
     if rollout.get("engine") == "vllm":
         rollout["compile"] = not eager  # rollout.compile did nothing with vllm before
     return [("rollout.vllm.enforce_eager", "rollout.compile")]
+
+
+def _token_is(cap: Any) -> dict[str, Any] | None:
+    """rollout.tis_cap: C as its rollout correction, the preset decoupled_token_is(C)."""
+    return None if cap is None else {"preset": "decoupled_token_is", "rollout_is_threshold": cap}
+
+
+def _tis_cap(tree: dict[str, Any]) -> list[tuple[str, str]]:
+    """rollout.tis_cap: C → algorithm.rollout_correction: {preset: decoupled_token_is,
+    rollout_is_threshold: C} (verl's Token-TIS, the same weights); null, or a stage without
+    rollouts (sft, rm, dpo): left out."""
+    rollout, algo = tree.get("rollout"), tree.get("algorithm")
+    if not isinstance(rollout, dict) or "tis_cap" not in rollout:
+        return []
+    correction = _token_is(rollout.pop("tis_cap"))
+    if correction is not None and isinstance(algo, dict) and algo.get("name") not in _OFFLINE:
+        if algo.get("rollout_correction") not in (None, correction):
+            raise ValueError(_both("rollout.tis_cap", TIS_CAP))
+        algo["rollout_correction"] = correction
+    return [("rollout.tis_cap", TIS_CAP)]
 
 
 def _algorithm(algo: dict[str, Any]) -> list[tuple[str, str]]:

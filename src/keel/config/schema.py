@@ -322,7 +322,41 @@ class EnvConfig(Section):
     """The environment a run's episodes are played in (rollout.env), and the episodes' limits."""
 
     name: str = Field(
-        description="builtin:NAME, module:Class or file.py:Class (docs/environments.md)"
+        description="builtin:NAME, module:Class or file.py:Class, or http: an environment "
+        "server at rollout.env.url (docs/environments.md)"
+    )
+    url: Annotated[str | None, AfterValidator(_http_url)] = Field(
+        None,
+        description="with name http: the environment server (keel env serve, or any server of "
+        "the keel-env protocol), e.g. http://127.0.0.1:8711",
+    )
+    http_retries: int = Field(
+        3,
+        ge=0,
+        description="with name http: retries of a call to the server that failed to connect, "
+        "timed out or got 429 or a 5xx status (after 0.2 s · 2^k; every call of the protocol "
+        "can be retried)",
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        description="an episode whose environment raised, timed out or was lost is played "
+        "again from the start with a fresh environment, up to this many times; one that "
+        "still fails drops its whole group from the step",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="time limit of one reset or step: past it an in-process environment's "
+        "attempt at the episode failed; with name http, of one call attempt (then retried, "
+        "http_retries). null: none in-process, 30 s with name http",
+    )
+    max_failed_frac: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="stop the run when more than this fraction of a generate call's episodes "
+        "(a step's, an evaluation chunk's) failed after their retries",
     )
     kwargs: FiniteMapping = Field(
         default_factory=dict, description="keyword arguments of the environment's constructor"
@@ -362,6 +396,17 @@ class EnvConfig(Section):
             raise ValueError(
                 f"rollout.env.agent is for rollout.env.name agent, not {self.name!r}: set "
                 "name: agent, or drop agent"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _http_needs_url(self) -> EnvConfig:
+        if self.name == "http" and self.url is None:
+            raise ValueError("rollout.env.name http needs rollout.env.url (the server's URL)")
+        if self.url is not None and self.name != "http":
+            raise ValueError(
+                f"rollout.env.url is for rollout.env.name http, not {self.name!r}: set name: "
+                "http, or drop url"
             )
         return self
 
@@ -414,12 +459,6 @@ class RolloutConfig(Section):
         "vllm uses CUDA graphs and torch.compile (vLLM's enforce_eager off: slower start-up, "
         "faster decoding); null: hf on CUDA, vllm off",
     )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="truncated importance sampling: each token's policy-loss term × "
-        "min(π_train/π_rollout, tis_cap) (verl suggests 2); needs return_logprobs; null: off",
-    )
     env: EnvConfig | None = Field(
         None,
         description="multi-turn episodes in an environment (docs/environments.md); null: one "
@@ -434,15 +473,6 @@ class RolloutConfig(Section):
         budget = self.env.max_turns * self.max_new_tokens
         limit = self.env.max_episode_tokens
         return budget if limit is None else min(budget, limit)
-
-    @model_validator(mode="after")
-    def _tis_needs_logprobs(self) -> RolloutConfig:
-        if self.tis_cap is not None and not self.return_logprobs:
-            raise ValueError(
-                "rollout.tis_cap needs the engine's log-probs: set rollout.return_logprobs: true "
-                "(or rollout.tis_cap: null)"
-            )
-        return self
 
 
 class TrainConfig(Section):

@@ -20,6 +20,7 @@ from keel.algo import (
     token_level_rewards,
 )
 from keel.algo.advantages import group_statistics, last_valid_index
+from keel.algo.correction import decoupled_correction
 from keel.algo.drift import logprob_drift
 from keel.algo.kl import batch_mean_kl
 from keel.algo.spec import AlgorithmSpec
@@ -32,7 +33,7 @@ from keel.controller.protocol import Controller
 from keel.controller.sampling import DynamicSampler, FlatGroupsWatch
 from keel.data import BatchStream
 from keel.envs.builtin import sandbox_warnings
-from keel.envs.episodes import episode_metrics
+from keel.envs.episodes import drop_failed_groups, episode_metrics
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
 from keel.types import Batch, BatchMeta
@@ -88,6 +89,9 @@ class RLController(Controller):
         self.on_policy_shortcut = (
             spec.ppo_epochs == 1 and self.kl_ctrl is None and not r.return_logprobs
         )
+        # rollout correction's bypass mode: π_old := the engine's log-probs, no recomputation
+        correction = spec.rollout_correction
+        self.bypass = correction is not None and correction.bypass
 
     # ------------------------------------------------------- guard actions
     def skip_batches(self, n: int) -> None:
@@ -127,8 +131,10 @@ class RLController(Controller):
         if self.sampler is not None and (message := self.sampler.short_warning(step, extra)):
             self.warn("dynamic_sampling", message)
         batch, shaping = self.shape_rewards(batch)
-        with t("old_logprobs"):  # ≈ 0 s under the on-policy shortcut
-            if not (self.on_policy_shortcut and len(batch) <= self.mini_batch_rows):
+        with t("old_logprobs"):  # ≈ 0 s under the on-policy shortcut and in bypass mode
+            if self.bypass:
+                batch = batch.replace(old_logprobs=engine_logprobs(batch))
+            elif not (self.on_policy_shortcut and len(batch) <= self.mini_batch_rows):
                 batch = roles.actor.call("compute_logprobs", batch)
         if roles.reference is not None:
             with t("ref_logprobs"):
@@ -136,9 +142,14 @@ class RLController(Controller):
         if roles.critic is not None:
             with t("values"):
                 batch = roles.critic.call("compute_values", batch)
+        sampled = batch.response_mask  # before rollout correction's rejection
         with t("advantage"):
             batch, kl_metrics = self.compute_advantages(batch)
-        metrics = {**batch_metrics(batch, spec.tis_cap), **extra, **shaping, **kl_metrics}
+        # the sampled tokens' statistics (m, not m'); no drift in bypass mode, where π_old is
+        # the engine's own (the loss measures the gap: rollout_corr/*)
+        measured = batch.replace(response_mask=sampled)
+        drift = not self.bypass
+        metrics = {**batch_metrics(measured, drift=drift), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
         if self.flat_groups is not None and (
             flat := self.flat_groups.check(
@@ -176,14 +187,17 @@ class RLController(Controller):
         dynamic sampling's rounds. On the pipeline's thread when rollout.max_staleness ≥ 1
         (its own StageTimer: the step's runs concurrently)."""
         timer = StageTimer()
+        failures: dict[str, float] = {}  # episode/failed, … summed over the rounds
         if self.sampler is None:
-            batch, extra = self.generate(timer), {}
+            batch, extra = self.generate(timer, failures), {}
         else:
-            batch, extra = self.sampler.sample(lambda: self.generate(timer))
-        return batch, {**extra, **timer.pop()}
+            batch, extra = self.sampler.sample(lambda: self.generate(timer, failures))
+        return batch, {**extra, **failures, **timer.pop()}
 
-    def generate(self, timer: StageTimer) -> Batch:
-        """The next train.batch_size prompts, rollout.n responses each, scored."""
+    def generate(self, timer: StageTimer, failures: dict[str, float] | None = None) -> Batch:
+        """The next train.batch_size prompts, rollout.n responses each, scored. With
+        rollout.env, the groups holding an episode that failed on every attempt are dropped
+        first (keel.envs.episodes.drop_failed_groups), their counts added to `failures`."""
         examples = self.prompts.next_batch()
         rollout, reward = self.roles.rollout, self.roles.reward
         assert rollout is not None and reward is not None, "RL needs the rollout and reward roles"
@@ -192,6 +206,10 @@ class RLController(Controller):
                 "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
             )
         self.groups_seen += len(examples)
+        batch, counts = drop_failed_groups(batch)
+        for key, value in counts.items():
+            if failures is not None:
+                failures[key] = failures.get(key, 0.0) + value
         with timer("reward"):
             batch = reward.call("score", batch)
         for rule, message in batch.meta.pop("reward_warnings", ()):
@@ -229,7 +247,10 @@ class RLController(Controller):
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """Token rewards (score on the last valid token, −β·k with KL in the reward), then the
-        spec's advantage estimator. β is read before the KL controller's update."""
+        rollout correction's decoupled stage (`correct_rollout`: the IS weights stored on the
+        batch, the response mask narrowed to m' = m ⊙ keep), then the spec's advantage
+        estimator on m' (each row's score still the one summed under m). β is read before the
+        KL controller's update."""
         mask, metrics = batch.response_mask, {}
         assert mask is not None and batch.scores is not None and batch.group_ids is not None
         assert self.spec.advantage is not None, f"{self.spec.name!r} has no advantage estimator"
@@ -242,17 +263,40 @@ class RLController(Controller):
             self.kl_ctrl.update(current, n_steps=len(batch))
             metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}
         rewards = token_level_rewards(batch.scores, mask, kl, beta)
+        groups = batch.group_ids
+        batch, corrected = self.correct_rollout(batch)
+        metrics.update(corrected)
+        kept = batch.response_mask  # m' = m ⊙ keep (m without a rejection)
+        assert kept is not None
         estimator = ADVANTAGE_ESTIMATORS[self.spec.advantage]
         advantages, returns = estimator(
             token_rewards=rewards,
-            response_mask=mask,
-            group_ids=batch.group_ids,
+            response_mask=kept,
+            score_mask=mask,
+            group_ids=groups,
             values=batch.values,
             **self.spec.advantage_kwargs,
         )
         if returns is not None:
             metrics["advantage/returns_mean"] = masked_mean(returns, mask).item()
         return batch.replace(advantages=advantages, returns=returns), metrics
+
+    def correct_rollout(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Rollout correction, decoupled mode (keel.algo.correction.decoupled_correction), once
+        per step after KL-in-reward and before the advantages: δ = ℓ_old − ℓ_roll gives the IS
+        weights (stored on the batch as rollout_is_weights: detached, the same for every epoch
+        and mini-batch) and the rejection (response_mask ← m ⊙ keep), and the rollout_corr/*
+        and training/* metrics. Without a correction, and in bypass mode (the loss corrects),
+        the batch is unchanged."""
+        settings = self.spec.rollout_correction
+        if settings is None or settings.bypass:
+            return batch, {}
+        assert batch.old_logprobs is not None and batch.response_mask is not None
+        out = decoupled_correction(
+            batch.old_logprobs, engine_logprobs(batch), batch.response_mask, settings
+        )
+        batch = batch.replace(response_mask=out.response_mask, rollout_is_weights=out.weights)
+        return batch, {key: value.item() for key, value in out.metrics.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's own state (C1): data position, group counter, KL coefficients (the
@@ -327,9 +371,19 @@ def mask_truncated(batch: Batch) -> tuple[Batch, float]:
     return batch.replace(response_mask=mask), cut.float().mean().item()
 
 
-def batch_metrics(batch: Batch, tis_cap: float | None = None) -> dict[str, float]:
-    """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch; the
-    TIS diagnostics when `tis_cap` (the spec's) is set."""
+def engine_logprobs(batch: Batch) -> torch.Tensor:
+    """The rollout engine's log-probs of the batch [B, R], which rollout correction needs."""
+    if batch.rollout_logprobs is None:
+        raise ValueError(
+            "algorithm.rollout_correction needs the rollout engine's log-probs, and the batch "
+            "has none: the engine returned no log-probs (rollout.return_logprobs)"
+        )
+    return batch.rollout_logprobs
+
+
+def batch_metrics(batch: Batch, drift: bool = True) -> dict[str, float]:
+    """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch (the
+    drift with `drift` and both log-probs in the batch)."""
     scores, mask, advantages = batch.scores, batch.response_mask, batch.advantages
     assert scores is not None and mask is not None and advantages is not None
     assert batch.group_ids is not None
@@ -356,25 +410,20 @@ def batch_metrics(batch: Batch, tis_cap: float | None = None) -> dict[str, float
         metrics["critic/vf_explained_var"] = ev.item()
     if batch.episodes is not None:
         metrics.update(episode_metrics(batch.episodes))
-    if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
-        metrics.update(drift_metrics(batch.rollout_logprobs, batch.old_logprobs, mask, tis_cap))
+    if drift and batch.rollout_logprobs is not None and batch.old_logprobs is not None:
+        metrics.update(drift_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))
     return metrics
 
 
 def drift_metrics(
-    rollout_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    tis_cap: float | None,
+    rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
-    """rollout/logprob_* (engine vs trainer, keel.algo.drift) and, with a cap, rollout/tis_*."""
-    drift = logprob_drift(rollout_logprobs, old_logprobs, mask, tis_cap=tis_cap)
+    """rollout/logprob_* (engine vs trainer, keel.algo.drift) on the response tokens of mask."""
+    drift = logprob_drift(rollout_logprobs, old_logprobs, mask)
     metrics = {
         "rollout/logprob_abs_diff": drift.abs_diff_mean,
         "rollout/logprob_abs_diff_max": drift.abs_diff_max,
         "rollout/logprob_kl": drift.kl_k3,
         "rollout/logprob_kl_k1": drift.kl_k1,
-        "rollout/tis_clip_frac": drift.tis_clip_frac,
-        "rollout/tis_weight_mean": drift.tis_weight_mean,
     }
-    return {k: v.item() for k, v in metrics.items() if v is not None}
+    return {k: v.item() for k, v in metrics.items()}

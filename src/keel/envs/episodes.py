@@ -10,8 +10,9 @@ advantage across the holes (`keel.algo.gae_advantage_return`, verl's multi-turn 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from keel.data.encoding import assemble, encode_prompts, template_renders_tools
 from keel.data.examples import Example
 from keel.envs.loading import EnvFactory
 from keel.envs.protocol import TERMINATIONS, Environment, Message, Observation, StepResult
+from keel.envs.remote import EnvServerError
 from keel.envs.rendering import ObservationEncoder
 from keel.rollout.protocol import Completions, RolloutEngine, SamplingParams
 from keel.types import Batch
@@ -31,6 +33,14 @@ class ResetError(ValueError):
     the environment needs); the message names the environment and the example's source."""
 
 
+class EpisodesFailedError(RuntimeError):
+    """More than rollout.env.max_failed_frac of a generate call's episodes failed after their
+    retries; the message counts them and gives the first one's last error."""
+
+
+FAILED = "failed"  # the termination of an episode that failed on its every attempt
+
+
 @dataclass
 class Episode:
     """One row while it is played: the response columns so far (`tokens`, `mask` 1 on the
@@ -38,6 +48,7 @@ class Episode:
 
     env: Environment
     prompt_ids: list[int]
+    example: Example | None = None  # what a retry resets its fresh environment on
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -49,10 +60,20 @@ class Episode:
     last_text: str = ""
     last_finish: str = "stop"
     termination: str | None = None
+    failures: int = 0  # attempts that failed (the environment raised, timed out or was lost)
+    error: str = ""  # the last failure's message
+    refusals_only: bool = True  # every failure so far a ResetError (the example refused)
+
+    def restart(self, env: Environment, prompt_ids: list[int]) -> None:
+        """Start over with a fresh environment: nothing of the failed attempt is kept."""
+        kept = (self.failures, self.error, self.refusals_only)
+        self.__init__(env, prompt_ids, self.example)  # type: ignore[misc]
+        self.failures, self.error, self.refusals_only = kept
 
     def summary(self) -> dict[str, Any]:
         """Batch.episodes[i]: what the metrics, the samples log and the reward read."""
         model = sum(self.mask)
+        extra = {"error": self.error} if self.termination == FAILED else {}
         return {
             "turns": self.turns,
             "termination": self.termination,
@@ -62,6 +83,8 @@ class Episode:
             "model_tokens": model,
             "observation_tokens": len(self.mask) - model,
             "messages": self.messages,
+            "failures": self.failures,
+            **extra,
         }
 
 
@@ -75,7 +98,14 @@ class EpisodeRunner:
     (policy and observation tokens) an episode may fill, None: no limit besides max_turns ×
     max_new_tokens and the observations; turn_discount γ: the environment's rewards add up to
     Σ_k γ^k r_k; workers: environment steps run at once (threads: tool calls wait on
-    processes)."""
+    processes).
+
+    retries: an episode whose environment raised, took longer than `timeout_s` (a reset or a
+    step) or was lost is played again from the start with a fresh environment, up to `retries`
+    times; one that fails every time ends with termination `failed` (its row keeps what the
+    last attempt played; RLController drops its group: drop_failed_groups). More than
+    `max_failed_frac` of the call's episodes failed: EpisodesFailedError (ResetError when every
+    failure was an environment refusing its example)."""
 
     def __init__(
         self,
@@ -93,6 +123,9 @@ class EpisodeRunner:
         truncation: str = "error",
         workers: int = 8,
         name: str = "rollout.env",
+        retries: int = 0,
+        timeout_s: float | None = None,
+        max_failed_frac: float = 0.0,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -107,47 +140,138 @@ class EpisodeRunner:
         self.truncation = truncation
         self.workers = workers
         self.name = name
+        self.retries = retries
+        self.timeout_s = timeout_s
+        self.max_failed_frac = max_failed_frac
         self.observations = ObservationEncoder(tokenizer, self.eos_ids)
 
     def generate(
         self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
         n = len(examples) * sampling.n
-        with ThreadPoolExecutor(max_workers=max(1, min(self.workers, n))) as pool:
-            episodes = self._start(examples, sampling.n, pool)
-            completions = self._first_turn(episodes, sampling)
-            active = list(range(n))
+        calls = EnvCalls(max(1, min(self.workers, n)), self.timeout_s, self.name)
+        with_logprobs = False
+        try:
+            episodes = self._start(examples, sampling.n, calls)
+            active = self._playing(episodes)
+            if active:
+                completions = self._first_turn(episodes, active, sampling)
             while active:
                 self._record_turn(episodes, active, completions)
-                results = list(pool.map(self._step, [episodes[i] for i in active]))
+                with_logprobs = completions.logprobs is not None  # the engine's: always or never
+                results = calls.run([lambda e=episodes[i]: self._step(e) for i in active], "step")
                 for i, result in zip(active, results, strict=True):
-                    self._after_step(episodes[i], result)
-                active = [i for i in active if episodes[i].termination is None]
+                    if isinstance(result, BaseException):
+                        self._failed(episodes[i], result, calls)
+                    else:
+                        self._after_step(episodes[i], result)
+                active = self._playing(episodes)
                 if active:
                     completions = self._next_turn(episodes, active, sampling)
-        with_logprobs = completions.logprobs is not None  # the engine returns them or never
+            self._check_failures(episodes)
+        finally:
+            closers = [getattr(env, "close", None) for env in calls.opened]
+            calls.run([c for c in closers if callable(c)], "close")
+            calls.shutdown()
         return self._batch(examples, sampling.n, group_offset, episodes, with_logprobs)
+
+    @staticmethod
+    def _playing(episodes: list[Episode]) -> list[int]:
+        return [i for i, e in enumerate(episodes) if e.termination is None]
 
     # -- playing -------------------------------------------------------------------------------
 
-    def _start(self, examples: Sequence[Example], n: int, pool: ThreadPoolExecutor) -> list:
-        envs = [self.make_env() for _ in range(len(examples) * n)]
+    def _start(self, examples: Sequence[Example], n: int, calls: EnvCalls) -> list[Episode]:
+        """Every row's environment built and reset (concurrently), its opening encoded; a row
+        whose reset failed is retried (`_failed`)."""
         rows = [ex for ex in examples for _ in range(n)]
-        openings = list(pool.map(lambda pair: self._reset(*pair), zip(envs, rows, strict=True)))
+        envs: list[Environment | None] = []
+        for _ in rows:
+            try:
+                envs.append(self._new_env(calls))
+            except Exception as exc:  # a constructor that failed (its retry: _failed)
+                envs.append(exc)  # type: ignore[arg-type]
+        resets = [
+            (lambda env=env, ex=ex: self._reset(env, ex))
+            if not isinstance(env, BaseException)
+            else (lambda exc=env: _raise(exc))
+            for env, ex in zip(envs, rows, strict=True)
+        ]
+        openings = calls.run(resets, "reset")
+        good = [i for i, o in enumerate(openings) if not isinstance(o, BaseException)]
+        prompt_ids = self._encode([envs[i] for i in good], [rows[i] for i in good],
+                                  [openings[i] for i in good])  # fmt: skip
+        ids_of = dict(zip(good, prompt_ids, strict=True))
+        episodes = [
+            Episode(env if not isinstance(env, BaseException) else None, ids_of.get(i, []), ex)  # type: ignore[arg-type]
+            for i, (env, ex) in enumerate(zip(envs, rows, strict=True))
+        ]
+        for i, opening in enumerate(openings):
+            if isinstance(opening, BaseException):
+                self._failed(episodes[i], opening, calls)
+        return episodes
+
+    def _new_env(self, calls: EnvCalls) -> Environment:
+        env = self.make_env()
+        calls.opened.append(env)  # closed when the call is over
+        return env
+
+    def _encode(
+        self, envs: Sequence[Any], rows: Sequence[Example], openings: Sequence[Any]
+    ) -> list[list[int]]:
         opened = [
             self._with_env_tools(
                 env, ex if opening is None else dataclasses.replace(ex, prompt=opening)
             )
             for env, ex, opening in zip(envs, rows, openings, strict=True)
         ]
-        prompt_ids = encode_prompts(
+        if not opened:
+            return []
+        return encode_prompts(
             self.tokenizer,
             opened,
             chat=self.chat,
             max_prompt_length=self.max_prompt_length,
             truncation=self.truncation,
         )
-        return [Episode(env, ids) for env, ids in zip(envs, prompt_ids, strict=True)]
+
+    def _failed(self, e: Episode, exc: BaseException, calls: EnvCalls) -> None:
+        """Count a failed attempt and start the episode over with a fresh environment while
+        retries are left (a failed reset tries again at once); else it ends `failed`."""
+        while True:
+            e.failures += 1
+            text = str(exc)
+            e.error = text if text.startswith(self.name) else f"{self.name}: {exc!r}"
+            e.refusals_only = e.refusals_only and isinstance(exc, ResetError)
+            if e.failures > self.retries:
+                e.termination = FAILED
+                return
+            assert e.example is not None
+            try:
+                env = self._new_env(calls)
+                (opening,) = calls.run([lambda: self._reset(env, e.example)], "reset")  # noqa: B023
+                if isinstance(opening, BaseException):
+                    raise opening
+                (ids,) = self._encode([env], [e.example], [opening])
+            except Exception as again:  # the reset, the constructor, or encoding the opening
+                exc = again
+                continue
+            e.restart(env, ids)
+            return
+
+    def _check_failures(self, episodes: list[Episode]) -> None:
+        failed = [e for e in episodes if e.termination == FAILED]
+        if not failed or len(failed) <= self.max_failed_frac * len(episodes):
+            return
+        message = (
+            f"{len(failed)} of {len(episodes)} episodes failed, each after "
+            f"{self.retries + 1} attempt{'s' if self.retries else ''} (more than "
+            f"rollout.env.max_failed_frac={self.max_failed_frac:g} of them); the first "
+            f"episode's last error: {failed[0].error}"
+        )
+        if all(e.refusals_only for e in failed):
+            raise ResetError(message)  # the environment refused the examples: a user error
+        raise EpisodesFailedError(message)
 
     def _with_env_tools(self, env: Environment, example: Example) -> Example:
         """An example without tool definitions of its own gets the environment's
@@ -162,17 +286,25 @@ class EpisodeRunner:
         try:
             return env.reset(example)
         except Exception as exc:
-            raise ResetError(f"{self.name}: reset failed on {example.source}: {exc!r}") from exc
+            # an environment server that failed is not a refusal of the example
+            kind = RuntimeError if isinstance(exc, EnvServerError) else ResetError
+            raise kind(f"{self.name}: reset failed on {example.source}: {exc!r}") from exc
 
-    def _first_turn(self, episodes: list[Episode], sampling: SamplingParams) -> Completions:
+    def _first_turn(
+        self, episodes: list[Episode], active: list[int], sampling: SamplingParams
+    ) -> Completions:
         """The first turn as the plain rollout generates it: the n rows of a prompt sampled
-        together (shared prefill, the same random draws) when they opened alike."""
+        together (shared prefill, the same random draws) when they opened alike (and none
+        failed to start)."""
         k = sampling.n
-        first = dataclasses.replace(sampling, max_new_tokens=self._turn_budget(episodes, sampling))
+        playing = [episodes[i] for i in active]
+        first = dataclasses.replace(sampling, max_new_tokens=self._turn_budget(playing, sampling))
         grouped = [episodes[i].prompt_ids for i in range(0, len(episodes), k)]
-        if all(episodes[i].prompt_ids == grouped[i // k] for i in range(len(episodes))):
+        if len(active) == len(episodes) and all(
+            episodes[i].prompt_ids == grouped[i // k] for i in range(len(episodes))
+        ):
             return self.engine.generate_ids(grouped, first)
-        rows = [e.prompt_ids for e in episodes]
+        rows = [e.prompt_ids for e in playing]
         return self.engine.generate_ids(rows, dataclasses.replace(first, n=1))
 
     def _next_turn(
@@ -284,6 +416,93 @@ class EpisodeRunner:
         batch.episodes = [e.summary() for e in episodes]
         batch.meta["eos_token_ids"] = list(self.eos_ids)
         return batch
+
+
+def drop_failed_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """The batch without the groups that hold a failed episode (termination `failed`: it
+    failed on every attempt), and the counts of a batch of episodes: episode/failed (such
+    episodes), episode/retried (attempts that failed and were played again) and
+    episode/groups_dropped. The rows of the other groups are kept as they are, so the step
+    trains on fewer groups, as dynamic sampling's short steps do. EpisodesFailedError when
+    every group holds one. ({} and the batch itself without episodes.)"""
+    if batch.episodes is None:
+        return batch, {}
+    assert batch.group_ids is not None
+    failed = [i for i, e in enumerate(batch.episodes) if e["termination"] == FAILED]
+    failures = sum(int(e.get("failures", 0)) for e in batch.episodes)
+    dropped = torch.unique(batch.group_ids[failed]) if failed else batch.group_ids[:0]
+    metrics = {
+        "episode/failed": float(len(failed)),
+        "episode/retried": float(failures - len(failed)),
+        "episode/groups_dropped": float(dropped.numel()),
+    }
+    if not failed:
+        return batch, metrics
+    keep = torch.nonzero(~torch.isin(batch.group_ids, dropped)).squeeze(1)
+    if keep.numel() == 0:
+        raise EpisodesFailedError(
+            f"every group of the batch ({dropped.numel()}) had an episode that failed on every "
+            f"attempt (rollout.env.retries); the last error: {batch.episodes[failed[-1]]['error']}"
+        )
+    return batch.select(keep), metrics
+
+
+class EnvCalls:
+    """One generate call's environment calls (resets, steps, closes) on worker threads, each
+    with a time limit (`timeout_s`, from when it starts; None: none). A call past it gives a
+    TimeoutError as its result, and its thread is left to finish on its own: a fresh pool
+    takes the calls that had not started and every later one."""
+
+    def __init__(self, workers: int, timeout_s: float | None, name: str):
+        self.workers, self.timeout_s, self.name = workers, timeout_s, name
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.opened: list[Any] = []  # the environments of this generate call (closed at its end)
+
+    def run(self, calls: Sequence[Callable[[], Any]], what: str) -> list[Any]:
+        """Each call's result or exception, in order."""
+        started: dict[int, float] = {}
+
+        def timed(i: int) -> Any:
+            started[i] = time.monotonic()
+            return calls[i]()
+
+        futures: list[Future] = [self.pool.submit(timed, i) for i in range(len(calls))]
+        out: list[Any] = [None] * len(calls)
+        pending = set(range(len(calls)))
+        while pending:
+            wait_s = None
+            if self.timeout_s is not None:
+                ends = [started[i] + self.timeout_s for i in pending if i in started]
+                wait_s = max(0.0, min(ends) - time.monotonic()) if ends else 0.01
+            done, _ = wait([futures[i] for i in pending], wait_s, FIRST_COMPLETED)
+            for i in [i for i in pending if futures[i] in done]:
+                pending.discard(i)
+                exc = futures[i].exception()
+                out[i] = exc if exc is not None else futures[i].result()
+            if self.timeout_s is None:
+                continue
+            now = time.monotonic()
+            late = [i for i in pending if i in started and now - started[i] >= self.timeout_s]
+            for i in late:
+                pending.discard(i)
+                out[i] = TimeoutError(
+                    f"{self.name}: {what} took longer than rollout.env.timeout_s="
+                    f"{self.timeout_s:g}s"
+                )
+            if late:  # their threads are lost to the pool: the rest go to a fresh one
+                old, self.pool = self.pool, ThreadPoolExecutor(max_workers=self.workers)
+                for i in pending:
+                    if futures[i].cancel():
+                        futures[i] = self.pool.submit(timed, i)
+                old.shutdown(wait=False)
+        return out
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
 
 
 def with_episode_returns(scores: torch.Tensor, batch: Batch) -> torch.Tensor:

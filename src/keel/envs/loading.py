@@ -22,6 +22,7 @@ from keel.rewards.loading import load_file_module, load_module
 EnvFactory = Callable[[], Environment]
 TOOL_ENV = "builtin:tools"  # the environment whose `tools` keyword check_environment builds
 TOOLS_FIELD = "rollout.env.kwargs.tools"
+HTTP_ENV = "http"  # rollout.env.name of an environment server (rollout.env.url; keel.envs.remote)
 
 
 class EnvLoadError(ValueError):
@@ -101,6 +102,8 @@ def check_environment(
     EnvLoadError naming the field (`rollout.env`, `rollout.env.kwargs`,
     `rollout.env.kwargs.tools[i]`) and the file or name. `builtins` defaults to
     keel.envs.builtin.ENVIRONMENTS."""
+    if spec == HTTP_ENV:  # a server's environment: nothing here to load (no call is made)
+        return []
     if builtins is None:
         from keel.envs.builtin import ENVIRONMENTS
 

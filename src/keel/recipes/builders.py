@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from keel.algo.correction import CorrectionError, resolve_correction
 from keel.algo.spec import AlgorithmSpec
 from keel.config.algorithms import (
     DPOAlgorithm,
@@ -64,9 +65,9 @@ def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm) -> AlgorithmSpec:
 
 
 def _ppo_clip_fields(cfg: KeelConfig, algo: RLAlgorithm, roles: set[str]) -> dict[str, Any]:
-    """The spec fields every online algorithm shares (algorithm.policy_loss and the loss
-    terms)."""
-    return dict(
+    """The spec fields every online algorithm shares (algorithm.policy_loss, the loss terms and
+    the rollout correction)."""
+    fields = dict(
         name=algo.name,
         stage="rl",
         roles=frozenset(roles),
@@ -78,8 +79,46 @@ def _ppo_clip_fields(cfg: KeelConfig, algo: RLAlgorithm, roles: set[str]) -> dic
         kl_loss_type=algo.kl_loss_type,
         entropy_coeff=algo.entropy_coeff,
         ppo_epochs=cfg.train.ppo_epochs,
-        tis_cap=cfg.rollout.tis_cap,
     )
+    fields.update(_correction_fields(cfg, algo))
+    return fields
+
+
+def _correction_fields(cfg: KeelConfig, algo: RLAlgorithm) -> dict[str, Any]:
+    """algorithm.rollout_correction resolved (keel.algo.correction): the spec's
+    rollout_correction, and in bypass mode the policy loss `bypass_mode` with the correction
+    and the clip ratios as its options. ConfigError names the key at fault."""
+    section, where = algo.rollout_correction, "algorithm.rollout_correction"
+    if section is None:
+        return {}
+    if not cfg.rollout.return_logprobs:
+        raise ConfigError(
+            f"{where} needs the engine's log-probs: set rollout.return_logprobs: true (or "
+            f"{where}: null)"
+        )
+    try:
+        correction = resolve_correction(section.model_dump())
+    except CorrectionError as exc:
+        raise ConfigError(f"{where}.{exc}") from None
+    if not correction.bypass:
+        return {"rollout_correction": correction}
+    if algo.policy_loss.loss_mode != "vanilla":
+        raise ConfigError(
+            f"{where}.bypass_mode replaces the policy loss by PPO-clip or REINFORCE against the "
+            f"engine's log-probs (loss_type); algorithm.policy_loss.loss_mode "
+            f"{algo.policy_loss.loss_mode!r} cannot be combined with it (use vanilla)"
+        )
+    loss = algo.policy_loss
+    return {
+        "rollout_correction": correction,
+        "policy_loss": "bypass_mode",
+        "policy_loss_kwargs": {
+            "clip_ratio_low": loss.clip_ratio_low,
+            "clip_ratio_high": loss.clip_ratio_high,
+            "clip_ratio_c": loss.clip_ratio_c,
+            "correction": correction,
+        },
+    }
 
 
 def _clip_kwargs(algo: RLAlgorithm) -> dict[str, float]:

@@ -13,7 +13,6 @@ from keel.algo import (
     kl_penalty,
     masked_mean,
     sft_loss,
-    truncated_is_weights,
 )
 from keel.algo.spec import AlgorithmSpec
 from keel.engine.devices import model_device
@@ -104,7 +103,10 @@ class ActorWorker(TrainableWorker):
                 )
                 history.append(self.step.apply(self.micro_batches(mini), loss_fn))
         self.weight_version += 1
-        return mean_prefixed(history, "actor/")
+        metrics = mean_prefixed(history, "actor/")
+        # rollout_corr/* (bypass mode's, keel.algo.correction) keep their own prefix
+        return {k.removeprefix("actor/") if "/rollout_corr/" in k else k: v
+                for k, v in metrics.items()}  # fmt: skip
 
     def _policy_loss(
         self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
@@ -127,7 +129,7 @@ class ActorWorker(TrainableWorker):
         )
         assert entropy is not None  # with_entropy
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-        weights = self._tis_weights(micro, old, spec.tis_cap)
+        weights = micro.rollout_is_weights  # decoupled rollout correction's; None: none
         agg = partial(
             agg_loss,
             mode=spec.loss_agg_mode,
@@ -156,6 +158,8 @@ class ActorWorker(TrainableWorker):
             "clipfrac": pg.clipfrac.detach() * share,
             "clipfrac_lower": pg.clipfrac_lower.detach() * share,
             "ppo_kl": pg.ppo_kl.detach() * share,
+            # bypass mode's rollout_corr/* (per micro-batch; weighted by its share of tokens)
+            **{key: value.detach() * share for key, value in pg.metrics.items()},
         }
         if spec.kl_loss_coef > 0:  # a reference model exists
             assert micro.ref_logprobs is not None, "kl_loss_coef > 0 needs ref_logprobs"
@@ -164,23 +168,6 @@ class ActorWorker(TrainableWorker):
             metrics["kl"] = kl.detach()
         metrics["loss"] = loss.detach()
         return loss, metrics
-
-    @staticmethod
-    def _tis_weights(micro: Batch, old: torch.Tensor, cap: float | None) -> torch.Tensor | None:
-        """Truncated importance sampling (spec.tis_cap): min(π_old/π_rollout, cap) per token,
-        detached; None when off. π_old is the trainer's log-prob of the behaviour batch (the
-        recomputed old_logprobs, or under the on-policy shortcut the current ones, detached:
-        the same numbers), so the weight corrects the engine's mismatch and stays fixed over
-        the PPO epochs, while PPO's ratio π_θ/π_old follows the updates (as in verl)."""
-        if cap is None:
-            return None
-        if micro.rollout_logprobs is None:
-            raise ValueError(
-                "rollout.tis_cap is set but the batch has no rollout_logprobs: the rollout "
-                "engine returned no log-probs (rollout.return_logprobs)"
-            )
-        assert micro.response_mask is not None
-        return truncated_is_weights(old, micro.rollout_logprobs, micro.response_mask, cap)
 
     def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
         """One optimizer update of negative log-likelihood on the response tokens."""

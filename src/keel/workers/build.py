@@ -38,7 +38,8 @@ from keel.engine.distributed import is_sharded
 from keel.envs.agents import AGENT_ENV, AgentRunner
 from keel.envs.builtin import ENVIRONMENTS, run_tool_format
 from keel.envs.episodes import EpisodeRunner
-from keel.envs.loading import load_environment
+from keel.envs.loading import HTTP_ENV, load_environment
+from keel.envs.remote import http_environment_factory
 from keel.models import (
     check_vocab,
     load_causal_lm,
@@ -444,14 +445,18 @@ def episode_runner(
             max_prompt_length=data.max_prompt_length,
             tool_format=data.tool_format,
         )
+    if env.name == HTTP_ENV:  # an environment server: the kwargs go with each reset
+        assert env.url is not None  # the schema's rule
+        make_env = http_environment_factory(
+            env.url, env.kwargs, timeout_s=env.timeout_s or 30.0, retries=env.http_retries
+        )
+    else:
+        kwargs = run_tool_format(env.name, env.kwargs, tokenizer, data.tool_format)
+        make_env = load_environment(env.name, kwargs, ENVIRONMENTS)
     return EpisodeRunner(
         engine,
         tokenizer,
-        load_environment(
-            env.name,
-            run_tool_format(env.name, env.kwargs, tokenizer, data.tool_format),
-            ENVIRONMENTS,
-        ),
+        make_env,
         eos_ids=engine.eos_ids,
         pad_id=engine.pad_id,
         max_turns=env.max_turns,
@@ -461,7 +466,10 @@ def episode_runner(
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         workers=env.workers,
-        name=f"rollout.env.name {env.name}",
+        name=f"rollout.env.name {env.name}" + (f" ({env.url})" if env.url else ""),
+        retries=env.retries,
+        timeout_s=None if env.name == HTTP_ENV else env.timeout_s,  # the client has its own
+        max_failed_frac=env.max_failed_frac,
     )
 
 
