@@ -145,16 +145,26 @@ class AgentRunner:
         sessions = gateway.open(len(rows))
         outcomes = [Outcome() for _ in rows]
         url = gateway.serve()
+        episodes = list(zip(sessions, rows, strict=True))
         try:
-            threads = [
-                threading.Thread(
-                    target=self._play,
-                    args=(gateway, url, session, example, outcomes),
-                    name=f"keel-agent-{session.index}",
-                    daemon=True,
-                )
-                for session, example in zip(sessions, rows, strict=True)
-            ]
+            if inspect.iscoroutinefunction(self.agent):  # every episode a task of one loop
+                threads = [threading.Thread(target=asyncio.run, name="keel-agents", daemon=True,
+                                            args=(self._play_async(gateway, url, episodes,
+                                                                   outcomes),))]  # fmt: skip
+            else:  # a thread per episode, one client (and connection pool) shared by them
+                import openai
+
+                client = openai.OpenAI(base_url=url, api_key="-", max_retries=0,
+                                       timeout=self.request_timeout_s)  # fmt: skip
+                threads = [
+                    threading.Thread(
+                        target=self._play,
+                        args=(gateway, client, session, example, outcomes),
+                        name=f"keel-agent-{session.index}",
+                        daemon=True,
+                    )
+                    for session, example in episodes
+                ]
             for thread in threads:
                 thread.start()
             gateway.batcher.run()
@@ -174,46 +184,55 @@ class AgentRunner:
     # -- one episode ---------------------------------------------------------------------
 
     def _play(
-        self, gateway: Gateway, url: str, session: Session, example: Example, outcomes: list
+        self, gateway: Gateway, client: Any, session: Session, example: Example, outcomes: list
     ) -> None:
-        where = f"{AGENT_FIELD} {self.spec} on {example.source or 'an example'}"
-        given = {
-            "prompt": example.prompt,
-            "answer": example.answer,
-            "source": example.source,
-            "tools": example.tools,
-        }
+        """One episode of a sync agent, on its own thread; its client is `client` with the
+        session's key (`with_options`: the same connection pool)."""
         try:
-            if inspect.iscoroutinefunction(self.agent):
-                value = asyncio.run(self._run_async(url, session.key, given))
-            else:
-                import openai
-
-                with openai.OpenAI(
-                    base_url=url,
-                    api_key=session.key,
-                    max_retries=0,
-                    timeout=self.request_timeout_s,
-                ) as client:
-                    value = self.agent(client, given)
-            outcomes[session.index] = reward_of(value, where)
+            value = self.agent(client.with_options(api_key=session.key), self._given(example))
+            outcomes[session.index] = reward_of(value, self._where(example))
         except BaseException as exc:  # the agent's: judged by _check once every episode is done
             outcomes[session.index] = Outcome(error=exc)
         finally:
             gateway.batcher.finish(session.index)
 
-    async def _run_async(self, url: str, key: str, given: dict[str, Any]) -> Any:
+    async def _play_async(
+        self, gateway: Gateway, url: str, episodes: list[tuple[Session, Example]], outcomes: list
+    ) -> None:
+        """Every episode of an async agent as a task of this loop, one AsyncOpenAI client."""
         import openai
 
+        async def one(client: Any, session: Session, example: Example) -> None:
+            try:
+                value = await self.agent(client.with_options(api_key=session.key),
+                                         self._given(example))  # fmt: skip
+                outcomes[session.index] = reward_of(value, self._where(example))
+            except BaseException as exc:
+                outcomes[session.index] = Outcome(error=exc)
+            finally:
+                gateway.batcher.finish(session.index)
+
         async with openai.AsyncOpenAI(
-            base_url=url, api_key=key, max_retries=0, timeout=self.request_timeout_s
+            base_url=url, api_key="-", max_retries=0, timeout=self.request_timeout_s
         ) as client:
-            return await self.agent(client, given)
+            await asyncio.gather(*(one(client, s, ex) for s, ex in episodes))
+
+    def _given(self, example: Example) -> dict[str, Any]:
+        """The example as the agent gets it: a dict, nothing of Keel's."""
+        return {
+            "prompt": example.prompt,
+            "answer": example.answer,
+            "source": example.source,
+            "tools": example.tools,
+        }
+
+    def _where(self, example: Example) -> str:
+        return f"{AGENT_FIELD} {self.spec} on {example.source or 'an example'}"
 
     def _check(self, session: Session, example: Example, outcome: Outcome) -> None:
         """AgentError for a failed episode: the agent raised before the gateway ended the
         episode, or it never asked the model anything (no row to train on)."""
-        where = f"{AGENT_FIELD} {self.spec} on {example.source or 'an example'}"
+        where = self._where(example)
         error = outcome.error
         if error is not None and session.ended is None:
             if isinstance(error, AgentError):
