@@ -425,6 +425,21 @@ class RolloutConfig(Section):
         description="k ≥ 1: the next batches are generated while the current one trains, with "
         "weights at most k updates old; 0: synchronous",
     )
+    interruptible: bool = Field(
+        False,
+        description="with max_staleness ≥ 1: a weight push reaches the batch generating ahead "
+        "mid-generation; its rows still running at decode step interrupt_at continue under "
+        "the new weights (their KV cache computed again), every token recording the version "
+        "that sampled it (Batch.token_weight_versions). HF engine on Keel's decode loop, "
+        "rollout in the trainer's process; elsewhere rows finish under the version they "
+        "started with (docs/rollout.md)",
+    )
+    interrupt_at: int | None = Field(
+        None,
+        ge=1,
+        description="the decode step (a row's token index) at which an interruptible "
+        "rollout's unfinished rows take the pushed weights; null: max_new_tokens // 2",
+    )
     n: int = Field(8, ge=1, description="responses sampled per prompt (the GRPO group size)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -464,6 +479,31 @@ class RolloutConfig(Section):
         description="multi-turn episodes in an environment (docs/environments.md); null: one "
         "response per prompt",
     )
+
+    def swap_step(self) -> int:
+        """The decode step at which an interruptible rollout's rows take a push."""
+        return self.interrupt_at or max(1, self.max_new_tokens // 2)
+
+    @model_validator(mode="after")
+    def _interruptible_needs_async(self) -> RolloutConfig:
+        if not self.interruptible:
+            return self
+        if self.max_staleness < 1:
+            raise ValueError(
+                "rollout.interruptible needs rollout.max_staleness ≥ 1 (a push arrives while "
+                "the next batch generates only then)"
+            )
+        if self.env is not None:
+            raise ValueError(
+                "rollout.interruptible does not run with rollout.env (an episode's turns "
+                "would mix weight versions the episode does not record)"
+            )
+        if self.swap_step() >= self.max_new_tokens:
+            raise ValueError(
+                f"rollout.interrupt_at ({self.swap_step()}) must be below "
+                f"rollout.max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
 
     def response_budget(self) -> int:
         """The most tokens the policy itself says in one episode (one response: max_new_tokens;

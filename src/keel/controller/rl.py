@@ -28,7 +28,7 @@ from keel.config.derived import batch_plan
 from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
-from keel.controller.pipeline import RolloutPipeline
+from keel.controller.pipeline import RolloutGate, RolloutPipeline, version_metrics
 from keel.controller.protocol import Controller
 from keel.controller.sampling import DynamicSampler, FlatGroupsWatch
 from keel.data import BatchStream
@@ -37,6 +37,7 @@ from keel.envs.episodes import drop_failed_groups, episode_metrics
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
 from keel.types import Batch, BatchMeta
+from keel.workers.rollout import oldest_version
 
 
 class RLController(Controller):
@@ -62,7 +63,11 @@ class RLController(Controller):
             if spec.dynamic_sampling
             else None
         )
-        self.rollouts = RolloutPipeline(self.produce, r.max_staleness)
+        self.rollouts = RolloutPipeline(
+            self.produce,
+            r.max_staleness,
+            gate=RolloutGate(roles.rollout, r.swap_step()) if r.interruptible else None,
+        )
         # most groups all-equal for several steps: a warning (dynamic sampling has its own)
         self.flat_groups = None if spec.dynamic_sampling else FlatGroupsWatch(r.n)
         self.max_staleness = r.max_staleness
@@ -120,6 +125,7 @@ class RLController(Controller):
 
     def evaluate(self) -> dict[str, float]:
         """eval/* metrics of the policy on the held-out examples ({} without eval data)."""
+        self.rollouts.drain()  # an interruptible rollout's last job may still be generating
         return evaluate_policy(self.roles, self.eval_examples, self.cfg, self.warn)
 
     def step(self, step: int) -> dict[str, float]:
@@ -151,6 +157,9 @@ class RLController(Controller):
         drift = not self.bypass
         metrics = {**batch_metrics(measured, drift=drift), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
+        if self.cfg.rollout.interruptible:  # rows generated across a weight push
+            assert batch.token_weight_versions is not None and batch.response_mask is not None
+            metrics.update(version_metrics(batch.token_weight_versions, batch.response_mask))
         if self.flat_groups is not None and (
             flat := self.flat_groups.check(
                 step, metrics["reward/all_equal_frac"], metrics["reward/mean"]
@@ -219,8 +228,12 @@ class RLController(Controller):
     def check_weight_version(self, batch: Batch) -> None:
         """The rollout must have used weights at most rollout.max_staleness updates old (0:
         those of the latest update). A larger lag means the rollout workers missed a weight
-        push, and training on the batch would be more off-policy than configured."""
+        push, and training on the batch would be more off-policy than configured. A row
+        generated across a push (rollout.interruptible) counts by its oldest token: the lag
+        is that of the oldest token of the batch (token_weight_versions)."""
         version = batch.meta.get("weight_version", self.weight_version)
+        if batch.token_weight_versions is not None and batch.response_mask is not None:
+            version = oldest_version(batch.token_weight_versions, batch.response_mask, version)
         lag = self.weight_version - version
         batch.meta["weight_version_lag"] = lag
         if not 0 <= lag <= self.max_staleness:

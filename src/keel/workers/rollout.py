@@ -3,6 +3,7 @@ stamped with a weight version."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from keel.data.examples import Example
 from keel.engine.distributed import rank
 from keel.envs.agents import AgentRunner
 from keel.envs.episodes import EpisodeRunner
-from keel.rollout.protocol import RolloutEngine, SamplingParams
+from keel.rollout.protocol import InterruptibleEngine, RolloutEngine, SamplingParams
 from keel.types import Batch
 from keel.workers.weight_sync import (
     BucketChannel,
@@ -48,6 +49,14 @@ class RolloutWorker:
         self._version = 0
         self._lineage = 0
         self.weight_channel: BucketChannel | None = None  # this rank's end of a collective sync
+        # an interruptible rollout (rollout.interruptible; see `interruptible`)
+        self.interrupt_at: int | None = None
+        self._swap = threading.Condition()
+        self._target: int | None = None  # the job the next push is for
+        self._running: int | None = None  # the job generating on the pipeline's thread
+        self._ended = -1  # the newest job that has ended (jobs run in order)
+        self._deferred: tuple[dict[str, torch.Tensor], WeightTag] | None = None
+        self._received = WeightTag(0, 0)  # the newest tag received (deferred or loaded)
 
     @property
     def weight_version(self) -> int:
@@ -57,10 +66,77 @@ class RolloutWorker:
     def generate(
         self, examples: Sequence[Example], *, sampling: SamplingParams, group_offset: int = 0
     ) -> Batch:
+        """A rollout batch whose every token records the weight version that sampled it
+        (`token_weight_versions`: the engine's record in an interruptible rollout, else the
+        version held when generation began) and meta["weight_version"], the oldest of them."""
         source = self.engine if self.episodes is None else self.episodes
+        start = self.weight_version
         batch = source.generate(examples, sampling, group_offset=group_offset)
-        batch.meta["weight_version"] = self.weight_version
+        mask = batch.response_mask
+        if mask is None:  # nothing generated to record
+            batch.meta["weight_version"] = start
+            return batch
+        if batch.token_weight_versions is None:
+            batch.token_weight_versions = torch.full(mask.shape, start, dtype=torch.long)
+        batch.meta["weight_version"] = oldest_version(batch.token_weight_versions, mask, start)
         return batch
+
+    # ------------------------------------------------------ interruptible rollout
+    def interruptible(self, at_step: int) -> bool:
+        """Turn the interruptible rollout on (rollout.interruptible): a weight push addressed
+        to a generation job (`swap_address`) is held until that job's decode reaches step
+        `at_step` (the step that samples each row's token `at_step`), where the rows still
+        running continue under it; a job that ends before is given it at its end. Returns
+        whether the engine's own loop can swap between steps (elsewhere every row finishes
+        under the version it started with, and the push is loaded when the job ends)."""
+        self.interrupt_at = at_step
+        if isinstance(self.engine, InterruptibleEngine) and self.engine.interruptible:
+            self.engine.step_hook = self._at_step
+            return True
+        return False
+
+    def swap_address(self, job: int | None) -> None:
+        """The next push is for generation job `job` (None: for none, it loads at once); a job
+        waiting for a push that was for it is let go without one."""
+        with self._swap:
+            self._target = job
+            self._swap.notify_all()
+
+    def swap_begin(self, job: int) -> None:
+        """Job `job` starts generating (the pipeline's thread)."""
+        with self._swap:
+            self._running = job
+
+    def swap_end(self, job: int) -> None:
+        """Job `job` is done: a push held for it and not yet taken is loaded now."""
+        with self._swap:
+            self._running, self._ended = None, job
+            if self._target == job:
+                self._take()
+
+    def _at_step(self, step: int) -> int:
+        """The engine's step hook: at step `interrupt_at` of the job the next push is for,
+        wait for that push (or for the job to be let go) and load it; returns the version
+        the step samples under."""
+        if step == self.interrupt_at:
+            with self._swap:
+                mine = self._running is not None and self._running == self._target
+                while mine and self._deferred is None:
+                    self._swap.wait()
+                    mine = self._running == self._target
+                if mine:
+                    self._take()
+        return self._version
+
+    def _take(self) -> None:
+        """Load the push held for the target job, if any (under the lock); the target is
+        served either way."""
+        if self._deferred is not None:
+            state, tag = self._deferred
+            self._deferred = None
+            self.engine.update_weights(state, tag.version)
+            self._version, self._lineage = tag.version, tag.lineage
+        self._target = None
 
     def load_weights(
         self, state: dict[str, torch.Tensor] | None, version: int, lineage: int = 0
@@ -71,7 +147,14 @@ class RolloutWorker:
         if state is None:
             raise ValueError("load_weights got no weights (the actor's rank 0 exports them)")
         tag = WeightTag(int(lineage), int(version))
-        check_order(self.weight_tag, tag, f"rollout rank {rank()}")
+        check_order(max(self.weight_tag, self._received), tag, f"rollout rank {rank()}")
+        self._received = tag
+        with self._swap:
+            if self._target is not None and self._target > self._ended:
+                # interruptible: the addressed job takes it at its swap step or at its end
+                self._deferred = (state, tag)
+                self._swap.notify_all()
+                return
         self.engine.update_weights(state, tag.version)
         self._version, self._lineage = tag.version, tag.lineage
 
@@ -122,3 +205,10 @@ class RolloutWorker:
     def close(self) -> None:
         """Release the engine's processes and memory."""
         self.engine.close()
+
+
+def oldest_version(versions: torch.Tensor, mask: torch.Tensor, default: int) -> int:
+    """The oldest weight version among a batch's response tokens: versions [B, R] long,
+    mask [B, R] (the response tokens); `default` when no token is masked in."""
+    kept = versions[mask != 0]
+    return int(kept.min()) if kept.numel() else default
