@@ -62,3 +62,13 @@ class StallOnce(GuessNumberEnvironment):
             return super().step(response)
         time.sleep(120)  # until killed
         raise AssertionError("the test did not kill the server")
+
+
+class LosesOnThree(GuessNumberEnvironment):
+    """guess_number whose episodes with the secret 3 fail at every step (a sandbox that always
+    crashes on some task): their groups are dropped, the same ones in every run."""
+
+    def step(self, response):
+        if self.secret == 3:
+            raise RuntimeError("the sandbox crashed")
+        return super().step(response)

@@ -124,3 +124,22 @@ def test_a_server_killed_mid_step_costs_retried_episodes_not_the_run(tmp_path, t
     assert metrics[1]["episode/retried"] >= 1  # the stalled episode at least, played again
     assert metrics[2]["episode/retried"] == 0 and metrics[2]["episode/failed"] == 0
     assert (tmp_path / "killed" / "model").is_dir()  # and ended with its export
+
+
+def test_exact_resume_over_http_with_groups_dropped(tmp_path, tiny_dir):
+    """A resumed run over HTTP is the straight one, weights and metrics, with the groups of
+    the secret 3 failing every attempt and dropped at the same steps in both."""
+    from tests.controller.test_resume import check_exact_resume
+
+    server = EnvServerProcess("tests/envs/env_servers.py:LosesOnThree")
+    try:
+        check_exact_resume(ROOT / "examples/grpo_guess_number_tiny.yaml", tmp_path, tiny_dir, [
+            "rollout.env.name=http", f"rollout.env.url={server.url}", "rollout.env.retries=1",
+            "rollout.env.max_failed_frac=1.0", "eval.every=0",
+        ])  # fmt: skip
+    finally:
+        server.close()
+    rows = stable(tmp_path / "split")
+    dropped = [rows[s]["episode/groups_dropped"] for s in sorted(rows)]
+    assert sum(dropped) > 0 and all(d < 4 for d in dropped), dropped
+    assert all(rows[s]["episode/retried"] == rows[s]["episode/failed"] for s in rows)
