@@ -6,6 +6,7 @@ char tokenizer spells (one token per character, so the layout can be read back e
 from __future__ import annotations
 
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from keel.envs.agents import AgentError, AgentRunner
 from keel.envs.episodes import episode_metrics
 from keel.models import load_causal_lm, load_tokenizer
 from keel.rollout import HFRolloutEngine, SamplingParams
+from tests.serve.live_server import wait_until
 
 EXAMPLES = [Example(prompt="3+4=", answer="7", source="t:1"), Example(prompt="12-5=", answer="7")]
 SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
@@ -98,6 +100,13 @@ def test_a_session_is_the_row_the_engine_consumed_and_produced(engine, tmp_path)
     assert roles == ["user", *["assistant", "user"] * 2, "assistant"]
     metrics = episode_metrics(batch.episodes)
     assert metrics["episode/retokenize_mismatch"] == 0 and metrics["episode/requests_mean"] == 3
+    # the call leaves nothing running: the agents' threads, the server and its connections
+    wait_until(lambda: not gateway_threads(), "the gateway's threads to end")
+
+
+def gateway_threads() -> list[str]:
+    names = [t.name for t in threading.enumerate()]
+    return [n for n in names if "keel-agent" in n or "keel-gateway" in n or "process_request" in n]
 
 
 def test_an_edited_answer_keeps_the_sampled_tokens_and_counts_a_mismatch(engine, tmp_path):

@@ -146,6 +146,7 @@ class AgentRunner:
         outcomes = [Outcome() for _ in rows]
         url = gateway.serve()
         episodes = list(zip(sessions, rows, strict=True))
+        client = None
         try:
             if inspect.iscoroutinefunction(self.agent):  # every episode a task of one loop
                 threads = [threading.Thread(target=asyncio.run, name="keel-agents", daemon=True,
@@ -171,6 +172,8 @@ class AgentRunner:
             for thread in threads:
                 thread.join()
         finally:
+            if client is not None:  # its connections closed: the server's threads end
+                client.close()
             gateway.close()
         if gateway.batcher.error is not None:
             raise gateway.batcher.error
