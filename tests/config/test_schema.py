@@ -1,5 +1,5 @@
 """The reward section: reward.fns (several weighted functions) and its checks; the checks of
-checkpoint.upload_encryption."""
+checkpoint.upload_encryption; rollout.interruptible's."""
 
 import re
 
@@ -88,3 +88,20 @@ def test_upload_encryption_is_checked_naming_the_field(section, message):
     ok = {"upload_to": "s3://b/p", "upload_encryption": {"type": "aws:kms", "kms_key_id": "k"}}
     encryption = validate({**BASE, "checkpoint": ok}).checkpoint.upload_encryption
     assert encryption is not None and (encryption.type, encryption.kms_key_id) == ("aws:kms", "k")
+
+
+@pytest.mark.parametrize(
+    ("rollout", "message"),
+    [
+        ({"interruptible": True}, "needs rollout.max_staleness ≥ 1"),
+        ({"interruptible": True, "max_staleness": 1, "max_new_tokens": 8, "interrupt_at": 8},
+         r"rollout.interrupt_at \(8\) must be below rollout.max_new_tokens \(8\)"),
+        ({"interruptible": True, "max_staleness": 1, "env": {"name": "builtin:guess_number"}},
+         "does not run with rollout.env"),
+    ],
+)  # fmt: skip
+def test_an_interruptible_rollout_is_checked_naming_the_field(rollout, message):
+    with pytest.raises((ValidationError, ValueError), match=message):
+        validate({**BASE, "rollout": rollout})
+    ok = validate({**BASE, "rollout": {"interruptible": True, "max_staleness": 1}}).rollout
+    assert ok.swap_step() == 8  # max_new_tokens 16 // 2

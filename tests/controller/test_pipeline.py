@@ -140,3 +140,31 @@ def test_an_async_run_with_its_own_rollout_weights_rolls_back_and_resumes(tiny_g
     assert resumed.resumed_from == 3
     last = read_metrics(run_dir / "metrics.jsonl")[-1]
     assert last["step"] == 4 and last["guard/trips"] == 1.0
+
+
+def test_an_interruptible_ppo_run_with_critic_warmup_steps_runs_to_its_end(tmp_path, tiny_dir):
+    """PPO's critic warm-up step updates no actor and pushes nothing: the batch addressed by
+    that step waits at its swap step for a push that is not coming until the next step
+    addresses another batch (no deadlock). From the first push on, the batch generating
+    ahead takes it at its second token."""
+    from pathlib import Path
+
+    from keel.config.loading import load_config
+    from keel.controller import run_training
+    from keel.monitor import read_metrics
+    from tests.conftest import TINY_GRPO
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples/ppo_arith_tiny.yaml", [
+        *TINY_GRPO, f"models.actor={tiny_dir}", f"run_dir={tmp_path / 'run'}", "train.steps=4",
+        "algorithm.critic_warmup_steps=1", "rollout.max_staleness=1",
+        "rollout.interruptible=true", "rollout.interrupt_at=1", "checkpoint.save_steps=0",
+        f"reward.fn={root / 'tests/cli/format_reward.py'}:digit_fraction",
+    ])  # fmt: skip
+    run_training(cfg)
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    lags = [rows[s]["rollout/weight_version_lag"] for s in (1, 2, 3, 4)]
+    assert lags == [0, 0, 1, 1]  # step 1 updated no actor: version 0 until step 2's push
+    mixed = [rows[s]["rollout/version_mixed_rows_frac"] for s in (1, 2, 3, 4)]
+    # batch 2, addressed by step 1, got no push; batches 3 and 4 took steps 2's and 3's
+    assert mixed[:2] == [0.0, 0.0] and mixed[2] > 0 and mixed[3] > 0
