@@ -395,8 +395,8 @@ def loop_reference(a, roll, mask, settings):
 def random_batch(seed: int, scale: float = 0.4):
     g = torch.Generator().manual_seed(seed)
     B, R = 5, 6
-    lengths = torch.tensor([6, 3, 1, 4, 2])  # no empty row: verl's row max of an empty row is
-    mask = (torch.arange(R)[None, :] < lengths[:, None]).float()  # -inf vs Keel's 0 (below)
+    lengths = torch.tensor([6, 3, 1, 4, 2])  # every row valid (an empty one: the test below)
+    mask = (torch.arange(R)[None, :] < lengths[:, None]).float()
     roll = -torch.rand(B, R, generator=g) * 2 - 0.05
     old = roll + torch.randn(B, R, generator=g) * scale
     return old, roll, mask
