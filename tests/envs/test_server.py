@@ -82,3 +82,16 @@ def test_the_servers_errors_say_what_is_wrong(server):
     body = {"version": VERSION, "session": "s4", "example": {"prompt": "p"}, "kwargs": {"wn": 2}}
     status, reply = post(server.url, "reset", body)
     assert status == 400 and "kwargs do not fit" in reply["error"]["message"]
+
+
+def test_keel_env_serve_refuses_what_it_cannot_serve(capsys, server):
+    from keel.cli.main import main
+
+    assert main(["env", "serve", "builtin:nope", "--port", "0"]) == 2
+    assert "ENV: unknown built-in environment 'builtin:nope'" in capsys.readouterr().err
+    assert main(["env", "serve", "builtin:guess_number", "--kwargs", '{"wn": 1}']) == 2
+    assert "--kwargs do not fit builtin:guess_number" in capsys.readouterr().err
+    assert main(["env", "serve", "builtin:guess_number", "--kwargs", "[1]"]) == 2
+    assert "--kwargs: must be a JSON object" in capsys.readouterr().err
+    assert main(["env", "serve", "builtin:guess_number", "--port", str(server.port)]) == 2
+    assert f"--port: cannot listen on 127.0.0.1:{server.port}" in capsys.readouterr().err

@@ -160,11 +160,13 @@ class EpisodeRunner:
                 self._record_turn(episodes, active, completions)
                 with_logprobs = completions.logprobs is not None  # the engine's: always or never
                 results = calls.run([lambda e=episodes[i]: self._step(e) for i in active], "step")
+                failed = []
                 for i, result in zip(active, results, strict=True):
                     if isinstance(result, BaseException):
-                        self._failed(episodes[i], result, calls)
+                        failed.append((episodes[i], result))
                     else:
                         self._after_step(episodes[i], result)
+                self._failed(failed, calls)
                 active = self._playing(episodes)
                 if active:
                     completions = self._next_turn(episodes, active, sampling)
@@ -206,9 +208,8 @@ class EpisodeRunner:
             Episode(env if not isinstance(env, BaseException) else None, ids_of.get(i, []), ex)  # type: ignore[arg-type]
             for i, (env, ex) in enumerate(zip(envs, rows, strict=True))
         ]
-        for i, opening in enumerate(openings):
-            if isinstance(opening, BaseException):
-                self._failed(episodes[i], opening, calls)
+        self._failed([(episodes[i], o) for i, o in enumerate(openings)
+                      if isinstance(o, BaseException)], calls)  # fmt: skip
         return episodes
 
     def _new_env(self, calls: EnvCalls) -> Environment:
@@ -235,29 +236,36 @@ class EpisodeRunner:
             truncation=self.truncation,
         )
 
-    def _failed(self, e: Episode, exc: BaseException, calls: EnvCalls) -> None:
-        """Count a failed attempt and start the episode over with a fresh environment while
-        retries are left (a failed reset tries again at once); else it ends `failed`."""
-        while True:
-            e.failures += 1
-            text = str(exc)
-            e.error = text if text.startswith(self.name) else f"{self.name}: {exc!r}"
-            e.refusals_only = e.refusals_only and isinstance(exc, ResetError)
-            if e.failures > self.retries:
-                e.termination = FAILED
-                return
-            assert e.example is not None
-            try:
-                env = self._new_env(calls)
-                (opening,) = calls.run([lambda: self._reset(env, e.example)], "reset")  # noqa: B023
+    def _failed(self, failed: list[tuple[Episode, BaseException]], calls: EnvCalls) -> None:
+        """Count each episode's failed attempt and start it over with a fresh environment while
+        its retries last (the resets concurrently; a failed one is tried again at once); an
+        episode out of retries ends `failed`."""
+        while failed:
+            retry, again = [], []
+            for e, exc in failed:
+                e.failures += 1
+                text = str(exc)
+                e.error = text if text.startswith(self.name) else f"{self.name}: {exc!r}"
+                e.refusals_only = e.refusals_only and isinstance(exc, ResetError)
+                if e.failures > self.retries:
+                    e.termination = FAILED
+                    continue
+                try:
+                    retry.append((e, self._new_env(calls)))
+                except Exception as error:  # the constructor
+                    again.append((e, error))
+            resets = [lambda e=e, env=env: self._reset(env, e.example) for e, env in retry]
+            for (e, env), opening in zip(retry, calls.run(resets, "reset"), strict=True):
                 if isinstance(opening, BaseException):
-                    raise opening
-                (ids,) = self._encode([env], [e.example], [opening])
-            except Exception as again:  # the reset, the constructor, or encoding the opening
-                exc = again
-                continue
-            e.restart(env, ids)
-            return
+                    again.append((e, opening))
+                    continue
+                try:
+                    (ids,) = self._encode([env], [e.example], [opening])
+                except Exception as error:  # the opening does not fit (data.truncation)
+                    again.append((e, error))
+                    continue
+                e.restart(env, ids)
+            failed = again
 
     def _check_failures(self, episodes: list[Episode]) -> None:
         failed = [e for e in episodes if e.termination == FAILED]

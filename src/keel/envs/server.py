@@ -296,7 +296,11 @@ def serve_main(args: argparse.Namespace) -> int:
         raise EnvLoadError(f"--kwargs: not JSON: {exc}") from None
     if not isinstance(kwargs, dict):
         raise EnvLoadError("--kwargs: must be a JSON object")
-    factory = load_environment(args.env, kwargs, ENVIRONMENTS)
+    try:
+        factory = load_environment(args.env, kwargs, ENVIRONMENTS)
+    except EnvLoadError as exc:  # its fields are rollout.env's; here they are the command's
+        text = str(exc).replace("rollout.env.kwargs", "--kwargs").replace("rollout.env", "ENV")
+        raise EnvLoadError(text) from None
     try:
         server = EnvServer(
             factory,
