@@ -200,3 +200,17 @@ def test_a_failing_agent_names_itself_and_the_example(engine, tmp_path):
     wrong = agent(tmp_path, "def run(client, example):\n    return 'yes'\n", "wrong.py")
     with pytest.raises(AgentError, match="must return the episode's reward"):
         runner(engine, wrong).generate(EXAMPLES[:1], SAMPLING)
+
+
+def test_a_steps_episodes_connect_at_once(engine, tmp_path):
+    """64 episodes, each on its own connection at once, are answered in one engine call."""
+    source = """
+    def run(client, example):
+        messages = [{"role": "user", "content": example["prompt"]}]
+        client.chat.completions.create(model="any", messages=messages, max_tokens=2)
+        return 1.0
+    """
+    run = runner(engine, agent(tmp_path, source))
+    batch = run.generate(EXAMPLES, SamplingParams(n=32, max_new_tokens=2))
+    assert len(batch) == 64 and run.last_engine_calls == 1
+    assert [e["return"] for e in batch.episodes] == [1.0] * 64

@@ -209,7 +209,7 @@ class Gateway:
         self.observations = ObservationEncoder(tokenizer, self.eos_ids)
         self.batcher = TurnBatcher(engine, sampling, wait_s)
         self.sessions: dict[str, Session] = {}
-        self.server: ThreadingHTTPServer | None = None
+        self.server: GatewayServer | None = None
         self.thread: threading.Thread | None = None
 
     # -- sessions --------------------------------------------------------------------------
@@ -386,8 +386,7 @@ class Gateway:
             pass
 
         Handler.gateway = gateway
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = GatewayServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(
             target=self.server.serve_forever, name="keel-gateway", daemon=True
         )
@@ -404,6 +403,14 @@ class Gateway:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+class GatewayServer(ThreadingHTTPServer):
+    """A thread per connection; a listen backlog for every episode of a step connecting at once
+    (socketserver's default of 5 resets connections past the fifth)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
 
 
 class GatewayHandler(BaseHTTPRequestHandler):
