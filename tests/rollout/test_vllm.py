@@ -118,6 +118,58 @@ def test_log_probs_match_the_trainers_before_and_after_weight_pushes(built, vllm
     assert trainer_gap(policy, tok, greedy, 1.0) <= 1e-4  # greedy: log-probs at T = 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights(
+    built, vllm_dir, temperature
+):
+    """The step hook (an interruptible rollout) loads version B before the step that samples
+    token K: generate_ids runs on vLLM's step API, the rows still running are added again
+    with their tokens so far (their KV computed under B), and each token's log-prob is its
+    version's under a forward of the whole sequence (greedy: its version's argmax)."""
+    engine, _, _ = built
+    tok = load_tokenizer(vllm_dir)
+    a, b = perturbed(vllm_dir, 11, scale=0.3), perturbed(vllm_dir, 12, scale=0.3)
+    engine.update_weights(a.state_dict(), 3)
+    k, held = 4, [3]
+
+    def hook(step):
+        if step == k:
+            engine.update_weights(b.state_dict(), 4)
+            held[0] = 4
+        return held[0]
+
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("1+1=", "12+34=", "7=")]
+    engine.step_hook = hook
+    try:
+        out = engine.generate_ids(prompts, SamplingParams(n=2, temperature=temperature,
+                                                          max_new_tokens=10))  # fmt: skip
+    finally:
+        engine.step_hook = None
+    assert out.versions is not None and out.logprobs is not None
+    assert max(len(t) for t in out.token_ids) > k
+    moved = 0.0
+    for i, (ids, logps, versions) in enumerate(
+        zip(out.token_ids, out.logprobs, out.versions, strict=True)
+    ):
+        assert versions == [3 if t < k else 4 for t in range(len(ids))]
+        seq = torch.tensor([prompts[i // 2] + ids])
+        with torch.no_grad():
+            logits = {v: m(input_ids=seq).logits[0, len(prompts[i // 2]) - 1 : -1] for v, m in
+                      ((3, a), (4, b))}  # fmt: skip
+        rows = torch.stack([logits[v][t] for t, v in enumerate(versions)]).float()
+        want = torch.log_softmax(rows / (temperature or 1.0), -1)
+        want = want.gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logps), want, atol=1e-4, rtol=1e-4)
+        if temperature == 0:
+            assert ids == rows.argmax(-1).tolist()
+        if len(ids) > k:
+            other = torch.log_softmax(logits[3][k:].float() / (temperature or 1.0), -1)
+            other = other.gather(-1, torch.tensor(ids[k:])[:, None])[:, 0]
+            moved = max(moved, float((other - want[k:]).abs().max()))
+    assert moved > 1e-2  # A's log-probs are not B's: the check can fail
+    assert engine.weight_version == 4
+
+
 def test_the_vllm_engine_passes_the_engine_checks(built, vllm_dir):
     """The checks every engine passes (tests/rollout/conformance.py); they close the engine."""
     engine, _, _ = built

@@ -430,9 +430,9 @@ class RolloutConfig(Section):
         description="with max_staleness ≥ 1: a weight push reaches the batch generating ahead "
         "mid-generation; its rows still running at decode step interrupt_at continue under "
         "the new weights (their KV cache computed again), every token recording the version "
-        "that sampled it (Batch.token_weight_versions). HF engine on Keel's decode loop, "
-        "rollout in the trainer's process; elsewhere rows finish under the version they "
-        "started with (docs/rollout.md)",
+        "that sampled it (Batch.token_weight_versions). HF engine on Keel's decode loop or "
+        "vLLM, rollout in the trainer's process; with HF generate rows finish under the "
+        "version they started with (docs/rollout.md)",
     )
     interrupt_at: int | None = Field(
         None,

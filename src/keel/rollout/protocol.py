@@ -169,7 +169,8 @@ class InterruptibleEngine(Protocol):
     when the version it returns changes, the running rows continue under the new weights
     (their KV cache computed again under them) and `Completions.versions` records each
     token's version. `interruptible`: whether this engine's loop calls the hook (the HF
-    engine on Keel's decode loop); elsewhere rows finish under the version they started with."""
+    engine on Keel's decode loop; vLLM, through its engine step API); elsewhere (HF
+    generate) rows finish under the version they started with."""
 
     step_hook: StepHook | None
 

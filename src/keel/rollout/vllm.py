@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from keel.data.encoding import stop_ids
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
-from keel.rollout.protocol import Completions, RowRequest, RowToken, SamplingParams
+from keel.rollout.protocol import Completions, RowRequest, RowToken, SamplingParams, StepHook
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
 
@@ -257,6 +257,8 @@ class VLLMRolloutEngine:
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.weight_version = 0
         self._decoders: weakref.WeakSet[VLLMDecoder] = weakref.WeakSet()
+        self.step_hook: StepHook | None = None  # an interruptible rollout's (protocol.py)
+        self._stepping: VLLMDecoder | None = None  # the stepped generate's, during its hook
         # the engine is shut down by close(), or at interpreter exit (a crash, a signal that
         # ends the run) when nothing closed it
         self._finalizer = weakref.finalize(self, _shutdown_quietly, llm)
@@ -294,11 +296,18 @@ class VLLMRolloutEngine:
     ) -> Batch:
         return generate_examples(self, examples, sampling, group_offset)
 
+    @property
+    def interruptible(self) -> bool:
+        """With a step hook, `generate_ids` runs on vLLM's engine step API (`_stepped`)."""
+        return True
+
     def generate_ids(
         self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> Completions:
         llm = self._engine()
         self._check_idle("generate_ids")
+        if self.step_hook is not None:
+            return self._stepped(prompt_ids, sampling, self.step_hook)
         self._check_length(prompt_ids, sampling.max_new_tokens)
         greedy = sampling.temperature == 0
         # One request per row (vLLM's prefix cache shares a prompt's KV blocks between its n
@@ -318,10 +327,59 @@ class VLLMRolloutEngine:
         ]
         return cut_completions(responses, logps, self.eos_ids)
 
+    def _stepped(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, hook: StepHook
+    ) -> Completions:
+        """`generate_ids` on vLLM's engine step API (a `VLLMDecoder`, every row joined at once,
+        its seed drawn as the decoder draws it), calling `hook` before each step (an
+        interruptible rollout). When the version it returns changes (the hook loaded new
+        weights: `update_weights` first takes the live rows' requests out), the rows still
+        running are added again with their prompt and tokens so far as the prompt, their
+        remaining max_new_tokens and a new seed: vLLM computes their KV again under the new
+        weights, as Keel's loop does (rollout.md). Each token records its version."""
+        rows = [list(ids) for ids in prompt_ids for _ in range(sampling.n)]
+        self._check_length(rows, sampling.max_new_tokens)
+        tokens: list[list[int]] = [[] for _ in rows]
+        logps: list[list[float]] = [[] for _ in rows]
+        versions: list[list[int]] = [[] for _ in rows]
+        version = int(hook(0))
+        decoder = self.decoder()
+        try:
+            decoder.join([RowRequest(i, ids, sampling) for i, ids in enumerate(rows)])
+            step = 0
+            while decoder.live:
+                if step:
+                    running = [cast(int, key) for key in decoder._rows]
+                    self._stepping = decoder
+                    try:
+                        now = int(hook(step))
+                    finally:
+                        self._stepping = None
+                    if now != version and not decoder.live:  # taken out by update_weights
+                        decoder.join([
+                            RowRequest(k, rows[k] + tokens[k], replace(
+                                sampling, n=1, max_new_tokens=sampling.max_new_tokens - step))
+                            for k in running
+                        ])  # fmt: skip
+                    version = now
+                for token in decoder.step():
+                    row = cast(int, token.key)  # the row's index, its key at join
+                    tokens[row].append(token.token)
+                    logps[row].append(token.logprob)
+                    versions[row].append(version)
+                step += 1
+        finally:
+            decoder.close()
+            self._decoders.discard(decoder)
+        return cut_completions(tokens, logps, self.eos_ids, versions)
+
     def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the policy's full weights into the running engine, then drop every cached KV
-        block (they were computed under the old weights)."""
+        block (they were computed under the old weights). From the step hook of a stepped
+        `generate_ids` (`_stepped`), its live rows' requests are aborted first."""
         llm = self._engine()
+        if self._stepping is not None:
+            self._stepping.leave(list(self._stepping._rows))
         self._check_idle("update_weights")
         llm.collective_rpc(reload_worker_weights, args=(dict(state),))
         llm.reset_prefix_cache()
