@@ -133,3 +133,17 @@ def test_the_oldest_version_counts_only_response_tokens():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     assert oldest_version(versions, mask, 7) == 3
     assert oldest_version(versions, torch.zeros(2, 3), 7) == 7
+
+
+def test_closing_the_worker_lets_a_job_waiting_for_a_push_go(models):
+    """A run that fails between addressing a job and pushing closes its roles: the job
+    waiting at its swap step ends (its tokens version 0) instead of holding the process."""
+    worker = _worker(models)
+    worker.interruptible(at_step=4)
+    worker.swap_address(0)
+    out: list = []
+    thread = threading.Thread(target=_job, args=(worker, 0, out))
+    thread.start()
+    worker.close()
+    thread.join()
+    assert (out[0].token_weight_versions == 0).all()

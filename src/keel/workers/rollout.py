@@ -57,6 +57,7 @@ class RolloutWorker:
         self._ended = -1  # the newest job that has ended (jobs run in order)
         self._deferred: tuple[dict[str, torch.Tensor], WeightTag] | None = None
         self._received = WeightTag(0, 0)  # the newest tag received (deferred or loaded)
+        self._closed = False  # close() lets a job waiting for a push go
 
     @property
     def weight_version(self) -> int:
@@ -121,7 +122,7 @@ class RolloutWorker:
         if step == self.interrupt_at:
             with self._swap:
                 mine = self._running is not None and self._running == self._target
-                while mine and self._deferred is None:
+                while mine and self._deferred is None and not self._closed:
                     self._swap.wait()
                     mine = self._running == self._target
                 if mine:
@@ -203,7 +204,11 @@ class RolloutWorker:
         return self.weights_from is None
 
     def close(self) -> None:
-        """Release the engine's processes and memory."""
+        """Release the engine's processes and memory; a generation waiting for a push (a run
+        that failed before pushing) goes on without it."""
+        with self._swap:
+            self._closed = True
+            self._swap.notify_all()
         self.engine.close()
 
 
