@@ -27,11 +27,13 @@ SAMPLING = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
 THREE_TURNS = """
 def run(client, example):
     messages = [{"role": "user", "content": example["prompt"]}]
+    usage = []
     for _ in range(3):
         out = client.chat.completions.create(model="any", messages=messages, max_tokens=5)
         messages.append(out.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "user", "content": "again"})
-    return {"reward": 0.5, "turn_rewards": [1.0, 1.0], "info": {"tool_errors": 2}}
+        usage.append([out.usage.prompt_tokens, out.usage.completion_tokens])
+    return {"reward": 0.5, "turn_rewards": [1.0, 1.0], "info": {"tool_errors": 2, "usage": usage}}
 """
 
 
@@ -78,6 +80,8 @@ def test_a_session_is_the_row_the_engine_consumed_and_produced(engine, tmp_path)
             start = len(context) - len(session.prompt_ids)
             assert mask[start : start + len(produced)] == [1.0] * len(produced)
         assert sum(mask) == sum(len(p) for _, p in session.served)
+        usage = [[len(context), len(produced)] for context, produced in session.served]
+        assert batch.episodes[i]["info"]["usage"] == usage  # what the answers said
         # the layout as text: the prompt through the chat template, each answer with the EOS
         # the policy sampled (when it stopped), the user's next message as the template renders
         # it after an assistant turn (its closing newline); the log-probs are the engine's, 0

@@ -295,6 +295,7 @@ class AgentRunner:
             "messages": s.messages,
             "requests": s.requests,
             "retokenize_mismatch": s.mismatches,
+            **({"info": info} if info else {}),
         }
 
 

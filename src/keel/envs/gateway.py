@@ -252,11 +252,13 @@ class Gateway:
             raise APIError(409, "the session has a request in flight: an episode's requests "
                            "come one at a time", code="concurrent_request")  # fmt: skip
         try:
-            return req, self._chat(session, req), len(self._context(session))
+            answers, prompt_tokens = self._chat(session, req)
+            return req, answers, prompt_tokens
         finally:
             session.lock.release()
 
-    def _chat(self, s: Session, req: ChatCompletionRequest) -> list:
+    def _chat(self, s: Session, req: ChatCompletionRequest) -> tuple[list, int]:
+        """The answer to one request and the tokens of its context (usage.prompt_tokens)."""
         s.requests += 1
         if s.ended is not None:
             raise EpisodeOver(s.ended, f"the episode is over ({s.ended})")
@@ -301,7 +303,7 @@ class Gateway:
         calls = [_call(c) for c in answered.tool_calls or []]
         s.tool_calls += len(calls)
         s.known.append(Turn("assistant", answered.text, calls))
-        return [answered]
+        return [answered], len(context)
 
     def _open_conversation(self, s: Session, req: ChatCompletionRequest) -> None:
         messages = self._template_messages(req)
