@@ -62,6 +62,7 @@ def test_every_example_is_run_by_a_test():
         "grpo_guess_number_tiny.yaml",
         "grpo_calculator_tiny.yaml",
         "sft_calculator_tiny.yaml",
+        "opd_arith_tiny.yaml",
     }, smoke
 
 

@@ -60,6 +60,10 @@ class Batch:
       response_mask    [B, R] float  1 for generated tokens up to and including the first EOS
       old_logprobs     [B, R] float  log π_old (the policy that produced the rollout), no grad
       ref_logprobs     [B, R] float  log π_ref (frozen reference policy)
+      teacher_logprobs [B, R] float  log π_T(y_t | x, y_<t): the distillation teacher's log-prob
+                                     of each response token (keel.workers.teacher)
+      teacher_topk_ids [B, R, K] long  the teacher's top-K token ids at each response position
+      teacher_topk_logprobs [B, R, K] float  their log-probs (rank-ordered)
       rollout_logprobs [B, R] float  log-probs reported by the rollout engine
       rollout_is_weights [B, R] float  rollout correction's importance weights (decoupled mode;
                                      detached, fixed for the step's epochs)
@@ -83,6 +87,9 @@ class Batch:
     response_mask: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
     token_weight_versions: torch.Tensor | None = None
@@ -288,5 +295,7 @@ def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].dim() == 1:
         return torch.cat(tensors)
     width = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+    # pad dimension 1 (a [B, R, K] tensor keeps its last dimension)
+    tail = [0, 0] * (tensors[0].dim() - 2)
+    padded = [torch.nn.functional.pad(t, (*tail, 0, width - t.shape[1])) for t in tensors]
     return torch.cat(padded)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from keel.algo.advantages import AdvantageName
 from keel.algo.aggregation import AggMode
 from keel.algo.correction import RolloutCorrection
+from keel.algo.distillation import DistillationOptions
 from keel.algo.kl import KLEstimatorName
 from keel.algo.kl_control import KLControlOptions
 from keel.algo.policy_loss import PolicyLossName
@@ -51,6 +52,9 @@ class AlgorithmSpec:
       policy_loss is "bypass_mode", π_old := the engine's log-probs (no recomputation), and
       policy_loss_kwargs carries the same object as `correction`. Needs the rollout engine's
       log-probs in the batch (`rollout_logprobs`).
+    distillation: on-policy distillation (keel.algo.distillation; the config's `distillation`
+      section): the RL step fills the teacher's log-probs (role "teacher") and the actor's loss
+      adds coef · L_distill (or is L_distill alone); None: off.
     """
 
     name: str
@@ -81,6 +85,7 @@ class AlgorithmSpec:
     overlong_penalty_factor: float = 1.0
     critic_lr: float | None = None
     rollout_correction: RolloutCorrection | None = None
+    distillation: DistillationOptions | None = None
 
     @property
     def needs_reference(self) -> bool:

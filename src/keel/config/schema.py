@@ -10,6 +10,7 @@ imports this module for types only) and run before any model loads. Every number
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -942,6 +943,71 @@ class ResourcesConfig(Section):
         return next((g for g in self.groups if role in g.roles), None)
 
 
+class DistillationConfig(Section):
+    """On-policy distillation (docs/algorithms.md §11): a frozen teacher scores the student's
+    own samples, and the actor's loss adds coef · L_distill (a per-token divergence to the
+    teacher), or is L_distill alone without task rewards. RL algorithms only."""
+
+    enabled: bool = False
+    teacher: str | None = Field(
+        None,
+        description="the teacher: a model loaded in this process (a folder, builtin:NAME, hub "
+        "id or GGUF file, resolved as models.actor), or the http(s) URL of a keel serve of it "
+        "(its /v1/prompt_logprobs); it must share the student's tokenizer",
+    )
+    loss_mode: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk"] = (
+        Field("k3", description="a single-sample reverse-KL estimator, or the top-k forward KL")
+    )
+    topk: int = Field(32, ge=1, le=256, description="K of forward_kl_topk")
+    use_task_rewards: bool = Field(
+        True, description="keep the task's policy loss and add coef · L_distill; false: L_distill"
+    )
+    coef: float = Field(1.0, ge=0, description="weight of L_distill beside the task loss")
+    loss_max_clamp: float | None = Field(
+        None, gt=0, description="each token's loss clamped to [-M, M]; null: off"
+    )
+    log_prob_min_clamp: float | None = Field(
+        None, lt=0, description="forward_kl_topk: log-probs clamped below at this; null: off"
+    )
+    use_policy_gradient: bool = Field(
+        False,
+        description="advantage -sg(loss) under PPO-clip (dual-clip 3) instead of the loss "
+        "itself (supervised)",
+    )
+    clip_ratio_low: float = Field(0.2, ge=0, description="the policy-gradient mode's PPO clip")
+    clip_ratio_high: float = Field(0.2, ge=0, description="the policy-gradient mode's PPO clip")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistillationConfig:
+        if not self.enabled:
+            return self
+        if self.teacher is None:
+            raise ValueError(
+                "distillation.enabled needs distillation.teacher (a model, or the URL of a "
+                "keel serve of it)"
+            )
+        if self.loss_mode in ("kl", "k1") and not self.use_policy_gradient:
+            raise ValueError(
+                f"distillation.loss_mode {self.loss_mode} needs use_policy_gradient: true (the "
+                "k1 estimator's gradient does not depend on the teacher); use k3 or k2 for the "
+                "supervised mode"
+            )
+        if self.loss_mode == "forward_kl_topk" and self.use_policy_gradient:
+            warnings.warn(
+                "distillation.loss_mode forward_kl_topk with use_policy_gradient: the "
+                "advantage -D scores the teacher's top-K distribution, not the sampled token",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self
+
+    @property
+    def teacher_url(self) -> str | None:
+        """The remote teacher's URL (distillation.teacher written as http(s)://...), else None."""
+        t = self.teacher
+        return t if t is not None and t.startswith(("http://", "https://")) else None
+
+
 class KeelConfig(Section):
     """A whole run."""
 
@@ -958,6 +1024,7 @@ class KeelConfig(Section):
     guard: GuardConfig = GuardConfig()
     monitor: MonitorConfig = MonitorConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    distillation: DistillationConfig = DistillationConfig()
 
     @model_validator(mode="before")
     @classmethod

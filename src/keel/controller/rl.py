@@ -1,6 +1,6 @@
-"""The RL step: sample → reward (→ dynamic sampling, shaping) → old/ref log-probs → values →
-per-token rewards and advantages → critic and actor updates. Algorithm-blind: everything
-algorithm-specific comes from the AlgorithmSpec."""
+"""The RL step: sample → reward (→ dynamic sampling, shaping) → old/ref log-probs → the
+teacher's (distillation) → values → per-token rewards and advantages → critic and actor
+updates. Algorithm-blind: everything algorithm-specific comes from the AlgorithmSpec."""
 
 from __future__ import annotations
 
@@ -69,7 +69,11 @@ class RLController(Controller):
             gate=RolloutGate(roles.rollout, r.swap_step()) if r.interruptible else None,
         )
         # most groups all-equal for several steps: a warning (dynamic sampling has its own)
-        self.flat_groups = None if spec.dynamic_sampling else FlatGroupsWatch(r.n)
+        # (none either where the task reward is not trained on: distillation alone)
+        task_reward = spec.distillation is None or spec.distillation.use_task_rewards
+        self.flat_groups = (
+            FlatGroupsWatch(r.n) if task_reward and not spec.dynamic_sampling else None
+        )
         self.max_staleness = r.max_staleness
         self.last_batch: Batch | None = None
         # (rule, message), emitted by the run loop; first: the environment's (a python tool
@@ -145,6 +149,9 @@ class RLController(Controller):
         if roles.reference is not None:
             with t("ref_logprobs"):
                 batch = roles.reference.call("compute_ref_logprobs", batch)
+        if roles.teacher is not None:  # on-policy distillation: the teacher scores the tokens
+            with t("teacher_logprobs"):
+                batch = roles.teacher.call("compute_teacher_logprobs", batch)
         if roles.critic is not None:
             with t("values"):
                 batch = roles.critic.call("compute_values", batch)

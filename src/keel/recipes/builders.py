@@ -7,9 +7,11 @@ name. A new algorithm is a new builder in RECIPES.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from keel.algo.correction import CorrectionError, resolve_correction
+from keel.algo.distillation import DistillationOptions
 from keel.algo.spec import AlgorithmSpec
 from keel.config.algorithms import (
     DPOAlgorithm,
@@ -213,7 +215,7 @@ RECIPES: dict[type, Callable[[KeelConfig, Any], AlgorithmSpec]] = {
 
 def build_spec(cfg: KeelConfig) -> AlgorithmSpec:
     """The spec of `cfg.algorithm`; a model given for a role the algorithm lacks is an error."""
-    spec = RECIPES[type(cfg.algorithm)](cfg, cfg.algorithm)
+    spec = with_distillation(RECIPES[type(cfg.algorithm)](cfg, cfg.algorithm), cfg)
     for role in ("critic", "reward"):
         path = getattr(cfg.models, role)
         if path is not None and role not in spec.roles:
@@ -222,3 +224,28 @@ def build_spec(cfg: KeelConfig) -> AlgorithmSpec:
                 f"remove models.{role}"
             )
     return spec
+
+
+def with_distillation(spec: AlgorithmSpec, cfg: KeelConfig) -> AlgorithmSpec:
+    """`spec` with the config's distillation section (the teacher role and the loss's
+    options) when it is enabled; an RL algorithm only (the teacher scores sampled responses)."""
+    d = cfg.distillation
+    if not d.enabled:
+        return spec
+    if spec.stage != "rl":
+        raise ConfigError(
+            f"distillation.enabled: algorithm {spec.name!r} samples no responses for a teacher "
+            f"to score (stage {spec.stage}); use an RL algorithm (grpo, ppo, ...)"
+        )
+    options = DistillationOptions(
+        loss_mode=d.loss_mode,
+        topk=d.topk,
+        use_task_rewards=d.use_task_rewards,
+        coef=d.coef,
+        loss_max_clamp=d.loss_max_clamp,
+        log_prob_min_clamp=d.log_prob_min_clamp,
+        use_policy_gradient=d.use_policy_gradient,
+        clip_ratio_low=d.clip_ratio_low,
+        clip_ratio_high=d.clip_ratio_high,
+    )
+    return replace(spec, roles=spec.roles | {"teacher"}, distillation=options)

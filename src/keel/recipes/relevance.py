@@ -14,7 +14,7 @@ from keel.config.schema import DataConfig, KeelConfig
 
 BUILTIN_TASKS = ("builtin:arithmetic", "builtin:preference")
 EVAL_GENERATION = ("temperature", "max_new_tokens", "batch_size", "correct_threshold")
-ROLES = ("actor", "rollout", "reference", "critic", "reward")
+ROLES = ("actor", "rollout", "reference", "critic", "reward", "teacher")
 
 Unused = tuple[tuple[str, ...], str]  # (dotted keys, why they do not apply)
 
@@ -46,7 +46,11 @@ def role_names(spec: AlgorithmSpec) -> tuple[str, ...]:
     """The roles `spec`'s algorithm has (rm trains a reward model and has only its trainer)."""
     if spec.stage == "rm":
         return ("actor",)
-    extra = {"reference": spec.needs_reference, "critic": spec.needs_critic}
+    extra = {
+        "reference": spec.needs_reference,
+        "critic": spec.needs_critic,
+        "teacher": "teacher" in spec.roles,
+    }
     return tuple(r for r in ROLES if extra.get(r, True))
 
 

@@ -14,14 +14,15 @@ from keel.algo import (
     masked_mean,
     sft_loss,
 )
+from keel.algo.distillation import combine_losses, distillation_loss, merge_extremes
 from keel.algo.spec import AlgorithmSpec
-from keel.engine.devices import model_device
+from keel.engine.devices import autocast, model_device
 from keel.engine.distributed import (
     full_state_dict,
     global_denominators,
     rank,
 )
-from keel.engine.forward import micro_batched_logprobs, response_forward
+from keel.engine.forward import micro_batched_logprobs, position_ids_from_mask, response_forward
 from keel.engine.update import GradientStep
 from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
@@ -62,6 +63,7 @@ class ActorWorker(TrainableWorker):
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
         self.weight_lineage = 0  # checkpoint loads into this worker (keel.workers.weight_sync)
         self.weight_channel: BucketChannel | None = None  # rank 0's end of a collective sync
+        self.extremes: list[dict[str, float]] = []  # distillation/*_min/_max per micro-batch
 
     # ---------------------------------------------------------------- inference
     @torch.no_grad()
@@ -90,6 +92,7 @@ class ActorWorker(TrainableWorker):
         beta = spec.kl_loss_coef if kl_coef is None else kl_coef
         spec = self.width_pinned(spec, batch)
         history = []
+        self.extremes = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
                 assert mini.response_mask is not None, "the batch has no response_mask"
@@ -104,9 +107,12 @@ class ActorWorker(TrainableWorker):
                 history.append(self.step.apply(self.micro_batches(mini), loss_fn))
         self.weight_version += 1
         metrics = mean_prefixed(history, "actor/")
-        # rollout_corr/* (bypass mode's, keel.algo.correction) keep their own prefix
-        return {k.removeprefix("actor/") if "/rollout_corr/" in k else k: v
-                for k, v in metrics.items()}  # fmt: skip
+        # distillation/* (keel.algo.distillation) keep their own prefix; extremes are merged
+        # rollout_corr/* (bypass mode's, keel.algo.correction) too
+        out = {k.removeprefix("actor/") if "/distillation/" in k or "/rollout_corr/" in k else k: v
+               for k, v in metrics.items()}  # fmt: skip
+        out.update({f"distillation/{k}": v for k, v in merge_extremes(self.extremes).items()})
+        return out
 
     def _policy_loss(
         self, micro: Batch, *, spec: AlgorithmSpec, kl_coef: float, num_tokens: int, num_seqs: int
@@ -166,8 +172,46 @@ class ActorWorker(TrainableWorker):
             kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
             loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
+        if spec.distillation is not None:  # on-policy distillation (keel.algo.distillation)
+            opts = spec.distillation
+            d = distillation_loss(
+                logprobs,
+                mask,
+                opts,
+                teacher_logprobs=micro.teacher_logprobs,
+                student_logits=self._response_logits(micro) if opts.topk_mode else None,
+                teacher_topk_ids=micro.teacher_topk_ids,
+                teacher_topk_logprobs=micro.teacher_topk_logprobs,
+                old_logprobs=micro.old_logprobs,
+                agg_mode=spec.loss_agg_mode,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                scale_factor=spec.loss_scale_factor,
+                token_weights=weights,
+            )
+            loss = combine_losses(loss, d.loss, opts)
+            for key, value in d.metrics.items():  # loss is aggregated globally; others are means
+                metrics[f"distillation/{key}"] = value if key == "loss" else value * share
+            self.extremes.append({k: float(v) for k, v in d.extremes.items()})
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+    def _response_logits(self, micro: Batch) -> torch.Tensor:
+        """The student's logits [B, R, V] (float32, divided by the temperature, with grad) that
+        predict the R response tokens: the top-k forward KL's second forward pass."""
+        assert micro.input_ids is not None and micro.attention_mask is not None
+        r = micro.response_length
+        device = model_device(self.model)
+        attention = micro.attention_mask.to(device)
+        with autocast(device, self.dtype):
+            logits = self.model(
+                input_ids=micro.input_ids.to(device),
+                attention_mask=attention,
+                position_ids=position_ids_from_mask(attention),
+                use_cache=False,
+                logits_to_keep=r + 1,
+            ).logits[:, :-1]
+        return logits.float() / self.temperature
 
     def sft_update(self, batch: Batch, spec: AlgorithmSpec) -> dict[str, float]:
         """One optimizer update of negative log-likelihood on the response tokens."""

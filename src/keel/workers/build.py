@@ -18,6 +18,7 @@ from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import BatchPlan, batch_plan, rank_batch_sizes
 from keel.config.schema import (
     DataConfig,
+    DistillationConfig,
     KeelConfig,
     LoraConfig,
     ModelsConfig,
@@ -49,6 +50,7 @@ from keel.models import (
     resolve_model_path,
 )
 from keel.models.lora import wrap_lora
+from keel.models.tokenizer_match import check_same_vocabulary
 from keel.monitor.devices import DeviceReading
 from keel.recipes.relevance import ROLES, StagePlan, role_names, stage_plan
 from keel.rewards import (
@@ -71,6 +73,7 @@ from keel.workers.reference import ReferenceWorker
 from keel.workers.reward import RewardWorker
 from keel.workers.reward_model import ModelRewardWorker, RewardModelTrainer
 from keel.workers.rollout import RolloutWorker
+from keel.workers.teacher import RemoteTeacher, TeacherWorker, teacher_api_key
 
 __all__ = [
     "ROLES", "ModelPlan", "Roles", "Shard", "WorkerInputs", "build_critic",
@@ -104,6 +107,7 @@ class ModelPlan:
     attn_implementation: str | None
     trust_remote_code: bool
     lora: LoraConfig | None
+    teacher: Path | None = None  # distillation.teacher's folder (a local teacher)
 
     def placed(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` on this plan's device."""
@@ -118,6 +122,7 @@ def resolve_models(
     device: torch.device | None,
     *,
     tokenizer: Tokenizer | None = None,
+    teacher: str | None = None,
 ) -> ModelPlan:
     """The ModelPlan of the models section for the algorithm's `roles`: folders resolved (a hub
     id through the cache, models.revision pinned), the actor's tokenizer loaded (unless given).
@@ -141,6 +146,7 @@ def resolve_models(
         attn_implementation=m.attn_implementation,
         trust_remote_code=m.trust_remote_code,
         lora=m.lora,
+        teacher=resolve_model_path(teacher, m.revision) if teacher is not None else None,
     )
 
 
@@ -162,6 +168,7 @@ class WorkerInputs:
     rollout: RolloutConfig
     data: DataConfig
     reward: RewardConfig
+    distillation: DistillationConfig | None = None  # the section, when the run distils
 
 
 def worker_inputs(
@@ -178,13 +185,20 @@ def worker_inputs(
     if on is not None and on.type == "cpu":
         return_freed_memory()  # the process's memory follows its live tensors (glibc)
     return WorkerInputs(
-        models=resolve_models(cfg.models, stage.roles, on, tokenizer=tokenizer),
+        models=resolve_models(
+            cfg.models,
+            stage.roles,
+            on,
+            tokenizer=tokenizer,
+            teacher=_local_teacher(cfg.distillation) if "teacher" in stage.roles else None,
+        ),
         stage=stage,
         batch=batch_plan(cfg),
         train=cfg.train,
         rollout=cfg.rollout,
         data=cfg.data,
         reward=cfg.reward,
+        distillation=cfg.distillation if "teacher" in stage.roles else None,
     )
 
 
@@ -198,6 +212,7 @@ class Roles:
     reference: WorkerGroup | None
     tokenizer: Tokenizer
     critic: WorkerGroup | None = None
+    teacher: WorkerGroup | None = None  # the distillation teacher (keel.workers.teacher)
     # separate rollout workers: pushes the actor's weights to them ({} metrics when colocated)
     push_weights: Callable[[], dict[str, float]] = lambda: {}
     close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
@@ -268,6 +283,7 @@ def roles_from_groups(tokenizer: Tokenizer, groups: dict[str, Any], **hooks: Any
         reference=groups.get("reference"),
         tokenizer=tokenizer,
         critic=groups.get("critic"),
+        teacher=groups.get("teacher"),
         **hooks,
     )
 
@@ -342,7 +358,43 @@ def build_workers(
         out["critic"] = build_critic(inputs, world=world, shard=shard)
     if "reward" in names:
         out["reward"] = reward_worker(mp, inputs.reward, inputs.data, scorer)
+    if "teacher" in names:
+        out["teacher"] = teacher_worker(inputs, micro)
     return out
+
+
+def teacher_worker(inputs: WorkerInputs, micro_batch_size: int) -> TeacherWorker | RemoteTeacher:
+    """The distillation teacher: distillation.teacher loaded frozen here (models.dtype, the
+    plan's device), or the keel serve whose URL it is. Its tokenizer must be the
+    student's: a TokenizerMismatchError naming both models otherwise, before any weights load.
+    top-k (forward_kl_topk) asks it for distillation.topk ids per position."""
+    d, mp = inputs.distillation, inputs.models
+    assert d is not None, "the teacher role needs the distillation section"
+    topk = d.topk if d.loss_mode == "forward_kl_topk" else 0
+    if d.teacher_url is not None:
+        return RemoteTeacher(
+            d.teacher_url,
+            mp.tokenizer,
+            student_name=f"models.actor {mp.actor}",
+            topk=topk,
+            batch_size=micro_batch_size,
+            api_key=teacher_api_key(),
+        )
+    assert mp.teacher is not None  # resolved when distillation.teacher names a model
+    check_same_vocabulary(
+        mp.tokenizer,
+        load_tokenizer(mp.teacher, trust_remote_code=mp.trust_remote_code),
+        f"models.actor {mp.actor}",
+        f"distillation.teacher {d.teacher} ({mp.teacher})",
+    )
+    return TeacherWorker(
+        _causal_lm(mp.teacher, mp, None), micro_batch_size=micro_batch_size, topk=topk
+    )
+
+
+def _local_teacher(d: DistillationConfig) -> str | None:
+    """distillation.teacher when it names a model to load here (not a server's URL)."""
+    return None if d.teacher_url is not None else d.teacher
 
 
 def _logits_chunk(model: Any, t: TrainConfig) -> int | None:
