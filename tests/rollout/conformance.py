@@ -1,5 +1,6 @@
 """What every RolloutEngine must do (HF and vLLM engines run the same checks): the Batch layout
-of the protocol, finish reasons, chat prompts, new weights taking effect, an idempotent close.
+of the protocol, finish reasons, chat prompts, new weights taking effect, an idempotent close;
+an interruptible engine's step hook recording each token's version.
 
 `check_engine(engine, tokenizer, new_state)`: `engine` generates with some policy π; `new_state`
 is a full state dict of a different policy (its greedy answers differ from π's)."""
@@ -10,6 +11,7 @@ import torch
 
 from keel.data import Example
 from keel.rollout import FINISH_REASONS, Completions, RolloutEngine, SamplingParams
+from keel.rollout.protocol import InterruptibleEngine
 
 
 def check_batch(batch, tokenizer, examples, sampling, group_offset):
@@ -64,6 +66,17 @@ def check_generate_ids(engine: RolloutEngine, batch, greedy: SamplingParams) -> 
         assert [len(x) for x in done.logprobs] == [len(t) for t in done.token_ids]
     more = engine.generate_ids([prompts[0] + done.token_ids[0]], SamplingParams(max_new_tokens=2))
     assert len(more.token_ids) == 1 and 1 <= len(more.token_ids[0]) <= 2
+    if isinstance(engine, InterruptibleEngine) and engine.interruptible:
+        # with a step hook (an interruptible rollout) that never changes the version: the
+        # same greedy tokens, each recorded with the hook's version
+        steps: list[int] = []
+        engine.step_hook = lambda step: steps.append(step) or 5
+        try:
+            hooked = engine.generate_ids(prompts[:: greedy.n], greedy)
+        finally:
+            engine.step_hook = None
+        assert hooked.token_ids == done.token_ids and steps[:2] == [0, 1]
+        assert hooked.versions == [[5] * len(t) for t in done.token_ids]
 
 
 def check_engine(engine: RolloutEngine, tokenizer, new_state: dict[str, torch.Tensor]) -> None:
