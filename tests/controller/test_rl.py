@@ -418,3 +418,146 @@ def test_a_reward_timeout_is_a_warning_event_of_the_run(tiny_grpo, tmp_path):
     [warning] = [e for e in events if e["event"] == "warning"]
     assert warning["rule"] == "reward_timeout" and warning["step"] == 1
     assert "reward.timeout_s" in warning["message"] and "slow_reward.py" in warning["message"]
+
+
+# ---------------------------------------------------------------- rollout correction
+def off_policy(ctl, factor: float = 0.3):
+    """The controller's HF engine sampling at `factor` × its temperature (reporting its own
+    log-probs): a batch clearly off-policy for the trainer (tests/learning/perturbed.py; the
+    random tiny model's logits are small, so a colder engine moves them the most)."""
+    from tests.learning.perturbed import HotterEngine
+
+    worker = ctl.roles.rollout.workers[0]
+    worker.engine = HotterEngine(worker.engine, factor)
+    return ctl
+
+
+def correction_controller(tiny_dir, correction, **rollout):
+    graded = {"fn": f"{Path(__file__).parents[1] / 'cli/format_reward.py'}:digit_fraction"}
+    return controller(tiny_dir, {"name": "grpo", "rollout_correction": correction},
+                      reward=graded, rollout={"n": 4, "max_new_tokens": 4,
+                                              "return_logprobs": True, **rollout},
+                      train={"batch_size": 4, "mini_batch_size": 8, "lr": 1e-3,
+                             "warmup_steps": 0, "steps": 4})  # fmt: skip
+
+
+def finite_keys(metrics, prefix):
+    keys = [k for k in metrics if k.startswith(prefix)]
+    assert keys, f"no {prefix} metrics"
+    assert all(math.isfinite(metrics[k]) for k in keys), {k: metrics[k] for k in keys}
+    return keys
+
+
+def test_a_decoupled_correction_step_weights_rejects_and_logs(tiny_dir):
+    """Sequence IS and two rejection options on an off-policy engine: the weights are on the trained
+    batch, rejected tokens left its mask (and have advantage 0), every rollout_corr/* and
+    training/* metric is there and finite, and the update still moves the policy."""
+    ctl = off_policy(correction_controller(tiny_dir, {
+        "rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": True,
+        "rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2.0,0.2"}))  # fmt: skip
+    seen = []
+    ctl.roles.actor.call = _spy(ctl.roles.actor.call, seen)
+    before = params(ctl.roles.actor)
+    metrics = ctl.step(1)
+    assert "compute_logprobs" in seen and not same(before, params(ctl.roles.actor))
+    keys = finite_keys(metrics, "rollout_corr/")
+    assert "rollout_corr/rollout_is_batch_norm_factor" in keys
+    assert "rollout_corr/rollout_rs_token_k1_masked_fraction" in keys
+    assert len(finite_keys(metrics, "training/")) == 5
+    batch = ctl.last_batch
+    assert batch.rollout_is_weights is not None and not batch.rollout_is_weights.requires_grad
+    assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1
+    assert metrics["rollout/logprob_kl"] > 0.05  # the engine's drift, over the sampled m
+    sampled = batch.token_weight_versions is not None  # (the batch's own m is now m')
+    assert sampled and batch.response_mask.sum() < batch.attention_mask[:, -4:].sum()
+    assert torch.all(batch.advantages[batch.response_mask == 0] == 0)
+
+
+def test_bypass_ppo_clip_takes_the_engines_logprobs_as_pi_old_and_logs_from_the_loss(tiny_dir):
+    """Bypass: no old-log-prob pass, π_old is the engine's (so PPO's ppo_kl, MM(ℓ_roll − ℓ_θ),
+    is the loss's rollout_corr/kl on an off-policy engine, not the ≈ 0 of a trainer's
+    recomputation); the loss's rollout_corr/* come without the actor/ prefix; no
+    rollout/logprob_*."""
+    check_bypass_step(tiny_dir, "bypass_ppo_clip")
+
+
+def test_bypass_reinforce_takes_the_engines_logprobs_as_pi_old_and_logs_from_the_loss(tiny_dir):
+    """The same with REINFORCE and sequence IS (bypass_pg_is): no clipping at all."""
+    check_bypass_step(tiny_dir, "bypass_pg_is")
+
+
+def check_bypass_step(tiny_dir, preset):
+    ctl = off_policy(correction_controller(tiny_dir, {"preset": preset}))
+    seen = []
+    ctl.roles.actor.call = _spy(ctl.roles.actor.call, seen)
+    before = params(ctl.roles.actor)
+    metrics = ctl.step(1)
+    assert "compute_logprobs" not in seen and not same(before, params(ctl.roles.actor))
+    assert torch.equal(ctl.last_batch.old_logprobs, ctl.last_batch.rollout_logprobs)
+    finite_keys(metrics, "rollout_corr/")
+    assert not any(k.startswith(("actor/rollout_corr", "rollout/logprob", "training/"))
+                   for k in metrics)  # fmt: skip
+    assert metrics["rollout_corr/kl"] > 0.05
+    assert metrics["actor/ppo_kl"] == pytest.approx(metrics["rollout_corr/kl"], rel=1e-4)
+    if preset == "bypass_pg_is":  # REINFORCE: no clipping
+        assert metrics["actor/clipfrac"] == 0.0
+        assert "rollout_corr/rollout_is_mean" in metrics
+
+
+def test_a_correction_with_asynchronous_rollout_covers_the_lag(tiny_dir):
+    """rollout.max_staleness 1 with IcePop: the batch generated one update ago trains with the
+    correction's metrics finite, and the lag shows in its drift."""
+    ctl = correction_controller(tiny_dir, {"preset": "decoupled_token_icepop"}, max_staleness=1)
+    try:
+        metrics = [ctl.step(step) for step in (1, 2)]
+    finally:
+        ctl.rollouts.close()
+    assert [m["rollout/weight_version_lag"] for m in metrics] == [0.0, 1.0]
+    for m in metrics:
+        finite_keys(m, "rollout_corr/")
+    assert metrics[1]["rollout_corr/rollout_is_oob_ratio"] >= 0
+    assert metrics[1]["rollout/logprob_abs_diff"] > metrics[0]["rollout/logprob_abs_diff"]
+
+
+def test_grpo_sees_the_rejection_before_its_advantages(tiny_dir):
+    """Row 1's tokens are rejected (token_k1 '0.5_2.0': its ratio is 4): its advantages are 0,
+    and the estimator saw m' with every row's score: the rejected row's score 0 still enters
+    its group's mean and std (rows 0, 1: scores 1, 0 → Â = ±½/(√½ + ε))."""
+    check_rejection_before_advantages(tiny_dir, "grpo")
+
+
+def test_reinforce_pp_baseline_whitens_over_the_kept_tokens_only(tiny_dir):
+    """The same batch: the group-centred scores [½, −½, 0, 0] whitened over the kept tokens
+    only (rows 0, 2, 3; unbiased variance), 0 on the rejected row."""
+    check_rejection_before_advantages(tiny_dir, "reinforce_pp_baseline")
+
+
+def check_rejection_before_advantages(tiny_dir, algorithm):
+    no_kl = {"use_kl_in_reward": False} if algorithm != "grpo" else {"kl_loss_coef": 0.0}
+    ctl = controller(tiny_dir, {"name": algorithm, **no_kl, "rollout_correction": {
+        "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}},
+        rollout={"n": 2, "max_new_tokens": 4, "return_logprobs": True})  # fmt: skip
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    roll = torch.full((4, 3), -1.0)
+    old = roll + torch.tensor([[0.1], [math.log(4)], [-0.2], [0.0]])
+    batch = Batch(
+        response_mask=mask,
+        old_logprobs=old,
+        rollout_logprobs=roll,
+        scores=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+    )
+    out, metrics = ctl.compute_advantages(batch)
+    kept = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    assert torch.equal(out.response_mask, kept)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(3 / 8)
+    if algorithm == "grpo":
+        a = 0.5 / (math.sqrt(0.5) + 1e-6)
+        expected = torch.tensor([[a, a, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    else:
+        values = [0.5, 0.5, 0.0, 0.0, 0.0]  # row 0's two tokens, row 2's one, row 3's two
+        mu = sum(values) / 5
+        sd = math.sqrt(sum((v - mu) ** 2 for v in values) / 4 + 1e-8)
+        w = [(v - mu) / sd for v in values]
+        expected = torch.tensor([[w[0], w[1], 0], [0, 0, 0], [w[2], 0, 0], [w[3], w[4], 0]])
+    torch.testing.assert_close(out.advantages, expected.float(), atol=1e-5, rtol=1e-5)

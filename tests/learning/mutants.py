@@ -209,6 +209,46 @@ MUTATIONS: dict[str, Mutation] = {
             ),
         ),
         Mutation(
+            "is_weights_not_detached",
+            "algo/correction.py",
+            "    delta_source = logprobs.detach()\n",
+            "    delta_source = logprobs\n",
+            "rollout correction's bypass-mode IS weights not detached: the loss differentiates "
+            "through w = min(π_θ/π_rollout, U) (REINFORCE's gradient is no longer −A·w)",
+            tests=(
+                "tests/algo/test_correction.py::"
+                "test_bypass_reinforce_gradient_is_minus_a_times_the_detached_weight",
+            ),
+        ),
+        Mutation(
+            "rejection_after_advantages",
+            "controller/rl.py",
+            "            response_mask=kept,\n",
+            "            response_mask=mask,\n",
+            "rollout correction's rejection applied after the advantages: the estimator sees the "
+            "sampled mask m, not m' = m ⊙ keep (rejected tokens in GRPO's advantages and in "
+            "REINFORCE++'s whitening)",
+            tests=(
+                "tests/controller/test_rl.py::test_grpo_sees_the_rejection_before_its_advantages",
+                "tests/controller/test_rl.py::"
+                "test_reinforce_pp_baseline_whitens_over_the_kept_tokens_only",
+            ),
+        ),
+        Mutation(
+            "bypass_pi_old_from_trainer",
+            "controller/rl.py",
+            "                batch = batch.replace(old_logprobs=engine_logprobs(batch))\n",
+            '                batch = roles.actor.call("compute_logprobs", batch)\n',
+            "rollout correction's bypass mode takes π_old from the trainer's recomputation "
+            "instead of the engine's log-probs",
+            tests=(
+                "tests/controller/test_rl.py::"
+                "test_bypass_ppo_clip_takes_the_engines_logprobs_as_pi_old_and_logs_from_the_loss",
+                "tests/controller/test_rl.py::"
+                "test_bypass_reinforce_takes_the_engines_logprobs_as_pi_old_and_logs_from_the_loss",
+            ),
+        ),
+        Mutation(
             "kl_against_itself",
             "algo/kl.py",
             "value = _BASE[base](logprobs, ref_logprobs)",

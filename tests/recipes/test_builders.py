@@ -164,3 +164,97 @@ def test_a_reward_model_for_dpo_is_an_error():
                   "algorithm": {"name": "dpo"}})  # fmt: skip
     with pytest.raises(ConfigError, match=r"models\.reward is set"):
         build_spec(c)
+
+
+# verl 0.9.1's 19 presets, written out from its RolloutCorrectionConfig (docs/algorithms.md,
+# The presets): (bypass, rollout_is, IS threshold (upper, lower), rejection ((option, upper,
+# lower), ...), loss_type)
+GEO = (("seq_mean_k1", 1.001, 0.999),)
+K3 = (("seq_mean_k3", 0.01, None),)
+PRESETS = {
+    "decoupled_token_is": (False, "token", (2.0, None), (), "ppo_clip"),
+    "decoupled_seq_is": (False, "sequence", (2.0, None), (), "ppo_clip"),
+    "decoupled_token_icepop": (False, "token", (5.0, 0.5), (), "ppo_clip"),
+    "decoupled_seq_is_rs": (False, "sequence", (2.0, None), (("seq_sum_k1", 2.0, 0.5),),
+                            "ppo_clip"),
+    "decoupled_geo_rs": (False, None, (2.0, None), GEO, "ppo_clip"),
+    "decoupled_geo_rs_seq_tis": (False, "sequence", (2.0, None), GEO, "ppo_clip"),
+    "decoupled_geo_rs_token_tis": (False, "token", (2.0, None), GEO, "ppo_clip"),
+    "decoupled_k3_rs": (False, None, (2.0, None), K3, "ppo_clip"),
+    "decoupled_k3_rs_seq_tis": (False, "sequence", (2.0, None), K3, "ppo_clip"),
+    "decoupled_k3_rs_token_tis": (False, "token", (2.0, None), K3, "ppo_clip"),
+    "disabled": (False, None, (2.0, None), (), "ppo_clip"),
+    "bypass_ppo_clip": (True, None, (2.0, None), (), "ppo_clip"),
+    "bypass_ppo_clip_geo_rs": (True, None, (2.0, None), GEO, "ppo_clip"),
+    "bypass_ppo_clip_k3_rs": (True, None, (2.0, None), K3, "ppo_clip"),
+    "bypass_pg_is": (True, "sequence", (2.0, None), (), "reinforce"),
+    "bypass_pg_token_icepop": (True, "token", (5.0, 0.5), (), "reinforce"),
+    "bypass_pg_geo_rs": (True, None, (2.0, None), GEO, "reinforce"),
+    "bypass_pg_geo_rs_seq_tis": (True, "sequence", (2.0, None), GEO, "reinforce"),
+    "bypass_pg_geo_rs_token_tis": (True, "token", (2.0, None), GEO, "reinforce"),
+}  # fmt: skip
+
+
+def correction_spec(**section):
+    return build_spec(validate({"models": {"actor": "builtin:tiny"},
+                                "algorithm": {"name": "grpo", "rollout_correction": section},
+                                "rollout": {"return_logprobs": True}}))  # fmt: skip
+
+
+def test_every_preset_resolves_to_verls_settings():
+    assert len(PRESETS) == 19
+    for name, (bypass, level, (upper, lower), rules, loss_type) in PRESETS.items():
+        spec = correction_spec(preset=name)
+        c = spec.rollout_correction
+        got = (c.bypass, c.is_level, (c.is_threshold.upper, c.is_threshold.lower),
+               tuple((r.option, r.upper, r.lower) for r in c.rejection), c.loss_type)  # fmt: skip
+        assert got == (bypass, level, (upper, lower), rules, loss_type), name
+        assert c.preset == name and not c.batch_normalize
+        assert spec.policy_loss == ("bypass_mode" if bypass else "vanilla"), name
+        if bypass:
+            assert spec.policy_loss_kwargs["correction"] is c
+            assert spec.policy_loss_kwargs["clip_ratio_c"] == 3.0
+
+
+def test_a_presets_keys_give_way_to_the_sections_own():
+    c = correction_spec(
+        preset="decoupled_geo_rs_token_tis",
+        rollout_is_threshold=3.0,
+        rollout_rs_threshold="0.99_1.01",
+        rollout_is_batch_normalize=True,
+    )
+    assert c.rollout_correction.is_threshold.upper == 3.0 and c.rollout_correction.batch_normalize
+    assert c.rollout_correction.rejection[0].lower == 0.99
+    off = correction_spec(preset="decoupled_token_is", rollout_is=None)
+    assert off.rollout_correction.metrics_only
+
+
+def test_a_bad_correction_is_an_error_naming_the_key():
+    import pytest
+
+    from keel.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algorithm\.rollout_correction\.rollout_is_threshold"):
+        correction_spec(rollout_is="token", rollout_is_threshold="2_1.5x")
+    with pytest.raises(ConfigError, match=r"algorithm\.rollout_correction\.rollout_rs"):
+        correction_spec(rollout_rs="seq_mean_k1")  # no threshold
+    with pytest.raises(ConfigError, match=r"rollout\.return_logprobs"):
+        build_spec(
+            validate(
+                {
+                    "models": {"actor": "builtin:tiny"},
+                    "algorithm": {
+                        "name": "grpo",
+                        "rollout_correction": {"preset": "decoupled_seq_is"},
+                    },
+                }
+            )
+        )
+    with pytest.raises(ConfigError, match=r"policy_loss\.loss_mode 'gspo'"):
+        build_spec(validate({"models": {"actor": "builtin:tiny"}, "rollout": {
+            "return_logprobs": True}, "algorithm": {"name": "gspo", "rollout_correction": {
+                "preset": "bypass_ppo_clip"}}}))  # fmt: skip
+    with pytest.raises(ConfigError, match="preset"):  # an unknown preset: pydantic names it
+        correction_spec(preset="decoupled_k1_rs")
+    with pytest.raises(ConfigError, match="unknown key"):
+        correction_spec(rollout_is_cap=2.0)
