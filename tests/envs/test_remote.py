@@ -143,3 +143,25 @@ def test_exact_resume_over_http_with_groups_dropped(tmp_path, tiny_dir):
     dropped = [rows[s]["episode/groups_dropped"] for s in sorted(rows)]
     assert sum(dropped) > 0 and all(d < 4 for d in dropped), dropped
     assert all(rows[s]["episode/retried"] == rows[s]["episode/failed"] for s in rows)
+
+
+def test_a_served_tool_environment_gives_its_tools_and_runs_them():
+    """EnvServer from Python (a real server on a thread) serving builtin:tools: the reset
+    carries the tools' schemas (what the chat template is given), a step runs the call."""
+    from keel.envs.builtin import ToolEnvironment
+    from keel.envs.server import EnvServer
+
+    server = EnvServer(ToolEnvironment, name="builtin:tools").start()
+    try:
+        env = http_environment_factory(server.url, {"tools": ["calculator"]})()
+        assert env.reset(Example(prompt="37*58=", answer="2146")) is None
+        assert env.tool_schemas() == ToolEnvironment().tool_schemas()
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "37*58"}}</tool_call>'
+        result = env.step(call)
+        assert result.observation == [{"role": "tool", "content": "2146"}]
+        assert result.info == {"tool_calls": 1, "tool_errors": 0} and not result.done
+        assert env.step("2146").done
+        env.close()
+        assert server.health()["sessions"] == 0
+    finally:
+        server.close()
