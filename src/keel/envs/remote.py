@@ -21,16 +21,18 @@ call can be retried: a reset builds the session's environment anew, a step whose
 server has already played is answered from the server's record of it, close is a no-op on an
 unknown session. A call that fails to connect, times out (`rollout.env.timeout_s`, 30 s by
 default) or gets 429/500/502/503/504 is retried (`rollout.env.http_retries`, after 0.2 s · 2^k);
-a rollout worker has at most `rollout.env.workers` calls in flight (the episode runner's
-threads). What still fails raises EnvServerError (the server is gone, or lost the session: 404
-after a restart) or RemoteEnvironmentError (the environment raised on the server), which the
-episode runner counts as a failed attempt and retries with a fresh environment
-(rollout.env.retries), not as a failed run."""
+a rollout worker has at most `rollout.env.workers` calls in flight to the server (its runner's
+threads, and its client's limit when a step's rollout and an evaluation run at once). What
+still fails raises EnvServerError (the server is gone, or lost the session: 404 after a
+restart) or RemoteEnvironmentError (the environment raised on the server), which the episode
+runner counts as a failed attempt and retries with a fresh environment (rollout.env.retries),
+not as a failed run."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -73,7 +75,8 @@ def example_from_json(raw: Any) -> Example:
 
 class EnvServerClient:
     """The calls to one environment server: JSON POSTs, each attempt with a time limit, retried
-    on a connection error, a time-out or a retried status."""
+    on a connection error, a time-out or a retried status; at most `max_concurrency` in flight
+    (the attempts of every HTTPEnvironment of this client)."""
 
     def __init__(
         self,
@@ -82,11 +85,13 @@ class EnvServerClient:
         timeout_s: float = 30.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        max_concurrency: int = 8,
     ):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.slots = threading.BoundedSemaphore(max_concurrency)
 
     def call(self, endpoint: str, body: dict[str, Any], retries: int | None = None) -> Any:
         """POST `body` (with the protocol version) to /v1/<endpoint>; the reply's JSON object.
@@ -96,7 +101,8 @@ class EnvServerClient:
         retries = self.retries if retries is None else retries
         for attempt in range(retries + 1):
             try:
-                return self._post(endpoint, data)
+                with self.slots:
+                    return self._post(endpoint, data)
             except _Retry as exc:
                 reason = str(exc)
             except OSError as exc:  # refused, reset, timed out (URLError is an OSError)

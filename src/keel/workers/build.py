@@ -500,7 +500,11 @@ def episode_runner(
     if env.name == HTTP_ENV:  # an environment server: the kwargs go with each reset
         assert env.url is not None  # the schema's rule
         make_env = http_environment_factory(
-            env.url, env.kwargs, timeout_s=env.timeout_s or 30.0, retries=env.http_retries
+            env.url,
+            env.kwargs,
+            timeout_s=env.timeout_s or 30.0,
+            retries=env.http_retries,
+            max_concurrency=env.workers,
         )
     else:
         kwargs = run_tool_format(env.name, env.kwargs, tokenizer, data.tool_format)
