@@ -249,6 +249,31 @@ MUTATIONS: dict[str, Mutation] = {
             ),
         ),
         Mutation(
+            "interruptible_keeps_old_kv",
+            "rollout/decoding.py",
+            "                        self._reprefill(rows, tokens, steps)\n",
+            "                        pass\n",
+            "an interruptible rollout's rows continue under new weights over the KV cache the "
+            "old ones computed: their tokens' log-probs are no version's",
+            tests=(
+                "tests/rollout/test_decoding.py::"
+                "test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights",
+            ),
+        ),
+        Mutation(
+            "interruptible_lag_by_newest_token",
+            "controller/rl.py",
+            "            version = oldest_version(batch.token_weight_versions, batch.response_mask,"
+            " version)\n",
+            "            version = int(batch.token_weight_versions.max())\n",
+            "an interruptible rollout's batch is checked against max_staleness by its newest "
+            "token instead of its oldest (a mixed row counts as fresh)",
+            tests=(
+                "tests/controller/test_pipeline.py::"
+                "test_an_interruptible_ppo_run_with_critic_warmup_steps_runs_to_its_end",
+            ),
+        ),
+        Mutation(
             "kl_against_itself",
             "algo/kl.py",
             "value = _BASE[base](logprobs, ref_logprobs)",

@@ -219,16 +219,19 @@ def _teacher_forced(model, prompt, response, temperature):
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0], logits.argmax(-1)
 
 
-@pytest.mark.parametrize("loop", ["keel", "static"])
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights(
-    eager_eos, loop, temperature
-):
+def test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights(eager_eos):
     """The step hook loads version B before the step that samples token K (an interruptible
     rollout's push): every token before K has A's log-prob and every later one B's, as a
     forward of the whole sequence under each gives them (the cache is computed again under B,
     not kept from A); greedy, each token is its version's argmax; rows that ended before K
-    are A's alone; each token records its version."""
+    are A's alone; each token records its version. Keel's loop and the static one, greedy and
+    sampled."""
+    for loop in ("keel", "static"):
+        for temperature in (0.0, 0.9):
+            _check_swap(eager_eos, loop, temperature)
+
+
+def _check_swap(eager_eos, loop, temperature):
     model, tok = eager_eos
     a = copy.deepcopy(model)
     b = copy.deepcopy(model)
