@@ -1,6 +1,8 @@
 """train.logits_chunk_tokens: the LM head a chunk of tokens at a time gives the whole pass's
 log-probs, entropy and gradients, and never holds the [B, R, V] logits."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -112,12 +114,60 @@ def test_a_model_with_logit_softcapping_is_refused_naming_the_setting(tiny_dir):
         check_plain_head(model)
 
 
-def test_fsdp_groups_are_refused_naming_both_settings(tiny_dir):
-    with pytest.raises(ValueError, match=r"train\.logits_chunk_tokens.*groups\[0\]\.fsdp"):
-        validate({
-            "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"},
-            "rollout": {"n": 2}, "train": {"batch_size": 4, "logits_chunk_tokens": 64},
-            "resources": {"backend": "ray", "groups": [
-                {"roles": ["actor", "rollout", "reference", "reward"], "workers": 2,
-                 "fsdp": True}]},
-        })  # fmt: skip
+def test_fsdp_groups_take_chunks(tiny_dir):
+    cfg = validate({
+        "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"},
+        "rollout": {"n": 2}, "train": {"batch_size": 4, "logits_chunk_tokens": 64},
+        "resources": {"backend": "ray", "groups": [
+            {"roles": ["actor", "rollout", "reference", "reward"], "workers": 2, "fsdp": True}]},
+    })  # fmt: skip
+    assert cfg.train.logits_chunk_tokens == 64
+
+
+def _fsdp_rank(rank: int, store: str, tiny_dir: Path, out: Path) -> None:
+    """One of 2 FSDP2 ranks: its half of the rows (two whole groups of 4 and 2 of another,
+    so that the shared prompt pass shares and does not) through the chunked pass; its
+    log-probs and entropy, and every parameter's reduced gradient (gathered), saved."""
+    import torch.distributed as dist
+
+    from keel.engine.distributed import shard_fsdp2
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = shard_fsdp2(load_causal_lm(tiny_dir).train())
+    batch = grouped_batch(model.config.vocab_size)
+    rows = slice(0, 6) if rank == 0 else slice(6, 12)
+    part = type(batch)(
+        input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
+        response_mask=batch.response_mask[rows],
+    )  # fmt: skip
+    logprobs, entropy = response_forward(
+        model, part, temperature=0.7, with_entropy=True, share_prompts=True, logits_chunk=7
+    )
+    mask = part.response_mask
+    ((logprobs * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    torch.save((logprobs.detach(), entropy.detach(), grads), out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_chunks_under_fsdp2_give_the_unsharded_whole_pass(tiny_dir, tmp_path):
+    """2 FSDP2 ranks (gloo), each its half of the rows through the chunked pass (the decoder's
+    states and the LM head outside `forward`, as the root's FSDP forward methods): the same
+    log-probs and entropy as one unsharded pass with full logits over all rows, and gradients
+    (summed over the ranks, as shard_fsdp2 reduces them) equal to that pass's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_rank, args=(str(tmp_path / "store"), tiny_dir, tmp_path), nprocs=2)
+    model = load_causal_lm(tiny_dir).train()
+    batch = grouped_batch(model.config.vocab_size)
+    logprobs, entropy, grads = _pass(model, batch)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    m = batch.response_mask.bool()
+    got_lp, got_ent = torch.cat([r[0] for r in ranks]), torch.cat([r[1] for r in ranks])
+    torch.testing.assert_close(got_lp[m], logprobs[m], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_ent[m], entropy[m], atol=1e-6, rtol=1e-6)
+    for got, want in zip(ranks[0][2], grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for a, b in zip(ranks[0][2], ranks[1][2], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)  # both ranks hold the same reduced sum

@@ -110,17 +110,10 @@ def check_lora(cfg: KeelConfig) -> None:
 
 
 def check_logits_chunks(cfg: KeelConfig) -> None:
-    """train.logits_chunk_tokens applies the LM head outside the model's forward, which an
-    FSDP2-sharded actor's parameters do not allow. Raise ValueError naming the keys."""
-    if cfg.train.logits_chunk_tokens is None or cfg.resources.backend != "ray":
-        return
-    for i, group in enumerate(cfg.resources.groups):
-        if group.fsdp and {"actor", "reference"} & set(group.roles):
-            raise ValueError(
-                f"train.logits_chunk_tokens cannot be combined with resources.groups[{i}].fsdp: "
-                "true (the LM head would run outside the sharded model's forward): set fsdp: "
-                "false or train.logits_chunk_tokens: null"
-            )
+    """train.logits_chunk_tokens: nothing the config alone can refuse. The chunked pass runs
+    under FSDP2 too (the root's FSDP forward methods, keel.engine.chunked_logits); a model
+    whose logits are not its plain LM head is refused when it loads (check_plain_head)."""
+    del cfg
 
 
 def rank_batch_sizes(plan: BatchPlan, workers: int) -> tuple[int, int]:

@@ -6,10 +6,19 @@ are 5 GB each. `train.logits_chunk_tokens` runs the LM head on that many tokens 
 under autograd each chunk is checkpointed, so its logits are recomputed in the backward (one
 more LM-head matmul per token) instead of kept. The results equal the whole pass up to float
 rounding (tested: log-probs, entropy and gradients).
+
+Under FSDP2 the decoder's last hidden states and the LM head are taken outside the model's
+`forward`, where the root unit's parameters (embeddings, final norm, head) are still sharded.
+`shard_fsdp2` therefore registers two methods on the sharded root as FSDP forward methods
+(`enable_fsdp_chunked_head`: FSDP gathers the root's parameters around each call, and in the
+backward, and reduce-scatters their gradients after it), and `decoder_states` and
+`lm_head_logprobs` call them when they exist: the same log-probs, entropy and summed gradients
+as one unsharded pass over all ranks' rows (tests/engine/test_chunked_logits.py, 2 ranks).
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -33,6 +42,59 @@ def check_plain_head(model: Any) -> None:
             f"train.logits_chunk_tokens: {type(model).__name__} does not compute its logits as "
             f"the LM head of the last hidden states ({why}); set train.logits_chunk_tokens: null"
         )
+
+
+# The methods `enable_fsdp_chunked_head` puts on an FSDP2 root (FSDP forward methods).
+STATES_METHOD = "keel_decoder_states"
+HEAD_METHOD = "keel_lm_head_logprobs"
+
+
+def decoder_states(model: Any, **inputs: Any) -> torch.Tensor:
+    """The decoder's last hidden states [B, T, H] (the LM head's inputs) for `inputs`: through
+    the FSDP forward method of a sharded root, else the decoder itself."""
+    method = getattr(model, STATES_METHOD, None)
+    if method is not None:
+        return method(**inputs)
+    return model.get_decoder()(**inputs).last_hidden_state
+
+
+def lm_head_logprobs(
+    model: Any, hidden: torch.Tensor, labels: torch.Tensor, **options: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunked_logprobs` of `model`'s output embedding (options: its keywords): through the
+    FSDP forward method of a sharded root, else the head itself."""
+    method = getattr(model, HEAD_METHOD, None)
+    if method is not None:
+        return method(hidden, labels, **options)
+    return chunked_logprobs(model.get_output_embeddings(), hidden, labels, **options)
+
+
+def enable_fsdp_chunked_head(model: torch.nn.Module) -> None:
+    """Give an FSDP2-sharded root `model` the two methods of the chunked pass (the decoder's
+    hidden states; the head's log-probs and entropy) as FSDP forward methods, so that each
+    runs with the root's parameters gathered and the head's gradients are reduced like a
+    forward's. A model not sharded by FSDP2: nothing is registered."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(model, FSDPModule):
+        return
+
+    def states(self: Any, **inputs: Any) -> torch.Tensor:
+        return self.get_decoder()(**inputs).last_hidden_state
+
+    def head(
+        self: Any, hidden: torch.Tensor, labels: torch.Tensor, **options: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logprobs, entropy = chunked_logprobs(
+            self.get_output_embeddings(), hidden, labels, **options
+        )
+        # fresh tensors, not views (FSDP hooks the backward of what a forward returns)
+        return logprobs.clone(), None if entropy is None else entropy.clone()
+
+    setattr(model, STATES_METHOD, types.MethodType(states, model))
+    setattr(model, HEAD_METHOD, types.MethodType(head, model))
+    register_fsdp_forward_method(model, STATES_METHOD)
+    register_fsdp_forward_method(model, HEAD_METHOD)
 
 
 def chunked_logprobs(

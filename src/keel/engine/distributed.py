@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from keel.algo import loss_denominators
+from keel.engine.chunked_logits import enable_fsdp_chunked_head
 from keel.types import Tokenizer
 
 
@@ -201,7 +202,8 @@ def save_hf_folder(model: Any, tokenizer: Tokenizer, path: str | Path) -> None:
 def shard_fsdp2(
     model: torch.nn.Module, compute_dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
-    """FSDP2 over all ranks: each decoder layer, then the root (embeddings, head). Every FSDP
+    """FSDP2 over all ranks: each decoder layer, then the root (embeddings, head; with the
+    chunked LM-head pass's two FSDP forward methods, keel.engine.chunked_logits). Every FSDP
     unit sums its gradients (divide factor 1, plain SUM: gloo has no PREMUL_SUM), because the
     losses already carry the global denominators.
 
@@ -226,4 +228,6 @@ def shard_fsdp2(
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+    # train.logits_chunk_tokens: the decoder's states and the LM head outside `forward`
+    enable_fsdp_chunked_head(model)
     return model

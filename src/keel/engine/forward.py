@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
-from keel.engine.chunked_logits import chunked_logprobs
+from keel.engine.chunked_logits import decoder_states, lm_head_logprobs
 from keel.engine.devices import autocast, model_device
 from keel.engine.micro import MicroBatches
 from keel.types import Batch
@@ -65,8 +65,8 @@ def response_forward(
             )[:, :-1]
         if states:
             assert logits_chunk is not None
-            return chunked_logprobs(
-                model.get_output_embeddings(),
+            return lm_head_logprobs(
+                model,
                 outputs,
                 labels,
                 chunk_tokens=logits_chunk,
@@ -91,7 +91,7 @@ def _outputs(model: Any, states: bool, keep: int = 0, **inputs: Any) -> torch.Te
     `chunked_logprobs`."""
     if not states:
         return model(**inputs, logits_to_keep=keep).logits
-    hidden = model.get_decoder()(**inputs).last_hidden_state
+    hidden = decoder_states(model, **inputs)
     return hidden[:, -keep:] if keep else hidden
 
 

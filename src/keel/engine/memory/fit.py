@@ -386,7 +386,7 @@ def _actor_group(inputs: PlanInputs) -> int:
 
 def advise(inputs: PlanInputs) -> list[Advice]:
     """The levers, each alone, then together, with the peak after each; [] when it fits.
-    Tried: gradient checkpointing, logits_chunk_tokens (not with FSDP: not built yet), halving
+    Tried: gradient checkpointing, logits_chunk_tokens, halving
     the micro-batch (down to 1 row), halving rollout.batch_size (the KV cache), LoRA (r 16,
     all-linear) on the actor, and FSDP in the actor's group over its GPUs or more (2, 4, …
     512: the fewest that fit)."""
@@ -398,8 +398,7 @@ def advise(inputs: PlanInputs) -> list[Advice]:
         levers.append(
             (("train.gradient_checkpointing=true",), replace(inputs, gradient_checkpointing=True))
         )
-    fsdp = any(g.fsdp for g in inputs.groups)
-    if inputs.logits_chunk_tokens is None and not fsdp:
+    if inputs.logits_chunk_tokens is None:
         levers.append(
             (("train.logits_chunk_tokens=1024",), replace(inputs, logits_chunk_tokens=1024))
         )
