@@ -75,7 +75,7 @@ from bench.harness import (
     suppress_eos,
     tiny_llama_folder,
 )
-from bench.phase_floor import ModelShape, floor_rates, phase_floors, spread
+from bench.phase_floor import ModelShape, floor_rates, groups_of, rows_phase_floors, spread
 
 quiet()
 
@@ -86,36 +86,74 @@ WORKLOADS = {
     "W2": Workload("W2", prompts=16, n=8, max_new_tokens=32),
     "W3": Workload("W3", prompts=16, n=8, max_new_tokens=32, kl=0.04),
     "W4": Workload("W4", prompts=16, n=8, max_new_tokens=128),
+    # the real model (--variant real): 4 prompts × 4 × up to 32 tokens
+    "R1": Workload("R1", prompts=4, n=4, max_new_tokens=32),
 }
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A workload variant: the model and the prompts' length in tokens."""
+    """A workload variant: the model, the prompts' length in tokens (a task's own prompts:
+    their token limit) and the task's prompts (none: bench.harness.make_prompts)."""
 
     name: str
     model: str  # model_folder's size
     prompt_length: int
+    prompts: tuple[str, ...] = ()
 
+
+# SmolLM2-135M-Instruct's chat format, written out so that both programs tokenise the same
+# text (neither applies a chat template to a plain-text prompt)
+CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+# A task whose answers vary in length: a number, a word, a list, an explanation.
+REAL_QUESTIONS = (
+    "What is 7 + 5? Answer with the number only.",
+    "Name three colours.",
+    "Explain in detail why the sky is blue.",
+    "What is the capital of France?",
+    "Count from 1 to 20.",
+    "Write one sentence about the sea.",
+    "What is 12 times 3?",
+    "Describe how a bicycle works.",
+)
 
 VARIANTS = {
     "p16": Variant("p16", "small", PROMPT_LENGTH),
     "p4": Variant("p4", "mini", 4),
+    # the real model on a task of its own: prompts of 34-44 tokens (SmolLM2's tokenizer)
+    "real": Variant("real", "smollm2", 64, tuple(CHAT.format(q) for q in REAL_QUESTIONS)),
 }
 
 
-def model_folder(path: Path, size: str) -> tuple[Path, int]:
-    """bench.harness.tiny_llama_folder's "tiny" and "small", and "mini": hidden 128, 4 layers,
-    4 heads, MLP 256 (0.67M parameters); (folder, parameters)."""
-    if size != "mini":
-        return tiny_llama_folder(path, size)
+def model_folder(path: Path, size: str, *, forced: bool = True) -> tuple[Path, int]:
+    """bench.harness.tiny_llama_folder's "tiny" and "small"; "mini": hidden 128, 4 layers,
+    4 heads, MLP 256 (0.67M parameters); "smollm2": SmolLM2-135M-Instruct as the real-model
+    tests get it (tests/smollm2.py: the GGUF of `make real-model`, converted by Keel's own
+    converter once per machine into .keel-cache/realmodel/), copied to `path` when `forced`.
+    forced: EOS suppressed (every response max_new_tokens long); else the model's own EOS ends
+    a response (natural lengths). (folder, parameters)."""
     from keel.models import TinyModelSpec, count_parameters, create_tiny_model, load_causal_lm
 
-    spec = TinyModelSpec(
-        hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256
-    )
-    folder = create_tiny_model(path, spec)
-    suppress_eos(folder)
+    if size == "smollm2":
+        import shutil
+
+        from tests.smollm2 import smollm2_folder
+
+        folder = smollm2_folder()
+        if forced:
+            folder = Path(shutil.copytree(folder, path))
+    elif size == "mini":
+        spec = TinyModelSpec(
+            hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=256
+        )
+        folder = create_tiny_model(path, spec)
+    else:
+        return tiny_llama_folder(path, size, forced=forced)
+    if forced:
+        suppress_eos(folder)
     return folder, count_parameters(load_causal_lm(folder))
 
 
@@ -134,7 +172,36 @@ def summarize(records: list[StepRecord]) -> dict:
     timing = [r.extra for r in records if r.extra]
     if timing:
         out["timing"] = {k: med(t[k] for t in timing) for k in timing[0]}
+    out["tokens"] = {k: med(token_counts(r)[k] for r in records) for k in TOKEN_KEYS}
     return out
+
+
+TOKEN_KEYS = (
+    "tokens_present", "response_tokens", "gen_computed", "gen_padding_frac", "train_computed",
+    "train_padding_frac",
+)  # fmt: skip
+
+
+def token_counts(r: StepRecord) -> dict[str, float]:
+    """A step's tokens: present (every row's real prompt and response tokens), the response
+    tokens, and per phase the positions the model computed and the fraction of them that was
+    padding. Generation: left-padded prompt positions of the prefill, and decode positions of
+    rows that had already ended (HF generate runs every row until the last ends; Keel's loop
+    drops an ended row); training passes: positions their attention masks leave out."""
+    c = r.counts
+    present = sum(p + q for p, q in r.rows)
+    responses = sum(q for _, q in r.rows)
+    live_decode = sum(max(q - 1, 0) for _, q in r.rows)
+    ended = max(c.get("gen_decode_positions", 0.0) - live_decode, 0.0)
+    gen, train = c.get("gen_positions", 0.0), c.get("train_positions", 0.0)
+    return {
+        "tokens_present": present,
+        "response_tokens": responses,
+        "gen_computed": gen,
+        "gen_padding_frac": (c.get("gen_masked", 0.0) + ended) / gen if gen else 0.0,
+        "train_computed": train,
+        "train_padding_frac": c.get("train_masked", 0.0) / train if train else 0.0,
+    }
 
 
 def run_workload(
@@ -145,17 +212,17 @@ def run_workload(
     warmup: int,
     profile_dir: Path | None,
     prompt_length: int = PROMPT_LENGTH,
+    prompts: list[str] | None = None,
 ) -> dict:
     clock = PhaseClock().install()
     total = steps + warmup
     keel = trl = None
     try:
-        keel = KeelSide(
-            model_dir, w, work, total_steps=total, clock=clock, prompt_length=prompt_length
-        )
-        trl = TRLSide(
-            model_dir, w, work, total_steps=total, clock=clock, prompt_length=prompt_length
-        )
+        kwargs = {"total_steps": total, "clock": clock, "prompt_length": prompt_length}
+        keel = KeelSide(model_dir, w, work, prompts=prompts, **kwargs)
+        trl = TRLSide(model_dir, w, work, prompts=prompts, **kwargs)
+        # both programs' causal LMs call the same decoder class (LlamaModel)
+        clock.watch(type(keel.actor_model.get_decoder()))
         records: dict[str, list[StepRecord]] = {"keel": [], "trl": []}
         # CPU time of the profiled thread: other processes on the machine do not show up in it.
         profiles = {side: cProfile.Profile(time.thread_time) for side in ("keel", "trl")}
@@ -188,6 +255,10 @@ def run_workload(
         "trl": t,
         "ratio_wall": k["wall_s"] / t["wall_s"],
         "ratio_cpu": k["cpu_s"] / t["cpu_s"],
+        # natural lengths: each side samples its own responses; CPU seconds per token present
+        # (prompt + response) put the two on equal sampled work
+        "ratio_cpu_per_token": (k["cpu_s"] / k["tokens"]["tokens_present"])
+        / (t["cpu_s"] / t["tokens"]["tokens_present"]),
         "spread": {
             "ratio_cpu": spread([kr.cpu_s / tr.cpu_s for kr, tr in rounds]),
             "ratio_wall": spread([kr.wall_s / tr.wall_s for kr, tr in rounds]),
@@ -196,6 +267,19 @@ def run_workload(
         },
         "keel_wall_s_all": [round(r.wall_s, 4) for r in records["keel"]],
         "trl_wall_s_all": [round(r.wall_s, 4) for r in records["trl"]],
+        # each timed step's (prompt, response) tokens per row, for the floors of the tokens
+        # actually present (floor_report)
+        "rows": {side: [r.rows for r in recs] for side, recs in timed.items()},
+        "phases_cpu_steps": {
+            side: [
+                {
+                    "generate": r.phases_cpu["generate"],
+                    "train": sum(r.phases_cpu[n] for n in TRAIN_PHASES),
+                }
+                for r in recs
+            ]
+            for side, recs in timed.items()
+        },
     }
 
 
@@ -204,26 +288,37 @@ TRAIN_PHASES = ("old_logprob_fwd", "ref_fwd", "train_fwd", "backward")
 
 def floor_report(row: dict, shape: ModelShape) -> dict:
     """Each side's generation and training-pass CPU seconds (medians), their matmul floors
-    (bench.phase_floor, at GFLOP/s measured now) and the times over the floors. A side's
-    no-grad forwards are the old-log-prob and reference passes it ran (a phase of 0 s: not
-    run); Keel's passes share each group's prompt, TRL's do not."""
+    (bench.phase_floor, at GFLOP/s measured now) and the times over the floors. The floors are
+    of the tokens actually present in each timed step (each row's own prompt and response
+    tokens, no padding: bench.phase_floor.rows_phase_floors; the median over the steps), the
+    multiple the median of the steps' own. A side's no-grad forwards are the old-log-prob and
+    reference passes it ran (a phase of 0 s: not run); Keel's passes share each group's
+    prompt, TRL's do not."""
     w = WORKLOADS[row["workload"]]
-    p = row["prompt_length"]
-    rates = floor_rates(shape, w.rows, w.rows * (p + w.max_new_tokens))
+    present = row["keel"]["tokens"]["tokens_present"]
+    rates = floor_rates(shape, w.rows, int(present))
     out: dict = {"gflops": rates}
+    med = statistics.median
     for side, shared in (("keel", True), ("trl", False)):
         ph = row[side]["phases_cpu"]
         no_grad = sum(ph[name] > 0 for name in ("old_logprob_fwd", "ref_fwd"))
-        floors = phase_floors(
-            shape, w.prompts, w.n, p, w.max_new_tokens,
-            no_grad_forwards=no_grad, shared=shared, rates=rates,
-        )  # fmt: skip
+        steps = [
+            rows_phase_floors(
+                shape, groups_of(rows, w.n), no_grad_forwards=no_grad, shared=shared,
+                rates=rates,
+            )
+            for rows in row["rows"][side]
+        ]  # fmt: skip
+        per_step = row["phases_cpu_steps"][side]
+        floors = {k: med(f[k] for f in steps) for k in ("generate", "train")}
         measured = {"generate": ph["generate"], "train": sum(ph[n] for n in TRAIN_PHASES)}
         out[side] = {
             "no_grad_forwards": no_grad,
             "measured_s": measured,
             "floor_s": floors,
-            "over_floor": {k: measured[k] / floors[k] for k in floors},
+            "over_floor": {
+                k: med(m[k] / f[k] for m, f in zip(per_step, steps, strict=True)) for k in floors
+            },
         }
     return out
 
@@ -268,6 +363,13 @@ def print_table(rows: list[dict], model: str, params: int) -> None:
         ]
         print(f"{r['workload']:<9}" + "   ".join(parts), file=sys.stderr)
     print(
+        "\nKeel/TRL CPU s per token present (prompt + response; equal sampled work when the"
+        " sides' natural lengths differ):",
+        file=sys.stderr,
+    )
+    for r in rows:
+        print(f"{r['workload']:<9}{r['ratio_cpu_per_token']:.3f}", file=sys.stderr)
+    print(
         "\nphase vs matmul floor (median CPU s/step; floor at the single-thread matmul GFLOP/s):",
         file=sys.stderr,
     )
@@ -285,6 +387,26 @@ def print_table(rows: list[dict], model: str, params: int) -> None:
                 f"{r['workload']:<9}{side:<6}{m['generate']:>9.3f} {fs['generate']:>7.3f}"
                 f" {x['generate']:>6.1f}   {m['train']:>7.3f} {fs['train']:>7.3f}"
                 f" {x['train']:>6.1f}   {fl['gflops']['generate']:.0f}/{fl['gflops']['train']:.0f}",
+                file=sys.stderr,
+            )
+    print(
+        "\ntokens per step (medians): present = every row's real prompt + response tokens;"
+        " computed = positions the model ran; pad = the padding share of them",
+        file=sys.stderr,
+    )
+    print(
+        f"{'':<9}{'side':<6}{'present':>8} {'response':>8}   {'gen computed':>12} {'pad':>6}"
+        f"   {'train computed':>14} {'pad':>6}",
+        file=sys.stderr,
+    )
+    for r in rows:
+        for side in ("keel", "trl"):
+            t = r[side]["tokens"]
+            print(
+                f"{r['workload']:<9}{side:<6}{t['tokens_present']:>8.0f}"
+                f" {t['response_tokens']:>8.0f}   {t['gen_computed']:>12.0f}"
+                f" {t['gen_padding_frac']:>6.1%}"
+                f"   {t['train_computed']:>14.0f} {t['train_padding_frac']:>6.1%}",
                 file=sys.stderr,
             )
     print("\nKeel's own stage timings (timing/*, median wall s/step):", file=sys.stderr)
@@ -305,7 +427,16 @@ def main(argv: list[str] | None = None) -> None:
         "--variant", choices=list(VARIANTS), default="p16", help="model and prompt length"
     )
     parser.add_argument(
-        "--model", choices=["small", "mini", "tiny"], help="override the variant's model"
+        "--model",
+        choices=["small", "mini", "tiny", "smollm2"],
+        help="override the variant's model",
+    )
+    parser.add_argument(
+        "--lengths",
+        choices=["forced", "natural"],
+        default="forced",
+        help="forced: EOS suppressed, every response max_new_tokens long; natural: responses "
+        "end at the model's EOS",
     )
     parser.add_argument(
         "--cprofile", type=Path, help="write <W>_<side>.pstats of the timed steps (thread CPU s)"
@@ -322,7 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, params = model_folder(Path(tmp) / "model", model)
+        model_dir, params = model_folder(
+            Path(tmp) / "model", model, forced=args.lengths == "forced"
+        )
         from transformers import AutoConfig
 
         shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
@@ -337,10 +470,12 @@ def main(argv: list[str] | None = None) -> None:
                 args.warmup,
                 args.cprofile,
                 prompt_length=variant.prompt_length,
+                prompts=list(variant.prompts) or None,
             )
             row.update(
-                variant=variant.name, model=model, params=params, threads=torch.get_num_threads()
-            )
+                variant=variant.name, model=model, params=params, lengths=args.lengths,
+                threads=torch.get_num_threads(),
+            )  # fmt: skip
             row["floor"] = floor_report(row, shape)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -87,6 +87,14 @@ def make_prompts(count: int, length: int = PROMPT_LENGTH) -> list[str]:
     return prompts
 
 
+def step_prompts(given: list[str] | None, count: int, length: int) -> list[str]:
+    """`count` prompts: `given` repeated in order when there are some (a task's own prompts,
+    `length` then only their token limit), else `make_prompts(count, length)`."""
+    if not given:
+        return make_prompts(count, length)
+    return [given[i % len(given)] for i in range(count)]
+
+
 def write_prompts(path: Path, prompts: list[str]) -> Path:
     with path.open("w") as f:
         for p in prompts:
@@ -111,10 +119,10 @@ def suppress_eos(folder: Path) -> list[int]:
     return ids
 
 
-def tiny_llama_folder(path: Path, size: str) -> tuple[Path, int]:
-    """A Llama folder from keel.models.create_tiny_model with its EOS suppressed; (folder,
-    parameters). size "tiny": the factory's default (hidden 64, 2 layers); "small": hidden 256,
-    4 layers, 4 heads, MLP 1024."""
+def tiny_llama_folder(path: Path, size: str, *, forced: bool = True) -> tuple[Path, int]:
+    """A Llama folder from keel.models.create_tiny_model with its EOS suppressed (`forced`;
+    else left as it is); (folder, parameters). size "tiny": the factory's default (hidden 64,
+    2 layers); "small": hidden 256, 4 layers, 4 heads, MLP 1024."""
     from keel.models import TinyModelSpec, count_parameters, create_tiny_model, load_causal_lm
 
     specs = {
@@ -124,7 +132,8 @@ def tiny_llama_folder(path: Path, size: str) -> tuple[Path, int]:
         ),
     }
     folder = create_tiny_model(path, specs[size])
-    suppress_eos(folder)
+    if forced:
+        suppress_eos(folder)
     return folder, count_parameters(load_causal_lm(folder))
 
 
@@ -154,6 +163,13 @@ class PhaseClock:
     - optimizer: `clip_grad_norm_` and `AdamW.step`;
     - reward: the reward function.
 
+    With `watch(decoder_class)` it also counts the token positions each phase's model calls
+    compute (batch × new positions of every call of that class's forward: the decoder both
+    programs call under their causal-LM heads), those of them the call's 2-D attention mask
+    leaves out (padding), and the decode calls (one new position per row); and, at each train
+    forward, every row's (prompt, response) tokens from its attention and response masks.
+    `take_counts()` hands them over per step.
+
     "other" (computed by the caller) is the rest of the step: tokenising, padding, decoding,
     the loss arithmetic, advantages, metrics, moving data and each program's bookkeeping. Only
     one side runs at a time (see the drivers), so one set of counters serves both; nested
@@ -165,6 +181,8 @@ class PhaseClock:
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.cpu: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # process CPU seconds
         self.ref_models: set[int] = set()
+        self.counts: dict[str, float] = {}
+        self.rows: list[tuple[int, int]] = []  # (prompt, response) tokens per trained row
         self._local = threading.local()
         self._undo: list[Callable[[], None]] = []
         self.cuda_sync = False
@@ -203,6 +221,50 @@ class PhaseClock:
         setattr(owner, attr, wrapped)
         self._undo.append(lambda: setattr(owner, attr, original))
 
+    def _count(self, key: str, value: float) -> None:
+        self.counts[key] = self.counts.get(key, 0.0) + value
+
+    def take_counts(self) -> tuple[dict[str, float], list[tuple[int, int]]]:
+        """(position counts by kind, (prompt, response) tokens of each trained row) since the
+        last call."""
+        out = self.counts, self.rows
+        self.counts, self.rows = {}, []
+        return out
+
+    def watch(self, decoder_class: type) -> None:
+        """Count the positions of every `decoder_class.forward` call, by phase (see above)."""
+        clock = self
+
+        def make(original: Any) -> Any:
+            def wrapper(module: Any, *args: Any, **kwargs: Any) -> Any:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if ids is None:
+                    ids = kwargs.get("inputs_embeds")
+                phase = getattr(clock._local, "inside", None)
+                if ids is not None and phase is not None:
+                    kind = "gen" if phase == "generate" else "train"
+                    rows, new = ids.shape[0], ids.shape[1]
+                    clock._count(f"{kind}_positions", rows * new)
+                    if kind == "gen" and new == 1:
+                        clock._count("gen_decode_positions", rows)
+                    mask = kwargs.get("attention_mask")
+                    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                        real = int(mask[:, -new:].sum())
+                        clock._count(f"{kind}_masked", rows * new - real)
+                return original(module, *args, **kwargs)
+
+            return wrapper
+
+        self._patch(decoder_class, "forward", make)
+
+    def _record_rows(self, attention: torch.Tensor, responses: torch.Tensor) -> None:
+        """Each row's real prompt and response tokens: `attention` [rows, P + R] (1 on real
+        tokens), `responses` [rows, R] (1 on response tokens)."""
+        r = responses.shape[1]
+        prompt = attention[:, : attention.shape[1] - r].sum(1)
+        response = responses.sum(1)
+        self.rows += [(int(p), int(q)) for p, q in zip(prompt, response, strict=True)]
+
     def _forward_phase(self, model: Any) -> str:
         if torch.is_grad_enabled():
             return "train_fwd"
@@ -222,15 +284,25 @@ class PhaseClock:
 
             return make
 
-        def logprob_pass(model_arg: int) -> Callable[[Any], Any]:
+        def logprob_pass(model_arg: int, rows: Callable[..., None]) -> Callable[[Any], Any]:
             def make(original: Any) -> Any:
                 def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    with clock.phase(clock._forward_phase(args[model_arg])):
+                    phase = clock._forward_phase(args[model_arg])
+                    if phase == "train_fwd" and not getattr(clock._local, "inside", None):
+                        rows(*args, **kwargs)
+                    with clock.phase(phase):
                         return original(*args, **kwargs)
 
                 return wrapper
 
             return make
+
+        def keel_rows(model: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+            clock._record_rows(batch.attention_mask, batch.response_mask)
+
+        def trl_rows(trainer: Any, model: Any, input_ids: Any, attention_mask: Any,
+                     logits_to_keep: int, *args: Any, **kwargs: Any) -> None:  # fmt: skip
+            clock._record_rows(attention_mask, attention_mask[:, -logits_to_keep:])
 
         import keel.engine.forward
         import keel.rollout.decoding
@@ -241,12 +313,14 @@ class PhaseClock:
         self._patch(keel.rollout.decoding.HFDecoder, "decode", timed("generate"))
         # the training pass (the actor's loss) and the no-grad passes (old and reference
         # log-probs, through keel.engine.forward.micro_batched_logprobs)
-        self._patch(keel.workers.actor, "response_forward", logprob_pass(0))
-        self._patch(keel.engine.forward, "response_forward", logprob_pass(0))
+        self._patch(keel.workers.actor, "response_forward", logprob_pass(0, keel_rows))
+        self._patch(keel.engine.forward, "response_forward", logprob_pass(0, keel_rows))
         if trl_available():
             from trl import GRPOTrainer
 
-            self._patch(GRPOTrainer, "_get_per_token_logps_and_entropies", logprob_pass(1))
+            self._patch(
+                GRPOTrainer, "_get_per_token_logps_and_entropies", logprob_pass(1, trl_rows)
+            )
         self._patch(torch.Tensor, "backward", timed("backward"))
         self._patch(torch.nn.utils, "clip_grad_norm_", timed("optimizer"))
         self._patch(torch.optim.AdamW, "step", timed("optimizer"))
@@ -287,6 +361,8 @@ class StepRecord:
     phases_cpu: dict[str, float]  # process CPU seconds per phase
     completion_len: float
     extra: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)  # PhaseClock.take_counts()
+    rows: list[tuple[int, int]] = field(default_factory=list)  # (prompt, response) tokens
 
 
 class KeelSide:
@@ -305,6 +381,7 @@ class KeelSide:
         dtype: str = "float32",
         prompt_length: int = PROMPT_LENGTH,
         extra_config: dict[str, Any] | None = None,
+        prompts: list[str] | None = None,
     ):
         from keel.config import validate
         from keel.controller.assembly import build_reward, build_roles, load_datasets
@@ -314,7 +391,7 @@ class KeelSide:
         w = workload
         data = write_prompts(
             work_dir / f"prompts_{w.name}.jsonl",
-            make_prompts(w.prompts * (total_steps + 2), prompt_length),
+            step_prompts(prompts, w.prompts * (total_steps + 2), prompt_length),
         )
         raw: dict[str, Any] = {
             "run_dir": str(work_dir / "keel_run"),
@@ -365,6 +442,7 @@ class KeelSide:
     def step(self) -> StepRecord:
         self.steps_done += 1
         self.clock.reset()
+        self.clock.take_counts()
         self.clock._sync()
         if self.profiler is not None:
             self.profiler.enable()
@@ -376,6 +454,7 @@ class KeelSide:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         timing = {k: float(v) for k, v in metrics.items() if k.startswith("timing/")}
         phases, phases_cpu = self.clock.reset()
+        counts, rows = self.clock.take_counts()
         return StepRecord(
             wall_s=wall,
             cpu_s=cpu,
@@ -383,6 +462,8 @@ class KeelSide:
             phases_cpu=phases_cpu,
             completion_len=float(metrics["response/length_mean"]),
             extra=timing,
+            counts=counts,
+            rows=rows,
         )
 
     def close(self) -> None:
@@ -415,6 +496,7 @@ class TRLSide:
         bf16: bool = False,
         prompt_length: int = PROMPT_LENGTH,
         timeout_s: float = 3600.0,
+        prompts: list[str] | None = None,
     ):
         from datasets import Dataset
         from transformers import TrainerCallback
@@ -441,6 +523,7 @@ class TRLSide:
                 if side._stopping:
                     raise _StopTraining
                 side.clock.reset()
+                side.clock.take_counts()
                 side.clock._sync()
                 if side.profiler is not None:
                     side.profiler.enable()
@@ -490,12 +573,12 @@ class TRLSide:
             dataloader_num_workers=0,
             model_init_kwargs={"dtype": "float32"},
         )
-        prompts = make_prompts(w.prompts * (total_steps + 3), prompt_length)
+        texts = step_prompts(prompts, w.prompts * (total_steps + 3), prompt_length)
         self.trainer = GRPOTrainer(
             model=str(model_dir),
             reward_funcs=[clock.timed_reward(digit_reward)],
             args=args,
-            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            train_dataset=Dataset.from_dict({"prompt": texts}),
             processing_class=load_tokenizer(model_dir),
             callbacks=[Gate()],
         )
@@ -518,6 +601,7 @@ class TRLSide:
             self.profiler.disable()
         self._pending = None
         phases, phases_cpu = self.clock.reset()
+        counts, rows = self.clock.take_counts()
         self.records.append(
             StepRecord(
                 wall_s=wall,
@@ -525,6 +609,8 @@ class TRLSide:
                 phases=phases,
                 phases_cpu=phases_cpu,
                 completion_len=self._length,
+                counts=counts,
+                rows=rows,
             )
         )
         self._done.release()

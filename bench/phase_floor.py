@@ -146,6 +146,63 @@ def training_flops(
     return (no_grad_forwards + 1 + 2) * fwd
 
 
+# Rows of uneven lengths (natural lengths: responses that end at their EOS): a step's rows as
+# groups, each a prompt's real tokens and the real response tokens of each of its rows.
+Groups = list[tuple[int, list[int]]]
+
+
+def groups_of(rows: list[tuple[int, int]], n: int) -> Groups:
+    """(prompt, response) tokens of each row, in groups of `n` consecutive rows (both programs
+    keep a prompt's samples together), as Groups (a group's prompt: its first row's)."""
+    if len(rows) % n:
+        raise ValueError(f"{len(rows)} rows do not split into groups of {n}")
+    return [(rows[i][0], [r for _, r in rows[i : i + n]]) for i in range(0, len(rows), n)]
+
+
+def rows_generation_flops(m: ModelShape, groups: Groups, *, shared: bool = True) -> int:
+    """generation_flops for rows of their own lengths: each row's prefill (a group's once
+    when `shared`) gives its token 0; its R_i − 1 decode forwards run one position each,
+    attending to its prompt and its tokens so far; nothing runs for a row once it has ended."""
+    lin, head = linear_flops_per_position(m), head_flops_per_position(m)
+    total = 0
+    for p, responses in groups:
+        prefill = p * lin + attention_flops(m, causal_contexts(0, p)) + head
+        total += prefill * (1 if shared else len(responses))
+        for r in responses:
+            steps = max(r - 1, 0)
+            total += steps * (lin + head) + attention_flops(m, causal_contexts(p, p + steps))
+    return total
+
+
+def rows_forward_flops(m: ModelShape, groups: Groups, *, shared: bool = True) -> int:
+    """forward_flops for rows of their own lengths, no position of padding: shared, each
+    group's prompt once and each row's R_i − 1 response positions; else each row's P + R_i
+    positions, the LM head on its last R_i + 1."""
+    lin, head = linear_flops_per_position(m), head_flops_per_position(m)
+    total = 0
+    for p, responses in groups:
+        if shared:
+            total += p * lin + attention_flops(m, causal_contexts(0, p)) + head
+        for r in responses:
+            if shared:
+                total += (r - 1) * (lin + head) + attention_flops(m, causal_contexts(p, p + r - 1))
+            else:
+                total += (
+                    (p + r) * lin + (r + 1) * head + attention_flops(m, causal_contexts(0, p + r))
+                )
+    return total
+
+
+def rows_phase_floors(
+    m: ModelShape, groups: Groups, *, no_grad_forwards: int, shared: bool,
+    rates: dict[str, float],
+) -> dict[str, float]:  # fmt: skip
+    """phase_floors of the tokens actually present (rows of their own lengths, no padding)."""
+    gen = rows_generation_flops(m, groups, shared=shared)
+    train = (no_grad_forwards + 3) * rows_forward_flops(m, groups, shared=shared)
+    return {"generate": gen / rates["generate"] / 1e9, "train": train / rates["train"] / 1e9}
+
+
 def spread(values: list[float]) -> dict[str, float]:
     """{"min", "median", "max"} of `values` (at least one)."""
     if not values:
@@ -155,7 +212,11 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def matmul_gflops(rows: int, inner: int, cols: int, *, repeats: int = 20) -> float:
     """GFLOP/s of a plain float32 `torch.matmul` [rows, inner] @ [inner, cols] on one thread:
-    the best of `repeats` timed calls (after two untimed ones)."""
+    the best of `repeats` timed calls (after two untimed ones), timed on the thread's CPU clock
+    (`time.thread_time`), as the phases are on the process's: on a loaded machine a wall clock
+    counts the time another process held the core, and a floor from that rate flatters the
+    phases (a 1,095-row training matmul of SmolLM2 read 52 GFLOP/s on the wall clock at load 7,
+    against 132 for a decode step's)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -165,9 +226,9 @@ def matmul_gflops(rows: int, inner: int, cols: int, *, repeats: int = 20) -> flo
             torch.matmul(a, b)
         best = float("inf")
         for _ in range(repeats):
-            t = time.perf_counter()
+            t = time.thread_time()
             torch.matmul(a, b)
-            best = min(best, time.perf_counter() - t)
+            best = min(best, time.thread_time() - t)
     finally:
         torch.set_num_threads(threads)
     return 2 * rows * inner * cols / best / 1e9

@@ -129,3 +129,28 @@ def test_main_prints_each_sides_floors(capsys):
     ]  # fmt: skip
     for line in lines:
         assert "GFLOP/s = " in line and line.count(" s") >= 2
+
+
+def test_rows_of_one_length_give_the_uniform_counts_and_shorter_rows_less(gqa_llama):
+    from bench.phase_floor import groups_of, rows_forward_flops, rows_generation_flops
+
+    _, m = gqa_llama
+    prompts, n, p, r = 3, 4, 6, 5
+    uniform = groups_of([(p, r)] * (prompts * n), n)
+    assert uniform == [(p, [r] * n)] * prompts
+    for shared in (True, False):
+        assert rows_generation_flops(m, uniform, shared=shared) == generation_flops(
+            m, prompts, n, p, r, shared=shared
+        )
+        assert rows_forward_flops(m, uniform, shared=shared) == forward_flops(
+            m, prompts, n, p, r, shared=shared
+        )
+        ragged = [(p, [r, r, 2, 1]), *uniform[1:]]  # two rows of the first group end early
+        assert rows_generation_flops(m, ragged, shared=shared) < rows_generation_flops(
+            m, uniform, shared=shared
+        )
+        assert rows_forward_flops(m, ragged, shared=shared) < rows_forward_flops(
+            m, uniform, shared=shared
+        )
+    with pytest.raises(ValueError, match="groups of 4"):
+        groups_of([(p, r)] * 6, 4)
