@@ -95,3 +95,22 @@ def test_keel_env_serve_refuses_what_it_cannot_serve(capsys, server):
     assert "--kwargs: must be a JSON object" in capsys.readouterr().err
     assert main(["env", "serve", "builtin:guess_number", "--port", str(server.port)]) == 2
     assert f"--port: cannot listen on 127.0.0.1:{server.port}" in capsys.readouterr().err
+
+
+def test_a_full_server_answers_busy_and_the_client_gives_up_after_its_retries():
+    from keel.data import Example
+    from keel.envs.builtin import GuessNumberEnvironment
+    from keel.envs.remote import EnvServerError, http_environment_factory
+    from keel.envs.server import EnvServer
+
+    server = EnvServer(GuessNumberEnvironment, max_sessions=1).start()
+    try:
+        make_env = http_environment_factory(server.url, {}, retries=1, backoff_s=0.0)
+        first, second = make_env(), make_env()
+        first.reset(Example(prompt="guess 1-9:", answer="4"))
+        with pytest.raises(EnvServerError, match=r"reset failed 2 times.*HTTP 503: busy"):
+            second.reset(Example(prompt="guess 1-9:", answer="4"))
+        first.close()  # its room is free again
+        assert second.reset(Example(prompt="guess 1-9:", answer="4")) is None
+    finally:
+        server.close()
