@@ -1,5 +1,5 @@
 """keel.algo.distillation: the estimators, the top-k forward KL, the clamps, both modes and the
-combination, each against numbers worked out by hand (docs/algorithms.md §11)."""
+combination, each against numbers worked out by hand (docs/algorithms.md §12)."""
 
 from __future__ import annotations
 

@@ -274,6 +274,35 @@ MUTATIONS: dict[str, Mutation] = {
             ),
         ),
         Mutation(
+            "teacher_logprobs_shifted",
+            "workers/teacher.py",
+            "        at = index[i, p + cols]  # their compacted positions j\n",
+            "        at = index[i, p + cols] - 1  # their compacted positions j\n",
+            "the distillation teacher's log-probs read one position early: each response token "
+            "gets the teacher's log-prob of the token before it",
+            tests=(
+                "tests/workers/test_teacher.py::"
+                "test_teacher_logprobs_are_the_models_next_token_logprobs_at_the_response_positions",
+                "tests/workers/test_teacher.py::"
+                "test_teacher_topk_are_the_models_most_likely_next_tokens",
+            ),
+        ),
+        Mutation(
+            "distillation_reverse_kl_sign",
+            "algo/distillation.py",
+            "        per_token = estimator_loss(safe_student, safe_teacher, opts.loss_mode)\n",
+            "        per_token = -estimator_loss(safe_student, safe_teacher, opts.loss_mode)\n",
+            "on-policy distillation's reverse-KL estimate with its sign flipped: the student is "
+            "pushed away from the teacher (supervised), or rewarded for the divergence (policy "
+            "gradient)",
+            tests=(
+                "tests/algo/test_distillation.py::"
+                "test_supervised_mode_lowers_the_reverse_kl_to_the_teacher",
+                "tests/algo/test_distillation.py::"
+                "test_policy_gradient_mode_pushes_tokens_the_teacher_likes_more_up",
+            ),
+        ),
+        Mutation(
             "kl_against_itself",
             "algo/kl.py",
             "value = _BASE[base](logprobs, ref_logprobs)",

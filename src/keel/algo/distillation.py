@@ -1,5 +1,6 @@
-"""On-policy distillation (docs/algorithms.md §11): a frozen teacher π_T scores the student's
-own samples and the student minimises a per-token divergence to it on those samples.
+"""On-policy distillation (docs/algorithms.md "On-policy distillation", the formulas in §12): a
+frozen teacher π_T scores the student's own samples and the student minimises a per-token
+divergence to it on those samples.
 
 Notation (per response token t of row b, mask m [B, R]): s = ℓ^θ, the student's log-prob of
 its sampled token y_t (differentiated); τ = log π_T(y_t | x, y_<t), the teacher's log-prob of

@@ -944,9 +944,9 @@ class ResourcesConfig(Section):
 
 
 class DistillationConfig(Section):
-    """On-policy distillation (docs/algorithms.md §11): a frozen teacher scores the student's
-    own samples, and the actor's loss adds coef · L_distill (a per-token divergence to the
-    teacher), or is L_distill alone without task rewards. RL algorithms only."""
+    """On-policy distillation (docs/algorithms.md "On-policy distillation"): a frozen teacher
+    scores the student's own samples, and the actor's loss adds coef · L_distill (a per-token
+    divergence to the teacher), or is L_distill alone without task rewards. RL only."""
 
     enabled: bool = False
     teacher: str | None = Field(

@@ -1,6 +1,6 @@
 """The ASGI app of `keel serve` (FastAPI): OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models over one `ServedPolicy`, or /v1/score and /v1/models over one `ServedReward`
-(`--reward`), and /healthz, /readyz, /metrics.
+/v1/models over one `ServedPolicy` (and /v1/prompt_logprobs, keel.serve.prompt_logprobs), or
+/v1/score and /v1/models over one `ServedReward` (`--reward`), and /healthz, /readyz, /metrics.
 
 Every refusal is an OpenAI-shaped JSON error (keel.chatapi.errors) with a 4xx status, counted by
 kind; a failed generation is a 500 and the server keeps serving. A client that hangs up before
@@ -50,12 +50,14 @@ from keel.serve.config import ServeConfig
 from keel.serve.continuous import Delta
 from keel.serve.handling import Plan, answers, authorize, check_model, plan_generation
 from keel.serve.policy import Prompt, ServedPolicy
+from keel.serve.prompt_logprobs import parse_request, prompt_logprobs
 from keel.serve.scoring import ServedReward, check_score_model
 from keel.serve.served import Served
 
 log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/score")  # in flight
-KNOWN_PATHS = (*GENERATION_PATHS, "/v1/models", "/healthz", "/readyz", "/metrics")
+KNOWN_PATHS = (*GENERATION_PATHS, "/v1/prompt_logprobs", "/v1/models", "/healthz", "/readyz",
+               "/metrics")  # fmt: skip
 CLIENT_GONE = 499  # the status recorded for a request whose client hung up mid-body
 
 
@@ -131,6 +133,15 @@ def _generation_routes(app: FastAPI, policy: ServedPolicy, cfg: ServeConfig, tok
         return await _generate(policy, cfg, CHAT, req, prompts, budget, req.logprobs, param,
                                tools=req.tool_schemas,
                                read_calls=req.parses_tool_calls)  # fmt: skip
+
+    @app.post("/v1/prompt_logprobs")
+    async def prompt_logprobs_route(request: Request) -> Response:
+        """Every given token's log-prob given the tokens before it (a distillation teacher's
+        scores; keel.serve.prompt_logprobs)."""
+        authorize(request.headers.get("authorization"), token)
+        req = parse_request(await _body(request, cfg))
+        check_score_model(policy, req.model)  # optional, as a score request's
+        return _json(await prompt_logprobs(policy, req))
 
 
 def _score_route(app: FastAPI, reward: ServedReward, cfg: ServeConfig, token: str | None):
