@@ -16,6 +16,7 @@ from keel.data import Example
 from keel.envs.builtin import GuessNumberEnvironment
 from keel.envs.episodes import EpisodeRunner
 from keel.envs.remote import EnvServerError, http_environment_factory
+from keel.guard import read_events
 from keel.models import load_causal_lm, load_tokenizer
 from keel.monitor import read_metrics
 from keel.rollout import HFRolloutEngine, SamplingParams
@@ -143,6 +144,11 @@ def test_exact_resume_over_http_with_groups_dropped(tmp_path, tiny_dir):
     dropped = [rows[s]["episode/groups_dropped"] for s in sorted(rows)]
     assert sum(dropped) > 0 and all(d < 4 for d in dropped), dropped
     assert all(rows[s]["episode/retried"] == rows[s]["episode/failed"] for s in rows)
+    # each step that dropped groups says why in a warning event
+    warned = [e for e in read_events(tmp_path / "straight" / "events.jsonl")
+              if e.get("rule") == "episode_failures"]  # fmt: skip
+    assert [e["step"] for e in warned] == [s for s in sorted(rows) if rows[s]["episode/failed"]]
+    assert "the sandbox crashed" in warned[0]["message"]
 
 
 def test_a_served_tool_environment_gives_its_tools_and_runs_them():

@@ -33,7 +33,7 @@ from keel.controller.protocol import Controller
 from keel.controller.sampling import DynamicSampler, FlatGroupsWatch
 from keel.data import BatchStream
 from keel.envs.builtin import sandbox_warnings
-from keel.envs.episodes import drop_failed_groups, episode_metrics
+from keel.envs.episodes import drop_failed_groups, episode_metrics, failure_warning
 from keel.monitor import StageTimer
 from keel.rollout import SamplingParams
 from keel.types import Batch, BatchMeta
@@ -222,6 +222,8 @@ class RLController(Controller):
                 "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
             )
         self.groups_seen += len(examples)
+        if (message := failure_warning(batch)) is not None:  # before their rows are dropped
+            self.warn("episode_failures", message)
         batch, counts = drop_failed_groups(batch)
         for key, value in counts.items():
             if failures is not None:

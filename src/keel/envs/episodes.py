@@ -426,6 +426,20 @@ class EpisodeRunner:
         return batch
 
 
+def failure_warning(batch: Batch) -> str | None:
+    """The warning of a batch with episodes that failed every attempt (their groups are about
+    to be dropped): how many, and the first one's error; None when none failed."""
+    failed = [e for e in batch.episodes or () if e["termination"] == FAILED]
+    if not failed:
+        return None
+    attempts = int(failed[0].get("failures", 1))
+    return (
+        f"{len(failed)} episode{'s' if len(failed) > 1 else ''} failed on every attempt "
+        f"({attempts} each: rollout.env.retries + 1) and their groups were dropped from the "
+        f"step (episode/groups_dropped); the first one's last error: {failed[0]['error']}"
+    )
+
+
 def drop_failed_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
     """The batch without the groups that hold a failed episode (termination `failed`: it
     failed on every attempt), and the counts of a batch of episodes: episode/failed (such
