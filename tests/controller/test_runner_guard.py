@@ -230,3 +230,44 @@ def test_the_trip_count_survives_a_kill_right_after_a_rollback(tiny_grpo, monkey
     assert export_record(result.model_dir)["run_version"] == 2
     [last] = [c for c in list_checkpoints(Path(cfg.run_dir) / "checkpoints") if c.step == 6]
     assert last.run_version == 2 and (last.model_id or "").startswith("run-v2-s6-")
+
+
+def test_the_drift_rule_switches_the_rollout_correction_instead_of_rolling_back(tiny_grpo):
+    """A drift rule with action `correct` on an engine that samples off-policy
+    (tests/learning/perturbed.py): it trips at step 1 and the run switches its rollout
+    correction (metrics only → decoupled_geo_rs_token_tis) without rolling back: step 2 trains
+    with the IS weights and the Geo-RS rejection (their metrics appear), events.jsonl says so
+    once (the rule trips again, with the same preset: nothing changes), and guard_state.json
+    and the checkpoint keep it, so the run resumed after a preemption goes on with it."""
+    from tests.learning.perturbed import hotter_hf_engine
+
+    preset = "decoupled_geo_rs_token_tis"
+    rule = f"{{metric: rollout/logprob_kl, max: 1.0e-3, action: correct, preset: {preset}}}"
+    cfg = tiny_grpo(
+        "train.steps=3",
+        "checkpoint.save_steps=1",
+        "rollout.return_logprobs=true",
+        "algorithm.rollout_correction={preset: disabled}",
+        f"guard.rules=[{rule}]",
+    )
+    from keel.controller.outcome import RunPreempted
+
+    with hotter_hf_engine(0.3):
+        with pytest.raises(RunPreempted):
+            run_training(cfg, stop_after=2)
+        result = run_training(cfg)
+    assert result.resumed_from == 2
+    events = events_of(cfg.run_dir)
+    assert [e["event"] for e in events if e["event"] in ("correct", "rollback")] == ["correct"]
+    [switch] = [e for e in events if e["event"] == "correct"]
+    assert (switch["step"], switch["rule"], switch["preset"]) == (1, "drift", preset)
+    rows = {r["step"]: r for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")}
+    assert "rollout_corr/rollout_is_mean" not in rows[1] and "rollout_corr/kl" in rows[1]
+    for step in (2, 3):  # step 3 after the resume
+        assert "rollout_corr/rollout_is_mean" in rows[step]
+        assert "rollout_corr/rollout_rs_seq_mean_k1_masked_fraction" in rows[step]
+    state = json.loads((Path(cfg.run_dir) / "guard_state.json").read_text())
+    assert state["correction"] == preset and state["rollbacks"] == 0
+    controller = torch.load(Path(cfg.run_dir) / "checkpoints/step_000002/controller.pt",
+                            weights_only=False)  # fmt: skip
+    assert controller["rollout_correction"] == preset

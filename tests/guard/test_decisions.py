@@ -50,6 +50,8 @@ GOOD = {"rollbacks": 1, "lr_scale": 0.5, "kl_scale": 2.0, "rollback": None, "sto
         ({"rollback": {"to_step": 2, "time": 1.0}}, "rollback.skip_batches"),
         ({"rollback": [2]}, "rollback"),
         ({"stop": {"step": 3}}, "stop.reason"),
+        ({"correction": 5}, "correction"),
+        ({"correction": ""}, "correction"),
     ],
 )
 def test_values_the_guard_never_writes_are_refused_naming_the_field(tmp_path, change, field):
@@ -92,3 +94,22 @@ def test_the_trip_count_is_kept_and_a_file_without_it_reads_as_zero(tmp_path):
     resumed.trips = 5  # a checkpoint written after more trips keeps its own count
     resumed.adopt(guard.decisions())
     assert resumed.trips == 5
+
+
+def test_a_switched_rollout_correction_is_kept_and_a_file_without_it_reads_as_none(tmp_path):
+    """The preset a `correct` rule switched the run to is a decision: written, read back, taken
+    by a guard that adopts the decisions; a file written before it was kept reads None."""
+    import json
+
+    from keel.config.schema import GuardConfig
+    from keel.guard import Guard
+
+    path = tmp_path / "guard_state.json"
+    write_decisions(path, GuardDecisions(0, 1.0, 1.0, correction="decoupled_k3_rs"))
+    assert read_decisions(path).correction == "decoupled_k3_rs"
+    guard = Guard(GuardConfig())
+    guard.adopt(read_decisions(path))
+    assert guard.decisions().correction == "decoupled_k3_rs"
+    assert guard.state_dict()["correction"] == "decoupled_k3_rs"
+    path.write_text(json.dumps(GOOD))
+    assert read_decisions(path).correction is None

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from keel.config.algorithms import Algorithm
+from keel.config.algorithms import Algorithm, CorrectionPreset
 from keel.config.derived import check_batch_algebra, check_logits_chunks, check_lora
 from keel.config.legacy import upgrade, warn_renamed
 from keel.config.section import FiniteMapping, Section, Seed
@@ -651,7 +651,7 @@ class CheckpointConfig(Section):
         return self
 
 
-GuardAction = Literal["warn", "rollback", "stop"]
+GuardAction = Literal["warn", "rollback", "stop", "correct"]
 
 
 GUARD_BOUNDS = ("max", "min", "max_drop", "max_drop_frac")
@@ -688,7 +688,16 @@ class GuardRule(Section):
     window: int | None = Field(
         None, ge=1, description="steps in the rolling mean; null: the step's own value"
     )
-    action: GuardAction = "warn"
+    action: GuardAction = Field(
+        "warn",
+        description="warn; rollback (to the newest healthy checkpoint); stop; correct: switch "
+        "the rollout correction to `preset` instead of rolling back",
+    )
+    preset: CorrectionPreset | None = Field(
+        None,
+        description="with action correct: the algorithm.rollout_correction preset the run "
+        "switches to when the rule trips (e.g. decoupled_geo_rs_token_tis)",
+    )
     name: str | None = Field(
         None,
         min_length=1,
@@ -701,6 +710,11 @@ class GuardRule(Section):
         bounds = _guard_bounds_set(self)
         if len(bounds) != 1:
             raise ValueError(guard_bound_error(bounds))
+        if (self.action == "correct") != (self.preset is not None):
+            raise ValueError(
+                "a guard rule's preset goes with action correct (the rollout-correction preset "
+                f"it switches to); this rule has action {self.action} and preset {self.preset}"
+            )
         return self
 
     @property

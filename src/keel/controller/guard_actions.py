@@ -2,8 +2,10 @@
 decisions a resumed run finds recorded (RUN_DIR/guard_state.json, keel.guard.decisions).
 
 A rollback and a resume end the same way: `GuardActions.apply` sets one `Levers` on the run
-(the trainable groups' LR scale, the controller's KL scale, batches to skip, and the deletion
-of the checkpoints the rollback abandoned)."""
+(the trainable groups' LR scale, the controller's KL scale and rollout-correction preset,
+batches to skip, and the deletion of the checkpoints the rollback abandoned). A rule with
+action `correct` switches the rollout correction without rolling back (`GuardActions.correct`),
+recorded like every decision."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Levers:
     kl_scale: float
     skip: int
     abandoned: tuple[Path, ...]
+    correction: str | None = None  # the rollout-correction preset a `correct` rule chose
 
 
 class GuardActions:
@@ -79,6 +82,8 @@ class GuardActions:
         for group in self.trainable.values():
             group.apply_all(set_lr_scale, scale=levers.lr_scale)
         self.controller.set_kl_scale(levers.kl_scale)
+        if levers.correction is not None:
+            self.controller.set_rollout_correction(levers.correction)
         if levers.skip:
             self.controller.skip_batches(levers.skip)
         for path in levers.abandoned:
@@ -103,11 +108,15 @@ class GuardActions:
             for c in list_checkpoints(self.keeping.ckpt_dir, warn=False)
             if decisions.abandons(c.step, c.time)
         )
-        self.apply(Levers(decisions.lr_scale, decisions.kl_scale, skip, abandoned), step, True)
+        levers = Levers(
+            decisions.lr_scale, decisions.kl_scale, skip, abandoned, decisions.correction
+        )
+        self.apply(levers, step, True)
         return (
             f"; the guard's recorded decisions apply: {decisions.rollbacks} rollback(s), LR "
             f"scale {decisions.lr_scale:.3g}, KL scale {decisions.kl_scale:.3g}"
             + (f", {skip} batch(es) skipped" if skip else "")
+            + (f", rollout correction {decisions.correction}" if decisions.correction else "")
         )
 
     def record(
@@ -151,7 +160,10 @@ class GuardActions:
         newer = tuple(
             c.path for c in saved if c.step > target.step
         )  # the abandoned trajectory's (unhealthy) checkpoints
-        self.apply(Levers(self.guard.lr_scale, self.guard.kl_scale, skip, newer), step, False)
+        levers = Levers(
+            self.guard.lr_scale, self.guard.kl_scale, skip, newer, self.guard.correction
+        )
+        self.apply(levers, step, False)
         pushed = self.roles.push_weights()  # separate rollout workers
         write_latest(ckpt_dir, target.path.name)
         self.events.emit(
@@ -162,6 +174,27 @@ class GuardActions:
             rule=cause.rule, action="rollback", to_step=target.step,
         )  # fmt: skip
         return target.step + 1, pushed
+
+    def correct(self, step: int, verdict: Verdict) -> None:
+        """The rules of the step with action `correct` tripped: switch the run's rollout
+        correction to the preset of the last of them (the controller's lever; the next step
+        trains with it), record it in guard_state.json (a resume, and a rollback to an older
+        checkpoint, keep it) and say so in events.jsonl (`correct`). A switch to the preset
+        the run already has does nothing."""
+        trips = [t for t in verdict.trips if t.action == "correct" and t.preset is not None]
+        if not trips:
+            return
+        trip = trips[-1]
+        preset = str(trip.preset)
+        now = self.controller.set_rollout_correction(preset)
+        if now is None:
+            return
+        self.guard.correction = preset
+        self.record()
+        self.events.emit(
+            step, "correct", f"switched the rollout correction to {now} ({trip.message})",
+            rule=trip.rule, action="correct", preset=preset,
+        )  # fmt: skip
 
     def newest_healthy(self, step: int) -> CheckpointInfo | None:
         """The newest checkpoint written healthy that validates; each passed over is a restart

@@ -51,6 +51,12 @@ class Controller(Protocol):
     def skip_batches(self, n: int) -> None:
         """Skip the next `n` batches of data (only called where `skips_batches`)."""
 
+    def set_rollout_correction(self, preset: str) -> str | None:
+        """Switch the stage's rollout correction to `preset` (the guard's `correct` action);
+        returns what it now is, in words, or None when nothing changed (already on it, or a
+        stage without one)."""
+        return None
+
     def pop_warnings(self) -> list[tuple[str, str]]:
         """(rule, message) of the warnings since the last call, for events.jsonl."""
         return []

@@ -35,6 +35,7 @@ from keel.data import BatchStream
 from keel.envs.builtin import sandbox_warnings
 from keel.envs.episodes import drop_failed_groups, episode_metrics, failure_warning
 from keel.monitor import StageTimer
+from keel.recipes.correction import with_correction_preset
 from keel.rollout import SamplingParams
 from keel.types import Batch, BatchMeta
 from keel.workers.rollout import oldest_version
@@ -98,9 +99,7 @@ class RLController(Controller):
         self.on_policy_shortcut = (
             spec.ppo_epochs == 1 and self.kl_ctrl is None and not r.return_logprobs
         )
-        # rollout correction's bypass mode: π_old := the engine's log-probs, no recomputation
-        correction = spec.rollout_correction
-        self.bypass = correction is not None and correction.bypass
+        self.correction_preset: str | None = None  # the guard's switch (set_rollout_correction)
 
     # ------------------------------------------------------- guard actions
     def skip_batches(self, n: int) -> None:
@@ -113,6 +112,24 @@ class RLController(Controller):
         """Multiply the KL coefficients (the loss's, and β of KL in the reward) by `scale`
         relative to their unguarded values."""
         self.kl_scale = scale
+
+    @property
+    def bypass(self) -> bool:
+        """Rollout correction's bypass mode: π_old := the engine's log-probs, no recomputation."""
+        correction = self.spec.rollout_correction
+        return correction is not None and correction.bypass
+
+    def set_rollout_correction(self, preset: str) -> str | None:
+        """Switch the rollout correction to `preset` (the guard's `correct` action; the next
+        step's batch is corrected with it, and its update uses it); returns its description,
+        or None when the run already has it or has no rollout correction to switch."""
+        if self.spec.rollout_correction is None or self.correction_preset == preset:
+            return None
+        self.spec = with_correction_preset(self.spec, preset)
+        self.correction_preset = preset
+        correction = self.spec.rollout_correction
+        assert correction is not None
+        return correction.describe()
 
     def warn(self, rule: str, message: str) -> None:
         """Keep a warning for the run loop (events.jsonl); from any thread (the rollout
@@ -334,6 +351,7 @@ class RLController(Controller):
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "rollouts_ahead": self.rollouts.state_dict(),
             "rollout_rng": self._rollout_rng(),
+            "rollout_correction": self.correction_preset,
         }
 
     def _rollout_rng(self) -> list[dict[str, Any]] | None:
@@ -354,6 +372,8 @@ class RLController(Controller):
         if self.sampler is not None and state.get("sampler") is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.rollouts.load_state_dict(state.get("rollouts_ahead", []))
+        if state.get("rollout_correction"):  # switched by the guard before this checkpoint
+            self.set_rollout_correction(state["rollout_correction"])
         states, rollout = state.get("rollout_rng"), self.roles.rollout
         assert rollout is not None
         # resumed on another number of rollout ranks: each keeps its own seed's stream

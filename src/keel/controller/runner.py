@@ -211,6 +211,7 @@ class TrainingLoop:
             if verdict.action == "stop":
                 self._log(step, metrics)
                 actions.stop(step, verdict)
+            actions.correct(step, verdict)  # a `correct` rule: the next step's correction
             saved = keeping.due(step) and keeping.save(step, metrics, verdict.healthy)
             self._log(step, metrics)
             keeping.report_uploads()

@@ -12,8 +12,10 @@ after a kill the checkpoint's count alone would lose it; a resume takes the larg
 
 `{"rollbacks": int, "lr_scale": float, "kl_scale": float,
   "rollback": {"to_step": int, "time": unix seconds, "skip_batches": int} | null,
-  "stop": {"step": int, "reason": str} | null, "trips": int}`  (`trips` 0 when absent: a file
-written before it was kept)
+  "stop": {"step": int, "reason": str} | null, "trips": int, "correction": str | null}`
+(`trips` 0 and `correction` null when absent: a file written before they were kept;
+`correction` is the rollout-correction preset a guard rule with action `correct` switched the
+run to)
 
 `rollback` is the latest rollback: checkpoints newer than `to_step` written before `time`
 belong to the trajectory it abandoned, and a resume from checkpoint `to_step` skips
@@ -44,6 +46,7 @@ class GuardDecisions:
     rollback: dict[str, Any] | None = None
     stop: dict[str, Any] | None = None
     trips: int = 0  # rules tripped in the run up to this decision (guard/trips)
+    correction: str | None = None  # the rollout-correction preset a `correct` rule chose
 
     def abandons(self, step: int, written_at: float) -> bool:
         """Whether a checkpoint of `step` written at `written_at` belongs to the trajectory that
@@ -98,6 +101,7 @@ def read_decisions(path: str | Path) -> GuardDecisions | None:
         rollback=_record(raw, "rollback", _ROLLBACK, problems),
         stop=_record(raw, "stop", _STOP, problems),
         trips=_field({"trips": 0, **raw}, "trips", _COUNT, problems),
+        correction=_field({"correction": None, **raw}, "correction", _PRESET, problems),
     )
     if problems:
         raise GuardStateError(f"{path}: {'; '.join(problems)}; {RESET_HINT}")
@@ -121,6 +125,7 @@ _COUNT = ("an integer ≥ 0", _is_count)
 _LR_SCALE = ("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1)
 _KL_SCALE = ("a finite number ≥ 1", lambda v: _is_number(v) and v >= 1)
 _TIME = ("a finite number (unix seconds)", _is_number)
+_PRESET = ("null or a preset's name", lambda v: v is None or (isinstance(v, str) and v != ""))
 _ROLLBACK = {"to_step": _COUNT, "time": _TIME, "skip_batches": _COUNT}
 _STOP = {"step": _COUNT, "reason": ("a string", lambda v: isinstance(v, str))}
 

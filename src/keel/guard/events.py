@@ -1,9 +1,9 @@
 """events.jsonl: the run's decisions, one JSON object per line, flushed and fsync'd.
 
 Each line is `{"time": unix seconds, "step": int, "event": str, "message": str, ...extra}`.
-Events: guard_trip, rollback, stop, resume, signal, checkpoint, restart, warning. Guard events
-carry "rule" and "action"; a warning (a controller's `pop_warnings`) carries "rule". Every
-event is also printed on stderr.
+Events: guard_trip, rollback, correct, stop, resume, signal, checkpoint, restart, warning. Guard
+events carry "rule" and "action" (correct: also "preset"); a warning (a controller's
+`pop_warnings`) carries "rule". Every event is also printed on stderr.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The Guard: after every step it applies the health rules and decides what the run does next.
 
 Actions, least to most severe: warn (log it), skip (a non-finite update was already skipped by
-the optimizer step; count it), rollback (the run loop restores the newest healthy checkpoint),
-stop. The rules are guard.rules (keel.config.schema.GuardRule: one metric, one bound, one
-action) plus the non-finite rule (guard.nonfinite). The most severe action of the step's tripped
-rules wins. `state_dict` holds everything; on a rollback only the *observations* (the rolling
-windows with their best values, the non-finite streak) go back to the checkpoint's, while the
-*decisions* (trips, rollbacks, LR and KL scales) persist.
+the optimizer step; count it), correct (the run switches its rollout correction to the rule's
+preset, instead of rolling back), rollback (the run loop restores the newest healthy
+checkpoint), stop. The rules are guard.rules (keel.config.schema.GuardRule: one metric, one
+bound, one action) plus the non-finite rule (guard.nonfinite). The most severe action of the
+step's tripped rules wins. `state_dict` holds everything; on a rollback only the *observations*
+(the rolling windows with their best values, the non-finite streak) go back to the checkpoint's,
+while the *decisions* (trips, rollbacks, LR and KL scales) persist.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from keel.config.schema import GuardConfig, GuardRule
 from keel.guard import rules
 from keel.guard.decisions import GuardDecisions
 
-SEVERITY = {"ok": 0, "warn": 1, "skip": 1, "rollback": 2, "stop": 3}
+SEVERITY = {"ok": 0, "warn": 1, "skip": 1, "correct": 1, "rollback": 2, "stop": 3}
 OBSERVATIONS = ("windows", "nonfinite_streak")
 
 
@@ -29,6 +30,7 @@ class Trip:
     rule: str
     action: str
     message: str
+    preset: str | None = None  # action correct: the rollout-correction preset to switch to
 
 
 @dataclass
@@ -104,6 +106,7 @@ class Guard:
         self.rollbacks = 0
         self.lr_scale = 1.0
         self.kl_scale = 1.0
+        self.correction: str | None = None  # the preset a `correct` rule switched the run to
         self.last = Verdict()
 
     # ------------------------------------------------------------------------ checking
@@ -112,8 +115,8 @@ class Guard:
         verdict = Verdict()
         if self.cfg.enabled:
             self.sliding = False
-            for rule, action, message in self._tripped(metrics):
-                verdict.trips.append(Trip(rule, action, message))
+            for rule, action, message, preset in self._tripped(metrics):
+                verdict.trips.append(Trip(rule, action, message, preset))
             if verdict.trips:
                 self.trips += len(verdict.trips)
                 verdict.action = max((t.action for t in verdict.trips), key=SEVERITY.get)
@@ -125,28 +128,28 @@ class Guard:
         self.last = verdict
         return verdict
 
-    def _tripped(self, metrics: Mapping[str, float]) -> list[tuple[str, str, str]]:
+    def _tripped(self, metrics: Mapping[str, float]) -> list[tuple[str, str, str, str | None]]:
         nonfinite = self.cfg.nonfinite
         out = []
         if msg := rules.nonfinite(metrics):
             self.nonfinite_streak += 1
             if self.nonfinite_streak >= nonfinite.patience:
                 msg += f" ({self.nonfinite_streak} steps in a row)"
-                out.append(("nonfinite", "rollback", msg))
+                out.append(("nonfinite", "rollback", msg, None))
             else:
-                out.append(("nonfinite", nonfinite.action, msg))
+                out.append(("nonfinite", nonfinite.action, msg, None))
         else:
             self.nonfinite_streak = 0
         for window in self.windows.values():
             window.observe(metrics)
-        tripped: dict[str, tuple[str, str, str]] = {}  # by rule name: one trip per name a step
+        tripped: dict[str, tuple[str, str, str, str | None]] = {}  # one trip per rule name
         for rule in self.cfg.rules:
             msg = self._rolling(rule) if rule.rolling else self._instant(rule, metrics)
             name = rule.label
             if msg is not None:
                 seen = tripped.get(name)
                 if seen is None or SEVERITY[rule.action] > SEVERITY[seen[1]]:
-                    tripped[name] = (name, rule.action, msg)
+                    tripped[name] = (name, rule.action, msg, rule.preset)
         for window in self.windows.values():
             window.settle()
         return out + list(tripped.values())
@@ -194,7 +197,10 @@ class Guard:
     def decisions(self) -> GuardDecisions:
         """The decisions to keep in RUN_DIR/guard_state.json (without rollback or stop), with
         the trip count so far."""
-        return GuardDecisions(self.rollbacks, self.lr_scale, self.kl_scale, trips=self.trips)
+        return GuardDecisions(
+            self.rollbacks, self.lr_scale, self.kl_scale, trips=self.trips,
+            correction=self.correction,
+        )  # fmt: skip
 
     def adopt(self, decisions: GuardDecisions) -> None:
         """Take the rollback count and the LR/KL scales of recorded decisions, which are newer
@@ -204,6 +210,7 @@ class Guard:
         self.lr_scale = decisions.lr_scale
         self.kl_scale = decisions.kl_scale
         self.trips = max(self.trips, decisions.trips)
+        self.correction = decisions.correction
 
     def metrics(self) -> dict[str, float]:
         """guard/state and guard/trips (contract C3)."""
@@ -218,6 +225,7 @@ class Guard:
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
             "kl_scale": self.kl_scale,
+            "correction": self.correction,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -226,6 +234,7 @@ class Guard:
         self.rollbacks = int(state["rollbacks"])
         self.lr_scale = float(state["lr_scale"])
         self.kl_scale = float(state["kl_scale"])
+        self.correction = state.get("correction")  # absent from checkpoints before it
 
     def restore_observations(self, state: dict) -> None:
         """Take back the checkpoint's rolling windows and non-finite streak (on a rollback). A

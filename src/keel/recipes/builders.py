@@ -26,6 +26,7 @@ from keel.config.algorithms import (
 )
 from keel.config.loading import ConfigError
 from keel.config.schema import KeelConfig
+from keel.recipes.correction import check_guard_corrections
 
 
 def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
@@ -223,6 +224,7 @@ def build_spec(cfg: KeelConfig) -> AlgorithmSpec:
                 f"models.{role} is set ({path}) but algorithm {spec.name!r} has no {role} model; "
                 f"remove models.{role}"
             )
+    check_guard_corrections(cfg, spec)
     return spec
 
 
