@@ -1,11 +1,16 @@
 """Peak memory and seconds of one training log-prob pass (forward + backward) with the LM head
-on the whole batch against `train.logits_chunk_tokens`: a small Llama (hidden 64, 2 layers)
-with a large vocabulary, so that the [rows, tokens, vocabulary] logits dominate as they do for
-a real model's 150k vocabulary. Each case runs in a fresh process (peak RSS is per process);
-prints one JSON line per case.
+on the whole batch against `train.logits_chunk_tokens`: a small decoder (2 layers; a Llama of
+hidden 64 by default, `--arch qwen2` a Qwen2 with 2 KV heads, `--hidden` wider) with a large
+vocabulary, so that the [rows, tokens, vocabulary] logits dominate as they do for a real
+model's. Each case runs in a fresh process (peak RSS is per process); prints one JSON line per
+case. SmolLM2's vocabulary and width, and a tiny Qwen2 at Qwen2.5's vocabulary:
 
     OMP_NUM_THREADS=1 python -m bench.logits_memory [--vocab 50000] [--rows 16] [--tokens 256]
-        [--chunks none,1024,256]
+        [--chunks none,1024,256] [--arch llama|qwen2] [--hidden 64]
+    OMP_NUM_THREADS=1 python -m bench.logits_memory --vocab 49152 --hidden 576 --rows 8 \
+        --tokens 128
+    OMP_NUM_THREADS=1 python -m bench.logits_memory --arch qwen2 --vocab 151936 --rows 8 \
+        --tokens 128
 """
 
 from __future__ import annotations
@@ -21,20 +26,26 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def one_case(vocab: int, rows: int, tokens: int, chunk: int | None, prompt: int = 16) -> dict:
+def one_case(
+    vocab: int, rows: int, tokens: int, chunk: int | None, prompt: int = 16,
+    arch: str = "llama", hidden: int = 64,
+) -> dict:  # fmt: skip
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from keel.engine.forward import response_forward
     from keel.types import Batch
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=prompt + tokens,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).train()
+    shape = {
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 4 * hidden,
+        "num_hidden_layers": 2, "num_attention_heads": 4,
+        "max_position_embeddings": prompt + tokens, "tie_word_embeddings": True,
+    }  # fmt: skip
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, num_key_value_heads=2)).train()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=4)).train()
     ids = torch.randint(3, vocab, (rows, prompt + tokens))
     attention = torch.ones_like(ids)
     batch = Batch(
@@ -49,7 +60,8 @@ def one_case(vocab: int, rows: int, tokens: int, chunk: int | None, prompt: int 
     seconds = time.process_time() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
-        "vocab": vocab, "rows": rows, "tokens": tokens, "chunk": chunk,
+        "arch": arch, "hidden": hidden, "vocab": vocab, "rows": rows, "tokens": tokens,
+        "chunk": chunk,
         "logits_mb": rows * tokens * vocab * 4 / 2**20, "peak_rss_mb": round(peak),
         "peak_over_start_mb": round(peak - base), "cpu_s": round(seconds, 2),
     }  # fmt: skip
@@ -61,16 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--chunks", default="none,1024,256")
+    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's case
     args = parser.parse_args(argv)
     if args.one is not None:
         chunk = None if args.one == "none" else int(args.one)
-        print(json.dumps(one_case(args.vocab, args.rows, args.tokens, chunk)))
+        case = one_case(
+            args.vocab, args.rows, args.tokens, chunk, arch=args.arch, hidden=args.hidden
+        )
+        print(json.dumps(case))
         return 0
     for chunk in args.chunks.split(","):
         command = [sys.executable, "-m", "bench.logits_memory", "--one", chunk,
                    "--vocab", str(args.vocab), "--rows", str(args.rows),
-                   "--tokens", str(args.tokens)]  # fmt: skip
+                   "--tokens", str(args.tokens), "--arch", args.arch,
+                   "--hidden", str(args.hidden)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         print(done.stdout.strip().splitlines()[-1], flush=True)
     return 0

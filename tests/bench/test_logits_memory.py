@@ -7,11 +7,13 @@ from tests.bench.smoke import json_lines, positive
 
 
 def test_each_chunking_runs_in_a_child_and_reports_its_peak(capsys):
-    main(["--vocab", "1000", "--rows", "2", "--tokens", "8", "--chunks", "none,4"])
+    main(["--vocab", "1000", "--rows", "2", "--tokens", "8", "--chunks", "none,4",
+          "--arch", "qwen2", "--hidden", "32"])  # fmt: skip
     rows = json_lines(capsys.readouterr().out)
     assert [r["chunk"] for r in rows] == [None, 4]
     for row in rows:
         assert (row["vocab"], row["rows"], row["tokens"]) == (1000, 2, 8)
+        assert (row["arch"], row["hidden"]) == ("qwen2", 32)
         assert row["logits_mb"] == 2 * 8 * 1000 * 4 / 2**20
         assert positive(row["peak_rss_mb"]) and row["peak_over_start_mb"] >= 0
         assert row["cpu_s"] >= 0
