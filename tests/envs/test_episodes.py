@@ -242,3 +242,18 @@ def test_a_step_past_its_time_limit_is_a_failed_attempt(engine):
         release.set()
     assert sorted(e["failures"] for e in batch.episodes) == [0, 0, 0, 1]
     assert {e["termination"] for e in batch.episodes} == {"done"}
+
+
+def test_an_environment_whose_constructor_fails_is_built_again(engine):
+    built = []
+
+    def make():
+        built.append(len(built))
+        if len(built) == 1:
+            raise OSError("no sandbox slot left")
+        return SingleTurnEnvironment()
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=2)
+    batch = runner(engine, make, retries=1).generate(EXAMPLES, sampling)
+    assert len(built) == 5 and [e["failures"] for e in batch.episodes] == [1, 0, 0, 0]
+    assert {e["termination"] for e in batch.episodes} == {"done"}

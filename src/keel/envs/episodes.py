@@ -187,12 +187,12 @@ class EpisodeRunner:
         """Every row's environment built and reset (concurrently), its opening encoded; a row
         whose reset failed is retried (`_failed`)."""
         rows = [ex for ex in examples for _ in range(n)]
-        envs: list[Environment | None] = []
+        envs: list[Any] = []  # an Environment, or the exception its constructor raised
         for _ in rows:
             try:
                 envs.append(self._new_env(calls))
-            except Exception as exc:  # a constructor that failed (its retry: _failed)
-                envs.append(exc)  # type: ignore[arg-type]
+            except Exception as exc:  # retried by _failed
+                envs.append(exc)
         resets = [
             (lambda env=env, ex=ex: self._reset(env, ex))
             if not isinstance(env, BaseException)
@@ -205,7 +205,7 @@ class EpisodeRunner:
                                   [openings[i] for i in good])  # fmt: skip
         ids_of = dict(zip(good, prompt_ids, strict=True))
         episodes = [
-            Episode(env if not isinstance(env, BaseException) else None, ids_of.get(i, []), ex)  # type: ignore[arg-type]
+            Episode(None if isinstance(env, BaseException) else env, ids_of.get(i, []), ex)
             for i, (env, ex) in enumerate(zip(envs, rows, strict=True))
         ]
         self._failed([(episodes[i], o) for i, o in enumerate(openings)
