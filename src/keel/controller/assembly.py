@@ -21,8 +21,9 @@ from keel.data.encoding import encode_prompts, warn_ignored_tools
 from keel.data.examples import Example
 from keel.data.preference import load_preference_pairs, preference_splits
 from keel.data.saved import choose_split
-from keel.models import ModelLoadError, resolve_model_path
+from keel.models import ModelLoadError, load_tokenizer, resolve_model_path
 from keel.models.loading import context_length
+from keel.models.tokenizer_match import check_same_vocabulary
 from keel.rewards import RewardScorer, WeightedRewardScorer
 from keel.rewards.scoring import Scorer
 from keel.types import Tokenizer
@@ -277,7 +278,9 @@ def generation_budget(cfg: KeelConfig) -> tuple[int, str]:
 def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
     """The longest sequence the run generates fits every model that reads it: a ModelLoadError
     naming the keys and the model otherwise, raised from the model configs alone (before any
-    weights load). Stages that never generate (rm; dpo without eval_generate) are not checked."""
+    weights load). Stages that never generate (rm; dpo without eval_generate) are not checked.
+    A distillation teacher loaded here reads the same sequences (checked too) and must share
+    the actor's tokenizer (`check_teacher_tokenizer`)."""
     if spec.stage not in ("rl", "sft") and not spec.eval_generate:
         return
     m = cfg.models
@@ -286,6 +289,10 @@ def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
         models["models.reference"] = m.reference
     if spec.needs_critic and m.critic:
         models["models.critic"] = m.critic
+    teacher = cfg.distillation
+    if "teacher" in spec.roles and teacher.teacher and teacher.teacher_url is None:
+        models["distillation.teacher"] = teacher.teacher
+        check_teacher_tokenizer(cfg, teacher.teacher)
     total, keys = generation_budget(cfg)
     for key, value in models.items():
         try:
@@ -300,6 +307,25 @@ def check_context_length(cfg: KeelConfig, spec: AlgorithmSpec) -> None:
                 "lower data.max_prompt_length (data.truncation: left or drop then handles "
                 "longer prompts) or the max_new_tokens"
             )
+
+
+def check_teacher_tokenizer(cfg: KeelConfig, teacher: str) -> None:
+    """A TokenizerMismatchError (exit 2) naming both models when the distillation teacher's
+    vocabulary is not the actor's, from their tokenizers alone (before any weights load)."""
+    m = cfg.models
+    try:
+        actor, folder = (
+            resolve_model_path(m.actor, m.revision),
+            resolve_model_path(teacher, m.revision),
+        )
+    except ModelLoadError as e:
+        raise ModelLoadError(f"distillation.teacher: {e}") from e
+    check_same_vocabulary(
+        load_tokenizer(actor, trust_remote_code=m.trust_remote_code),
+        load_tokenizer(folder, trust_remote_code=m.trust_remote_code),
+        f"models.actor {m.actor}",
+        f"distillation.teacher {teacher} ({folder})",
+    )
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
