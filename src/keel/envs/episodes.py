@@ -10,9 +10,7 @@ advantage across the holes (`keel.algo.gae_advantage_return`, verl's multi-turn 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch
 
 from keel.data.encoding import assemble, encode_prompts, template_renders_tools
 from keel.data.examples import Example
+from keel.envs.calls import EnvCalls
 from keel.envs.loading import EnvFactory
 from keel.envs.protocol import TERMINATIONS, Environment, Message, Observation, StepResult
 from keel.envs.remote import EnvServerError
@@ -467,60 +466,6 @@ def drop_failed_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
             f"attempt (rollout.env.retries); the last error: {batch.episodes[failed[-1]]['error']}"
         )
     return batch.select(keep), metrics
-
-
-class EnvCalls:
-    """One generate call's environment calls (resets, steps, closes) on worker threads, each
-    with a time limit (`timeout_s`, from when it starts; None: none). A call past it gives a
-    TimeoutError as its result, and its thread is left to finish on its own: a fresh pool
-    takes the calls that had not started and every later one."""
-
-    def __init__(self, workers: int, timeout_s: float | None, name: str):
-        self.workers, self.timeout_s, self.name = workers, timeout_s, name
-        self.pool = ThreadPoolExecutor(max_workers=workers)
-        self.opened: list[Any] = []  # the environments of this generate call (closed at its end)
-
-    def run(self, calls: Sequence[Callable[[], Any]], what: str) -> list[Any]:
-        """Each call's result or exception, in order."""
-        started: dict[int, float] = {}
-
-        def timed(i: int) -> Any:
-            started[i] = time.monotonic()
-            return calls[i]()
-
-        futures: list[Future] = [self.pool.submit(timed, i) for i in range(len(calls))]
-        out: list[Any] = [None] * len(calls)
-        pending = set(range(len(calls)))
-        while pending:
-            wait_s = None
-            if self.timeout_s is not None:
-                ends = [started[i] + self.timeout_s for i in pending if i in started]
-                wait_s = max(0.0, min(ends) - time.monotonic()) if ends else 0.01
-            done, _ = wait([futures[i] for i in pending], wait_s, FIRST_COMPLETED)
-            for i in [i for i in pending if futures[i] in done]:
-                pending.discard(i)
-                exc = futures[i].exception()
-                out[i] = exc if exc is not None else futures[i].result()
-            if self.timeout_s is None:
-                continue
-            now = time.monotonic()
-            late = [i for i in pending if i in started and now - started[i] >= self.timeout_s]
-            for i in late:
-                pending.discard(i)
-                out[i] = TimeoutError(
-                    f"{self.name}: {what} took longer than rollout.env.timeout_s="
-                    f"{self.timeout_s:g}s"
-                )
-            if late:  # their threads are lost to the pool: the rest go to a fresh one
-                old, self.pool = self.pool, ThreadPoolExecutor(max_workers=self.workers)
-                for i in pending:
-                    if futures[i].cancel():
-                        futures[i] = self.pool.submit(timed, i)
-                old.shutdown(wait=False)
-        return out
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False)
 
 
 def _raise(exc: BaseException) -> Any:
