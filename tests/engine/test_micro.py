@@ -6,7 +6,13 @@ import random
 import pytest
 import torch
 
-from keel.engine.micro import micro_batches, plan_rows, split_to_count
+from keel.engine.micro import (
+    balanced_partition,
+    micro_batches,
+    plan_packed,
+    plan_rows,
+    split_to_count,
+)
 from keel.types import Batch
 
 
@@ -138,3 +144,28 @@ def test_data_parallel_ranks_agree_on_the_micro_batch_count(monkeypatch):
     merged = micro.merge([m.old_logprobs for m in micro])
     mask = batch.response_mask.bool()
     assert torch.equal(merged[mask], batch.old_logprobs[mask])
+
+
+@pytest.mark.parametrize("budget", [1, 12, 25, 40, 1000])
+def test_packed_plan_keeps_the_real_token_budget_with_even_loads(budget):
+    """train.packing: a micro-batch costs Σ real lengths; the fewest micro-batches first-fit
+    decreasing needs, their loads evened (longest first, to the lightest)."""
+    lengths = [p + r for p, r in zip(PROMPTS, RESPONSES, strict=True)]  # 20 2 4 7 11 14 4 13
+    plan = plan_packed(lengths, budget)
+    assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in rows) for rows in plan]
+    assert all(load <= budget or len(rows) == 1 for load, rows in zip(loads, plan, strict=True))
+    if budget == 40:  # 75 tokens: 2 micro-batches, 37 and 38
+        assert sorted(loads) == [37, 38]
+    if budget == 1000:
+        assert plan == [list(range(8))]
+    assert plan_rows(PROMPTS, RESPONSES, budget, packed=True) == plan
+
+
+def test_balanced_partition_respects_capacities():
+    groups, totals = balanced_partition([5, 4, 3, 3, 1, 1], 2, capacity=[3, 3])
+    assert [len(g) for g in groups] == [3, 3] and sorted(totals) == [8, 9]
+    groups, totals = balanced_partition([10, 1, 1, 1], 2, capacity=[1, 3])
+    assert groups == [[0], [1, 2, 3]] and totals == [10, 3]
+    with pytest.raises(ValueError, match="capacity"):
+        balanced_partition([1, 2, 3], 2, capacity=[1, 1])

@@ -1,6 +1,8 @@
 """train.max_tokens_per_micro_batch: micro-batches packed by a token budget, padding removed,
 give the same gradients, metrics and no-grad outputs (in the batch's row order) as the padded
-rows-per-micro-batch path, for the actor (RL, SFT), the reference, the critic, DPO and the RM.
+rows-per-micro-batch path, for the actor (RL, SFT), the reference, the critic, DPO and the RM;
+so do they with train.packing (`packed`: the budget counts real tokens and every forward pass
+runs its rows concatenated without padding, keel.engine.packing).
 
 The two paths run other batch shapes (rows per micro-batch, padded width), so their kernels
 round differently, and by other amounts on other CPUs: every comparison is up to float32
@@ -50,9 +52,13 @@ def sgd(model):
     return GradientStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), None)
 
 
-def actor(model, tok, budget, *, mini: int = 8, micro: int = 8) -> ActorWorker:
+PACKING = pytest.mark.parametrize("packed", [False, True], ids=["trimmed", "packed"])
+
+
+def actor(model, tok, budget, *, mini: int = 8, micro: int = 8, packed=False) -> ActorWorker:
     return ActorWorker(model, tok, sgd(model), temperature=0.7, mini_batch_size=mini,
-                       micro_batch_size=micro, max_tokens_per_micro_batch=budget)  # fmt: skip
+                       micro_batch_size=micro, max_tokens_per_micro_batch=budget,
+                       packing=packed)  # fmt: skip
 
 
 def assert_same(models, metrics, prefix):
@@ -75,24 +81,29 @@ def with_old_logprobs(worker, batch):
     return out.replace(old_logprobs=out.old_logprobs + noise)
 
 
+@PACKING
 @pytest.mark.parametrize(
     ("mode", "mini", "epochs"),
     [("seq-mean-token-mean", 8, 1), ("seq-mean-token-sum-norm", 4, 2), ("token-mean", 8, 1)],
 )
-def test_rl_update_equals_the_padded_path(tiny_dir, mode, mini, epochs):
+def test_rl_update_equals_the_padded_path(tiny_dir, mode, mini, epochs, packed):
     tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = with_old_logprobs(actor(copy.deepcopy(base), tok, None), skewed_batch(len(tok)))
     spec = rl_spec(mode, kl=0.1, entropy=0.01)
     spec = spec.__class__(**{**spec.__dict__, "ppo_epochs": epochs})
     models = [copy.deepcopy(base), copy.deepcopy(base)]
-    workers = [actor(models[0], tok, None, mini=mini), actor(models[1], tok, BUDGET, mini=mini)]
-    assert len(workers[1].micro_batches(batch)) > 2  # the budget does split the batch
+    workers = [
+        actor(models[0], tok, None, mini=mini),
+        actor(models[1], tok, BUDGET, mini=mini, packed=packed),
+    ]
+    assert len(workers[1].micro_batches(batch)) >= 2  # the budget does split the batch
     metrics = [w.update(batch, spec) for w in workers]
     assert_same(models, metrics, "actor/")
     assert metrics[0]["actor/clipfrac"] > 0
 
 
-def test_sft_update_equals_the_padded_path(tiny_dir):
+@PACKING
+def test_sft_update_equals_the_padded_path(tiny_dir, packed):
     tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = skewed_batch(len(tok))
     models = [copy.deepcopy(base), copy.deepcopy(base)]
@@ -100,38 +111,46 @@ def test_sft_update_equals_the_padded_path(tiny_dir):
         spec = AlgorithmSpec(
             name="sft", stage="sft", roles=frozenset({"actor"}), loss_agg_mode=mode
         )
-        metrics = [actor(m, tok, b, micro=2).sft_update(batch, spec)
-                   for m, b in zip(models, (None, BUDGET), strict=True)]  # fmt: skip
+        metrics = [actor(m, tok, b, micro=2, packed=k).sft_update(batch, spec)
+                   for m, b, k in zip(models, (None, BUDGET), (False, packed),
+                                      strict=True)]  # fmt: skip
         assert_same(models, metrics, "actor/sft_loss")
 
 
-def test_logprobs_and_ref_logprobs_equal_the_padded_path_in_row_order(tiny_dir):
+@PACKING
+def test_logprobs_and_ref_logprobs_equal_the_padded_path_in_row_order(tiny_dir, packed):
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = skewed_batch(len(tok))
     mask = batch.response_mask.bool()
     for budget in (1, BUDGET, 10_000):  # one row each, several, one micro-batch
         padded = actor(model, tok, None, micro=3).compute_logprobs(batch).old_logprobs
-        trimmed = actor(model, tok, budget).compute_logprobs(batch).old_logprobs
+        trimmed = actor(model, tok, budget, packed=packed).compute_logprobs(batch).old_logprobs
         assert trimmed.shape == padded.shape
         torch.testing.assert_close(trimmed[mask], padded[mask], atol=1e-6, rtol=RTOL)
+        if packed and budget == 10_000:  # packed: 0 where no response token is (not padded)
+            assert (trimmed[batch.attention_mask[:, -14:] == 0] == 0).all()
+            assert (padded[batch.attention_mask[:, -14:] == 0] != 0).any()
         ref = [ReferenceWorker(model, temperature=0.7, micro_batch_size=8,
-                               max_tokens_per_micro_batch=b).compute_ref_logprobs(batch)
-               for b in (None, budget)]  # fmt: skip
+                               max_tokens_per_micro_batch=b,
+                               packing=k).compute_ref_logprobs(batch)
+               for b, k in ((None, False), (budget, packed))]  # fmt: skip
         torch.testing.assert_close(ref[1].ref_logprobs[mask], padded[mask], atol=1e-6, rtol=RTOL)
         # 8 rows at once against micro-batches of 3: other shapes, equal up to rounding only
         torch.testing.assert_close(ref[0].ref_logprobs, padded, atol=1e-6, rtol=RTOL)
 
 
-def critic(model, tok, budget, micro: int = 8) -> CriticWorker:
+def critic(model, tok, budget, micro: int = 8, packed=False) -> CriticWorker:
     return CriticWorker(model, tok, sgd(model), mini_batch_size=4, micro_batch_size=micro,
-                        max_tokens_per_micro_batch=budget)  # fmt: skip
+                        max_tokens_per_micro_batch=budget, packing=packed)  # fmt: skip
 
 
-def test_critic_values_and_update_equal_the_padded_path(tiny_dir):
+@PACKING
+def test_critic_values_and_update_equal_the_padded_path(tiny_dir, packed):
     tok, base = load_tokenizer(tiny_dir), load_value_model(tiny_dir)
     batch = skewed_batch(len(tok))
     mask = batch.response_mask.bool()
-    values = [critic(base, tok, b, micro=3).compute_values(batch).values for b in (None, BUDGET)]
+    values = [critic(base, tok, b, micro=3, packed=k).compute_values(batch).values
+              for b, k in ((None, False), (BUDGET, packed))]  # fmt: skip
     torch.testing.assert_close(values[1][mask], values[0][mask], atol=1e-6, rtol=RTOL)
     g = torch.Generator().manual_seed(4)
     returns = values[0] + torch.randn(values[0].shape, generator=g)
@@ -142,8 +161,9 @@ def test_critic_values_and_update_equal_the_padded_path(tiny_dir):
                          loss_agg_mode="seq-mean-token-sum-norm", advantage="gae",
                          cliprange_value=0.2)  # fmt: skip
     models = [copy.deepcopy(base), copy.deepcopy(base)]
-    metrics = [critic(m, tok, b).update(batch, spec)
-               for m, b in zip(models, (None, BUDGET), strict=True)]  # fmt: skip
+    metrics = [critic(m, tok, b, packed=k).update(batch, spec)
+               for m, b, k in zip(models, (None, BUDGET), (False, packed),
+                                  strict=True)]  # fmt: skip
     assert_same(models, metrics, "critic/")
     assert metrics[0]["critic/vf_clipfrac"] > 0
 
@@ -154,7 +174,8 @@ PAIRS = [
 ]
 
 
-def test_pair_updates_equal_the_padded_path(tiny_dir):
+@PACKING
+def test_pair_updates_equal_the_padded_path(tiny_dir, packed):
     """DPO and RM: pairs stay together in a micro-batch, so the pairwise losses are unchanged."""
     tok, base = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir)
     batch = encode_pairs(tok, PAIRS, chat=False, max_prompt_length=16)
@@ -168,8 +189,8 @@ def test_pair_updates_equal_the_padded_path(tiny_dir):
     )  # fmt: skip
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     workers = [DPOWorker(m, tok, sgd(m), temperature=1.0, mini_batch_size=4, micro_batch_size=4,
-                         max_tokens_per_micro_batch=b)
-               for m, b in zip(models, (None, 40), strict=True)]  # fmt: skip
+                         max_tokens_per_micro_batch=b, packing=k)
+               for m, b, k in zip(models, (None, 40), (False, packed), strict=True)]  # fmt: skip
     assert len(workers[1].micro_batches(batch, pairs=True)) > 1
     logps = [w.sequence_logps(batch) for w in workers]
     torch.testing.assert_close(logps[1], logps[0], atol=1e-5, rtol=RTOL)
@@ -178,8 +199,8 @@ def test_pair_updates_equal_the_padded_path(tiny_dir):
     rm = load_reward_model(tiny_dir, pad_token_id=tok.pad_token_id)
     models = [copy.deepcopy(rm), copy.deepcopy(rm)]
     trainers = [RewardModelTrainer(m, tok, sgd(m), mini_batch_size=4, micro_batch_size=4,
-                                   max_tokens_per_micro_batch=b)
-                for m, b in zip(models, (None, 40), strict=True)]  # fmt: skip
+                                   max_tokens_per_micro_batch=b, packing=k)
+                for m, b, k in zip(models, (None, 40), (False, packed), strict=True)]  # fmt: skip
     scores = [t.score(batch) for t in trainers]
     torch.testing.assert_close(scores[1], scores[0], atol=1e-6, rtol=RTOL)
     assert_same(models, [t.update(batch) for t in trainers], "rm/")
@@ -187,13 +208,18 @@ def test_pair_updates_equal_the_padded_path(tiny_dir):
 
 def test_grpo_run_with_a_token_budget_matches_the_padded_run(tiny_grpo, tmp_path):
     """End to end (tiny model, 2 steps): with the same seed the first step samples the same
-    rollouts, and its losses, KL, entropy and gradient norm agree with the padded run's. The
+    rollouts, and its losses, KL, entropy and gradient norm with a token budget over packed rows
+    agree with the padded run's (padded rows, no budget). The
     untrained model stops at a random EOS, so response lengths vary (3 to 48 tokens)."""
     from keel.controller import run_training
     from keel.monitor import read_metrics
 
     first = []
-    for name, extra in (("padded", []), ("budget", ["train.max_tokens_per_micro_batch=150"])):
+    runs = (
+        ("padded", ["train.packing=false"]),
+        ("budget", ["train.max_tokens_per_micro_batch=150"]),
+    )
+    for name, extra in runs:  # the budget run packs its rows (train.packing, the default)
         cfg = tiny_grpo("train.steps=2", "rollout.max_new_tokens=48", "train.micro_batch_size=2",
                         "checkpoint.save_steps=0", f"run_dir={tmp_path / name}",
                         *extra)  # fmt: skip

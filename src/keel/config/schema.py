@@ -545,6 +545,13 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, ~30% more compute"
     )
+    packing: bool = Field(
+        True,
+        description="padding-free forward passes: each micro-batch's rows run concatenated "
+        "without their padding, attention kept inside each row (actor, reference, critic, reward "
+        "model; SFT and DPO); where prompts are shared (train.share_prompts) the shared pass runs "
+        "instead; off: padded rows",
+    )
     max_tokens_per_micro_batch: int | None = Field(
         None,
         ge=1,

@@ -5,6 +5,10 @@ as before budgets existed. With `max_tokens`, rows are sorted by their real leng
 response tokens, padding excluded), packed greedily into micro-batches whose padded size
 rows × (longest real prompt + longest real response) stays within the budget, and each
 micro-batch drops the columns that are padding in all of its rows (`Batch.trim_padding`).
+With packing (`train.packing`: the forward passes run a micro-batch's rows concatenated without
+padding, `keel.engine.packing`) a micro-batch costs its real tokens, not rows × widths: the
+budget counts Σ real lengths, and the rows are spread over the fewest micro-batches the budget
+allows with equal token loads (`plan_packed`: longest first, each to the lightest micro-batch).
 Losses use the mini-batch's global denominators, so the gradient does not depend on how the
 rows are grouped; `MicroBatches.merge` puts per-row results back in the batch's row order.
 """
@@ -25,8 +29,10 @@ def plan_rows(
     max_tokens: int,
     *,
     unit: int = 1,
+    packed: bool = False,
 ) -> list[list[int]]:
-    """Row indices of each micro-batch under a budget of `max_tokens` padded tokens.
+    """Row indices of each micro-batch under a budget of `max_tokens` padded tokens (with
+    `packed`, real tokens: `plan_packed`).
 
     Rows move in units of `unit` consecutive rows (2 for preference pairs: a chosen and a
     rejected row stay together, chosen first). Units are taken longest first (real prompt +
@@ -42,6 +48,9 @@ def plan_rows(
         raise ValueError(f"{n} rows do not form units of {unit}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if packed:
+        sizes = [p + r for p, r in zip(prompt_lengths, response_lengths, strict=True)]
+        return plan_packed(sizes, max_tokens, unit=unit)
     units = []
     for u in range(n // unit):
         rows = range(u * unit, (u + 1) * unit)
@@ -60,6 +69,64 @@ def plan_rows(
     if current:
         groups.append(current)
     return [[u * unit + k for u in sorted(g) for k in range(unit)] for g in groups]
+
+
+def plan_packed(lengths: Sequence[int], max_tokens: int, *, unit: int = 1) -> list[list[int]]:
+    """Row indices of each packed micro-batch: the rows' real `lengths` summed stay within
+    `max_tokens` (a unit alone over it gets a micro-batch of its own), in as few micro-batches
+    as first-fit decreasing finds, and the token loads made even by the longest-processing-time
+    rule: units longest first (ties in row order), each to the micro-batch with the fewest
+    tokens so far; when that overfills one, one more micro-batch and again. Rows inside a
+    micro-batch are in their original order; micro-batches in the order of their first row."""
+    n = len(lengths)
+    if n % unit:
+        raise ValueError(f"{n} rows do not form units of {unit}")
+    sizes = [sum(lengths[u * unit : (u + 1) * unit]) for u in range(n // unit)]
+    order = sorted(range(len(sizes)), key=lambda u: (-sizes[u], u))
+    if not order:
+        return []
+    loads: list[int] = []
+    for u in order:  # first-fit decreasing: how many micro-batches the budget needs
+        fits = next((k for k, load in enumerate(loads) if load + sizes[u] <= max_tokens), None)
+        if fits is None:
+            loads.append(sizes[u])
+        else:
+            loads[fits] += sizes[u]
+    count = len(loads)
+    while True:
+        groups, totals = balanced_partition(sizes, count, order=order)
+        full = any(t > max_tokens and len(g) > 1 for g, t in zip(groups, totals, strict=True))
+        if not full or count >= len(sizes):
+            break
+        count += 1
+    plan = [[u * unit + k for u in sorted(g) for k in range(unit)] for g in groups if g]
+    return sorted(plan, key=lambda rows: rows[0])
+
+
+def balanced_partition(
+    sizes: Sequence[int],
+    parts: int,
+    *,
+    order: Sequence[int] | None = None,
+    capacity: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """Indices of `sizes` in `parts` groups with even sums (the longest-processing-time rule:
+    largest first, ties in index order, each to the group with the smallest sum so far, ties to
+    the lower group), and the groups' sums. capacity: at most this many indices per group
+    (a group that is full takes no more; data-parallel ranks that must hold equal row
+    counts). Its sum must be at least len(sizes)."""
+    if order is None:
+        order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    if capacity is not None and sum(capacity) < len(sizes):
+        raise ValueError(f"capacity {list(capacity)} holds fewer than {len(sizes)} items")
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for i in order:
+        open_ = [k for k in range(parts) if capacity is None or len(groups[k]) < capacity[k]]
+        k = min(open_, key=lambda k: (totals[k], k))
+        groups[k].append(i)
+        totals[k] += sizes[i]
+    return groups, totals
 
 
 def split_to_count(plan: list[list[int]], count: int, *, unit: int = 1) -> list[list[int]]:
@@ -117,17 +184,20 @@ class MicroBatches(Sequence[Batch]):
 
 
 def micro_batches(
-    batch: Batch, rows: int, max_tokens: int | None = None, *, unit: int = 1
+    batch: Batch, rows: int, max_tokens: int | None = None, *, unit: int = 1, packed: bool = False
 ) -> MicroBatches:
     """The micro-batches of `batch`: consecutive chunks of `rows` rows (`Batch.split`) when
     `max_tokens` is None, else packed by `plan_rows` within `max_tokens` padded tokens each
     and trimmed of their common padding (`rows` is then not used). unit: rows that stay
-    together (2 for preference pairs). In a data-parallel group every rank ends up with the
+    together (2 for preference pairs). packed: the budget counts real tokens (`plan_packed`),
+    for passes that run the rows packed. In a data-parallel group every rank ends up with the
     same number of micro-batches where its rows allow (`split_to_count`)."""
     if max_tokens is None:
         return MicroBatches(batch, batch.split(rows), None)
     prompt_len, response_len = batch.real_lengths()
-    plan = plan_rows(prompt_len.tolist(), response_len.tolist(), max_tokens, unit=unit)
+    plan = plan_rows(
+        prompt_len.tolist(), response_len.tolist(), max_tokens, unit=unit, packed=packed
+    )
     if world_size() > 1:
         plan = split_to_count(plan, global_max(len(plan)), unit=unit)
     micro = [batch.select(r).trim_padding() for r in plan]

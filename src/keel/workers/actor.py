@@ -48,6 +48,7 @@ class ActorWorker(TrainableWorker):
         max_tokens_per_micro_batch: int | None = None,
         share_prompts: bool = False,
         logits_chunk: int | None = None,
+        packing: bool = False,
     ):
         super().__init__(
             model,
@@ -56,6 +57,7 @@ class ActorWorker(TrainableWorker):
             mini_batch_size=mini_batch_size,
             micro_batch_size=micro_batch_size,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            packing=packing,
         )
         self.temperature = temperature
         self.share_prompts = share_prompts  # train.share_prompts: one pass per distinct prompt
@@ -77,6 +79,7 @@ class ActorWorker(TrainableWorker):
             dtype=self.dtype,
             share_prompts=self.share_prompts,
             logits_chunk=self.logits_chunk,
+            packing=self.packing,
         )
         return batch.replace(old_logprobs=logprobs)
 
@@ -132,6 +135,7 @@ class ActorWorker(TrainableWorker):
             dtype=self.dtype,
             share_prompts=self.share_prompts,
             logits_chunk=self.logits_chunk,
+            packing=self.packing,
         )
         assert entropy is not None  # with_entropy
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
@@ -224,7 +228,11 @@ class ActorWorker(TrainableWorker):
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                 assert micro.response_mask is not None
                 logprobs, _ = response_forward(
-                    self.model, micro, dtype=self.dtype, logits_chunk=self.logits_chunk
+                    self.model,
+                    micro,
+                    dtype=self.dtype,
+                    logits_chunk=self.logits_chunk,
+                    packing=self.packing,
                 )
                 loss = sft_loss(
                     logprobs,

@@ -334,6 +334,7 @@ def build_workers(
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
             share_prompts=stage.share_prompts,
             logits_chunk=_logits_chunk(model, t),
+            packing=t.packing,
         )
     if "rollout" in names:
         out["rollout"] = rollout_worker(mp, inputs.rollout, inputs.data, out.get("actor"))
@@ -353,6 +354,7 @@ def build_workers(
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
             share_prompts=stage.share_prompts,
             logits_chunk=_logits_chunk(ref_model, t),
+            packing=t.packing,
         )
     if "critic" in names:
         out["critic"] = build_critic(inputs, world=world, shard=shard)
@@ -628,6 +630,7 @@ def reward_model_trainer(
         mini_batch_size=mini,
         micro_batch_size=micro,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        packing=t.packing,
     )
 
 
@@ -648,6 +651,7 @@ def build_critic(inputs: WorkerInputs, *, world: int = 1, shard: Shard | None) -
         micro_batch_size=micro,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         share_prompts=inputs.stage.share_prompts,
+        packing=t.packing,
     )
 
 

@@ -29,7 +29,13 @@ class CriticWorker(TrainableWorker):
         self.model.eval()
         micros = self.micro_batches(batch)
         parts = [
-            value_forward(self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts)
+            value_forward(
+                self.model,
+                micro,
+                dtype=self.dtype,
+                share_prompts=self.share_prompts,
+                packing=self.packing,
+            )
             for micro in micros
         ]
         return batch.replace(values=micros.merge(parts).cpu())
@@ -58,7 +64,11 @@ class CriticWorker(TrainableWorker):
             "the critic's batch needs response_mask, values (old) and returns"
         )
         values = value_forward(
-            self.model, micro, dtype=self.dtype, share_prompts=self.share_prompts
+            self.model,
+            micro,
+            dtype=self.dtype,
+            share_prompts=self.share_prompts,
+            packing=self.packing,
         )
         loss, clipfrac = clipped_value_loss(
             values,

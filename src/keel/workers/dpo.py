@@ -66,5 +66,6 @@ class DPOWorker(ActorWorker):
             dtype=self.dtype,
             share_prompts=self.share_prompts,
             logits_chunk=self.logits_chunk,
+            packing=self.packing,
         )[0]
         return sequence_logps(logps, mask)

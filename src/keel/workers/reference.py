@@ -19,7 +19,8 @@ class ReferenceWorker:
     mode and trainable parameters are left as the actor has them (no second model is loaded).
     dtype: autocast dtype of its forwards (the actor's float32 base under mixed precision).
     micro_batch_size: rows per forward pass; max_tokens_per_micro_batch: when set, forward
-    passes are formed by this token budget instead (keel.engine.micro)."""
+    passes are formed by this token budget instead (keel.engine.micro); packing: the rows of a
+    forward pass run concatenated without padding (train.packing, keel.engine.packing)."""
 
     def __init__(
         self,
@@ -32,8 +33,10 @@ class ReferenceWorker:
         max_tokens_per_micro_batch: int | None = None,
         share_prompts: bool = False,
         logits_chunk: int | None = None,
+        packing: bool = False,
     ):
         self.model = model
+        self.packing = packing
         self.adapter_off = adapter_off
         self.dtype = dtype
         self.share_prompts = share_prompts
@@ -48,7 +51,9 @@ class ReferenceWorker:
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
         """Fills `ref_logprobs` [B, R]."""
-        micros = micro_batches(batch, self.micro_batch_size, self.max_tokens_per_micro_batch)
+        micros = micro_batches(
+            batch, self.micro_batch_size, self.max_tokens_per_micro_batch, packed=self.packing
+        )
         with base_model_eval(self.model) if self.adapter_off else nullcontext():
             logprobs = micro_batched_logprobs(
                 self.model,
@@ -57,5 +62,6 @@ class ReferenceWorker:
                 dtype=self.dtype,
                 share_prompts=self.share_prompts,
                 logits_chunk=self.logits_chunk,
+                packing=self.packing,
             )
         return batch.replace(ref_logprobs=logprobs)

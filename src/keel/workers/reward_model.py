@@ -15,17 +15,20 @@ from keel.algo.normalization import RunningMoments
 from keel.algo.preference import bradley_terry_loss
 from keel.data.preference import encode_scored
 from keel.engine.distributed import global_count
-from keel.engine.forward import head_forward
+from keel.engine.forward import score_forward
 from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import Scorer
 from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker
 
 
-def sequence_scores(model: Any, batch: Batch, dtype: torch.dtype | None = None) -> torch.Tensor:
+def sequence_scores(
+    model: Any, batch: Batch, dtype: torch.dtype | None = None, packing: bool = False
+) -> torch.Tensor:
     """The scalar head's output for each row [B] (the last non-pad token's logit); dtype:
-    autocast, as in head_forward."""
-    return head_forward(model, batch, dtype=dtype)[:, 0]
+    autocast, as in head_forward; packing: the rows run packed
+    (keel.engine.forward.score_forward)."""
+    return score_forward(model, batch, dtype=dtype, packing=packing)
 
 
 class RewardModelTrainer(TrainableWorker):
@@ -41,7 +44,7 @@ class RewardModelTrainer(TrainableWorker):
             num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
-                scores = sequence_scores(self.model, micro, self.dtype)
+                scores = sequence_scores(self.model, micro, self.dtype, self.packing)
                 out = bradley_terry_loss(scores[0::2], scores[1::2], num_pairs=num_pairs)
                 return out.loss, out.metrics
 
@@ -56,7 +59,9 @@ class RewardModelTrainer(TrainableWorker):
         """Scores [B] of every row, in micro-batches, eval mode."""
         self.model.eval()
         micros = self.micro_batches(batch, pairs=True)
-        parts = [sequence_scores(self.model, micro, self.dtype).cpu() for micro in micros]
+        parts = [
+            sequence_scores(self.model, micro, self.dtype, self.packing).cpu() for micro in micros
+        ]
         return micros.merge(parts)
 
 

@@ -46,8 +46,10 @@ class ScalesLR(Protocol):
 class TrainableWorker:
     """mini_batch_size / micro_batch_size: rows (or pairs) per optimizer update / per
     forward-backward. max_tokens_per_micro_batch: when set, micro-batches are formed by this
-    token budget instead (keel.engine.micro; micro_batch_size is then not used). lr_scale: the
-    guard's cumulative LR factor (set_lr_scale)."""
+    token budget instead (keel.engine.micro; micro_batch_size is then not used). packing: the
+    forward passes run each micro-batch's rows concatenated without padding (train.packing,
+    keel.engine.packing), and a token budget counts real tokens. lr_scale: the guard's
+    cumulative LR factor (set_lr_scale)."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class TrainableWorker:
         mini_batch_size: int,
         micro_batch_size: int,
         max_tokens_per_micro_batch: int | None = None,
+        packing: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -65,6 +68,7 @@ class TrainableWorker:
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.packing = packing
         self.lr_scale = 1.0
 
     def micro_batches(self, batch: Batch, *, pairs: bool = False) -> MicroBatches:
@@ -73,7 +77,9 @@ class TrainableWorker:
         trimmed; `.merge(parts)` restores the row order."""
         rows = (2 if pairs else 1) * self.micro_batch_size
         unit = 2 if pairs and len(batch) % 2 == 0 else 1
-        return micro_batches(batch, rows, self.max_tokens_per_micro_batch, unit=unit)
+        return micro_batches(
+            batch, rows, self.max_tokens_per_micro_batch, unit=unit, packed=self.packing
+        )
 
     def budget_width(self, batch: Batch) -> float | None:
         """With a token budget, the batch's response width R, else None. Trimmed micro-batches
