@@ -128,3 +128,25 @@ def test_local_and_ray_groups_are_worker_groups():
     assert isinstance(LocalWorkerGroup("actor", [Echo(0)]), WorkerGroup)
     assert isinstance(RayWorkerGroup("actor", hosts=[]), WorkerGroup)
     assert not isinstance(Echo(0), WorkerGroup)
+
+
+def test_ranks_get_even_token_loads_and_keep_their_row_counts():
+    """train.balance_ranks: rows dealt by token length (longest first, to the lighter rank with
+    room), each rank keeping the even split's row count in every block; in order on a rank."""
+    lengths = [100, 1, 1, 1, 50, 50, 2, 2]
+    index = shard_index(8, 2, 4, lengths=lengths)
+    assert [len(rows) for rows in index] == [4, 4]
+    assert all(rows == sorted(rows) for rows in index)
+    assert sorted(i for rows in index for i in rows) == list(range(8))
+    for block in (range(0, 4), range(4, 8)):  # each block's share stays with its block
+        loads = [sum(lengths[i] for i in rows if i in block) for rows in index]
+        even = [sum(lengths[i] for i in rows if i in block) for rows in shard_index(8, 2, 4)]
+        assert max(loads) - min(loads) <= max(even) - min(even)
+        if block.start == 4:  # 50, 50, 2, 2: 52 each, where the even split gives 100 and 4
+            assert loads == [52, 52] and sorted(even) == [4, 100]
+    assert index == [[0, 3, 4, 6], [1, 2, 5, 7]]
+    # whole pairs, and whole groups of 4 where every rank's share is a number of them
+    assert shard_index(8, 2, 8, unit=2, lengths=lengths) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shard_index(8, 2, 8, lengths=lengths, balance_unit=4) == [[4, 5, 6, 7], [0, 1, 2, 3]]
+    # 3 rows a rank is no whole group of 4: rows are dealt one by one
+    assert shard_index(6, 2, 6, lengths=[9] * 6, balance_unit=4) == [[0, 2, 4], [1, 3, 5]]

@@ -51,18 +51,19 @@ def ray_groups(fsdp=False):
 
 @pytest.fixture(scope="module")
 def local_runs(tiny_dir, tmp_path_factory):
-    """local_runs(staleness) → the run dir of the local run at that rollout.max_staleness,
-    trained on first use."""
+    """local_runs(staleness, new_tokens) → the run dir of the local run at that
+    rollout.max_staleness (and rollout.max_new_tokens), trained on first use."""
     runs = {}
 
-    def get(staleness=0):
-        if staleness not in runs:
-            run_dir = tmp_path_factory.mktemp(f"local{staleness}") / "run"
+    def get(staleness=0, new_tokens=4):
+        if (staleness, new_tokens) not in runs:
+            run_dir = tmp_path_factory.mktemp(f"local{staleness}-{new_tokens}") / "run"
             cfg = tiny_grpo(tiny_dir, run_dir)
             cfg.rollout.max_staleness = staleness
+            cfg.rollout.max_new_tokens = new_tokens
             run_training(cfg)
-            runs[staleness] = run_dir
-        return runs[staleness]
+            runs[staleness, new_tokens] = run_dir
+        return runs[staleness, new_tokens]
 
     return get
 
@@ -106,6 +107,28 @@ def test_two_ray_workers_make_the_same_update_as_one_local_worker(
     assert [r["rollout/weight_version_lag"] for r in rows[1:]] == [0, staleness, staleness]
     assert all(r["timing/weight_push_s"] > 0 for r in rows[1:])
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_ranks_balanced_by_tokens_on_skewed_lengths_make_the_local_update(
+    ray_session, local_runs, tiny_dir, tmp_path
+):
+    """train.balance_ranks (the default) on responses of very different lengths: the untrained
+    model stops at a random EOS within 24 tokens, so each mini-batch's rows are dealt to the 2
+    ranks by token length, not in order (keel.workers.group.shard_index), the rows of a rank
+    packed (train.packing). The loss denominators stay global: the update is the local one's."""
+    run_dir, local_run = tmp_path / "ray", local_runs(0, 24)
+    cfg = tiny_grpo(tiny_dir, run_dir, **ray_groups())
+    cfg.rollout.max_new_tokens = 24
+    assert cfg.train.balance_ranks and cfg.train.packing
+    run_training(cfg)
+    rows = metrics(run_dir)[1:]
+    assert any(r["response/clip_ratio"] < 0.9 for r in rows)  # lengths differ within a batch
+    local, dist = weights(local_run), weights(run_dir)
+    worst = max((local[k] - dist[k]).abs().max().item() for k in local)
+    assert worst <= TOLERANCE, f"max |θ_ray − θ_local| = {worst}"
+    assert [r["actor/pg_loss"] for r in rows] == pytest.approx(
+        [r["actor/pg_loss"] for r in metrics(local_run)[1:]], abs=1e-6
+    )
 
 
 def kill_when(path, step, name_part):

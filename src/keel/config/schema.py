@@ -552,6 +552,12 @@ class TrainConfig(Section):
         "model; SFT and DPO); where prompts are shared (train.share_prompts) the shared pass runs "
         "instead; off: padded rows",
     )
+    balance_ranks: bool = Field(
+        True,
+        description="Ray data-parallel ranks get rows by their token lengths so that every rank "
+        "computes about as many tokens (each keeping its row count; GRPO groups whole where "
+        "prompts are shared); off: consecutive rows",
+    )
     max_tokens_per_micro_batch: int | None = Field(
         None,
         ge=1,

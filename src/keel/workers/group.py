@@ -8,6 +8,17 @@ block is split evenly across the ranks (in whole units of `row_unit` rows: 2 kee
 pairs together), so rank r's k-th mini-batch is the r-th share of the
 k-th global mini-batch; results are put back in the original row order. A list (prompts) is
 split into consecutive pieces, and a `group_offset` keyword moves with each piece's start.
+
+Token balancing (`train.balance_ranks`, on by default): which rows of a block go to which rank
+is chosen by their real lengths (prompt + response tokens, padding excluded), so that every
+rank gets about the same number of tokens, while each rank keeps the number of rows the even
+split gives it (its mini-batches and micro-batches stay aligned with the other ranks'). The
+method is the longest-processing-time rule with a cardinality limit
+(`keel.engine.micro.balanced_partition`): units longest first, each to the rank with the fewest
+tokens among those with room. A unit is `row_unit` rows, or `balance_unit` rows (a GRPO group,
+whose rows share their prompt pass) where every rank's share of the block is a whole number of
+them. Losses keep their global denominators, so the update is the same whichever rank computes
+a row.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from keel.engine.micro import balanced_partition
 from keel.types import Batch, concat_rollouts, merge_meta
 from keel.workers.weight_sync import ObjectStoreSync, weight_push
 
@@ -63,12 +75,19 @@ def dispatch(
     kwargs: dict[str, Any],
     row_block: int | None,
     row_unit: int = 1,
+    balance_unit: int | None = None,
 ) -> Any:
-    """Shard `rows` over `world` ranks, run `invoke_all([(shard, kwargs) per rank])`, gather."""
+    """Shard `rows` over `world` ranks, run `invoke_all([(shard, kwargs) per rank])`, gather.
+    balance_unit: a Batch's rows go to ranks by their token lengths (module docstring), in
+    units of that many rows where they fit; None: the even split in row order."""
     if rows is None:
         return _gather(invoke_all([(None, kwargs)] * world))
     if isinstance(rows, Batch):
-        index = shard_index(len(rows), world, row_block or len(rows), row_unit)
+        lengths = None
+        if balance_unit is not None and world > 1 and rows.attention_mask is not None:
+            lengths = rows.attention_mask.sum(dim=1).tolist()
+        block = row_block or len(rows)
+        index = shard_index(len(rows), world, block, row_unit, lengths, balance_unit or row_unit)
         out = _gather(invoke_all([(rows.select(i), kwargs) for i in index]))
         restore = torch.argsort(torch.tensor([i for part in index for i in part]))
         if isinstance(out, Batch):
@@ -90,16 +109,38 @@ def _shifted(kwargs: dict[str, Any], start: int) -> dict[str, Any]:
     return {**kwargs, "group_offset": kwargs["group_offset"] + start}
 
 
-def shard_index(n: int, world: int, block: int, unit: int = 1) -> list[list[int]]:
+def shard_index(
+    n: int,
+    world: int,
+    block: int,
+    unit: int = 1,
+    lengths: list[int] | None = None,
+    balance_unit: int | None = None,
+) -> list[list[int]]:
     """Row indices of each rank: every block of `block` rows split in `world` even parts, in
-    whole units of `unit` rows (2: a preference pair's chosen and rejected rows stay together)."""
+    whole units of `unit` rows (2: a preference pair's chosen and rejected rows stay together).
+    lengths: each row's real tokens; the rows of a block are then dealt to the ranks so that
+    their token loads are even (`balanced_partition`), every rank keeping its even part's row
+    count, in units of `balance_unit` rows (a multiple of `unit`) where every part is a whole
+    number of them, else of `unit` rows. Each rank's rows stay in their original order."""
     index: list[list[int]] = [[] for _ in range(world)]
     for start in range(0, n, block):
         size = min(block, n - start)
         units = size // unit
         bounds = [start + unit * round(r * units / world) for r in range(world)] + [start + size]
-        for r in range(world):
-            index[r].extend(range(bounds[r], bounds[r + 1]))
+        counts = [bounds[r + 1] - bounds[r] for r in range(world)]
+        if lengths is None or any(c % unit for c in counts):  # (a block of a partial unit)
+            for r in range(world):
+                index[r].extend(range(bounds[r], bounds[r + 1]))
+            continue
+        step = balance_unit or unit
+        if step % unit or any(c % step for c in counts):
+            step = unit
+        starts = list(range(start, start + size, step))
+        sizes = [sum(lengths[s : s + step]) for s in starts]
+        groups, _ = balanced_partition(sizes, world, capacity=[c // step for c in counts])
+        for r, group in enumerate(groups):
+            index[r].extend(i for g in sorted(group) for i in range(starts[g], starts[g] + step))
     return index
 
 

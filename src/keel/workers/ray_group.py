@@ -161,11 +161,17 @@ class RayWorkerGroup:
     in_process = False
 
     def __init__(
-        self, role: str, hosts: Sequence[Any], row_block: int | None = None, row_unit: int = 1
+        self,
+        role: str,
+        hosts: Sequence[Any],
+        row_block: int | None = None,
+        row_unit: int = 1,
+        balance_unit: int | None = None,
     ):
         self.role = role
         self.hosts = list(hosts)
         self.row_block, self.row_unit = row_block, row_unit
+        self.balance_unit = balance_unit  # train.balance_ranks (keel.workers.group)
 
     @property
     def world_size(self) -> int:
@@ -180,7 +186,15 @@ class RayWorkerGroup:
                 ]
             )
 
-        return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block, self.row_unit)
+        return dispatch(
+            invoke_all,
+            self.world_size,
+            rows,
+            kwargs,
+            self.row_block,
+            self.row_unit,
+            self.balance_unit,
+        )
 
     def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
         """Same arguments on every rank; they are put in Ray's object store once."""
@@ -225,8 +239,10 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
             hosts = future.result()[1]  # raises the first group's failure
             unit = 2 if inputs.stage.pairs else 1  # rows of one pair stay on one rank
             block = inputs.batch.mini_batch_size * unit
+            balance = balance_unit(cfg, inputs.stage.share_prompts, unit)
             for role in roles_here:
-                groups[role] = RayWorkerGroup(role, hosts, block if role in TRAINED else None, unit)
+                row_block = block if role in TRAINED else None
+                groups[role] = RayWorkerGroup(role, hosts, row_block, unit, balance)
         local = [n for n in names if n not in groups]
         scorer = reward_scorer(cfg.reward, cfg.data.columns.answer) if "reward" in local else None
         for name, worker in build_workers(inputs, local, scorer).items():
@@ -242,6 +258,15 @@ def build_ray_roles(cfg: KeelConfig, spec: AlgorithmSpec, inputs: WorkerInputs) 
         close=lambda: release(hosts_all, pgs, sync),
         device_readings=lambda: device_readings(hosts_all),
     )
+
+
+def balance_unit(cfg: KeelConfig, share_prompts: bool, unit: int) -> int | None:
+    """The rows that move together when ranks are balanced by tokens (train.balance_ranks):
+    a group's `rollout.n` rows where their prompt pass is shared (RL, train.share_prompts),
+    else `unit`; None: balancing off."""
+    if not cfg.train.balance_ranks:
+        return None
+    return cfg.rollout.n if share_prompts and cfg.rollout.n > 1 else unit
 
 
 def device_readings(hosts: list[Any]) -> list[DeviceReading]:
