@@ -125,3 +125,13 @@ def test_scores_do_not_depend_on_the_forward_batch_size(tiny_dir):
     one = ModelRewardWorker(model, tok, rule=None, batch_size=1).score(batch).scores
     four = ModelRewardWorker(model, tok, rule=None, batch_size=4).score(batch).scores
     torch.testing.assert_close(one, four, atol=1e-5, rtol=1e-4)
+    # train.packing: the rows of each forward packed without their padding
+    packed = ModelRewardWorker(model, tok, rule=None, batch_size=4, packing=True)
+    shapes = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    scores = packed.score(batch).scores
+    hook.remove()
+    torch.testing.assert_close(scores, four, atol=1e-5, rtol=1e-4)
+    assert len(shapes) == 1 and shapes[0][0] == 1  # the 4 rows as one packed sequence

@@ -359,7 +359,9 @@ def build_workers(
     if "critic" in names:
         out["critic"] = build_critic(inputs, world=world, shard=shard)
     if "reward" in names:
-        out["reward"] = reward_worker(mp, inputs.reward, inputs.data, scorer)
+        out["reward"] = reward_worker(
+            mp, inputs.reward, inputs.data, scorer, packing=inputs.train.packing
+        )
     if "teacher" in names:
         out["teacher"] = teacher_worker(inputs, micro)
     return out
@@ -532,9 +534,15 @@ def episode_runner(
 
 
 def reward_worker(
-    mp: ModelPlan, reward: RewardConfig, data: DataConfig, scorer: Scorer | None
+    mp: ModelPlan,
+    reward: RewardConfig,
+    data: DataConfig,
+    scorer: Scorer | None,
+    *,
+    packing: bool = False,
 ) -> RewardWorker | ModelRewardWorker:
-    """The rule-reward worker, or with models.reward the reward-model worker (reward.model)."""
+    """The rule-reward worker, or with models.reward the reward-model worker (reward.model;
+    packing: train.packing, its forward passes packed)."""
     if scorer is None:
         raise ValueError(
             "the reward role needs its RewardScorer (keel.workers.build.reward_scorer)"
@@ -561,6 +569,7 @@ def reward_worker(
         clip=m.clip,
         batch_size=reward.batch_size,
         chat=data.apply_chat_template,
+        packing=packing,
     )
 
 

@@ -71,7 +71,8 @@ class ModelRewardWorker:
 
     The RM tokenizes `prompt + response + EOS` itself, so it may use another tokenizer than the
     policy. `normalize`: running z-score over every training batch scored so far (evaluation
-    batches are normalised with the current statistics but do not update them)."""
+    batches are normalised with the current statistics but do not update them). packing: each
+    forward runs its rows packed (train.packing, keel.engine.forward.score_forward)."""
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class ModelRewardWorker:
         clip: float | None = None,
         batch_size: int = 64,
         chat: bool = False,
+        packing: bool = False,
     ):
         self.model = model.eval()
         self.model.requires_grad_(False)
@@ -96,6 +98,7 @@ class ModelRewardWorker:
         self.clip = clip
         self.batch_size = batch_size
         self.chat = chat
+        self.packing = packing
 
     @torch.no_grad()
     def model_scores(self, prompts: list[Any], responses: list[str]) -> torch.Tensor:
@@ -108,7 +111,7 @@ class ModelRewardWorker:
                 responses[s : s + self.batch_size],
                 chat=self.chat,
             )
-            parts.append(sequence_scores(self.model, rows).cpu())
+            parts.append(sequence_scores(self.model, rows, packing=self.packing).cpu())
         return torch.cat(parts)
 
     def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
