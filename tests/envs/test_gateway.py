@@ -218,3 +218,27 @@ def test_a_steps_episodes_connect_at_once(engine, tmp_path):
     batch = run.generate(EXAMPLES, SamplingParams(n=32, max_new_tokens=2))
     assert len(batch) == 64 and run.last_engine_calls == 1
     assert [e["return"] for e in batch.episodes] == [1.0] * 64
+
+
+def test_without_the_chat_template_a_lone_user_message_is_a_text_prompt(engine, tmp_path):
+    """data.apply_chat_template: false (chat off): the first request's one user message is the
+    prompt as written, as the EpisodeRunner encodes a text example; the tool's answer after it
+    is still the template's rendering of a tool message."""
+    tok = engine[1]
+    source = """
+    def run(client, example):
+        messages = [{"role": "user", "content": example["prompt"]}]
+        out = client.chat.completions.create(model="any", messages=messages, max_tokens=3)
+        messages.append(out.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "content": "7"})
+        client.chat.completions.create(model="any", messages=messages, max_tokens=3)
+        return 0.0
+    """
+    run = runner(engine, agent(tmp_path, source), chat=False)
+    run.generate(EXAMPLES[:1], SamplingParams(n=1, max_new_tokens=3))
+    session = run.last_sessions[0]
+    assert spelled(tok, session.prompt_ids) == "3+4="
+    first = spelled(tok, session.served[0][1])
+    assert spelled(tok, session.tokens) == first + "\n<|tool|>7\n<|assistant|>" + spelled(
+        tok, session.served[1][1]
+    )

@@ -92,8 +92,9 @@ def reward_of(value: Any, where: str) -> Outcome:
 
 class AgentRunner:
     """Plays one agent episode per row over the gateway; `generate` returns the rows in the
-    EpisodeRunner's layout. `last_sessions`: the sessions of the last call (what the gateway
-    served, for checks)."""
+    EpisodeRunner's layout. `chat` (data.apply_chat_template): off, a first request that is one
+    user message is the prompt as written, as a text example's prompt is. `last_sessions`: the
+    sessions of the last call (what the gateway served, for checks)."""
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class AgentRunner:
         tool_format: str = "auto",
         wait_s: float = WAIT_S,
         request_timeout_s: float = 600.0,
+        chat: bool = True,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -124,6 +126,7 @@ class AgentRunner:
         self.tool_format = tool_format
         self.wait_s = wait_s
         self.request_timeout_s = request_timeout_s
+        self.chat = chat
         self.last_sessions: list[Session] = []
         self.last_engine_calls = 0
 
@@ -141,6 +144,7 @@ class AgentRunner:
             max_prompt_length=self.max_prompt_length,
             tool_format=self.tool_format,
             wait_s=self.wait_s,
+            chat=self.chat,
         )
         sessions = gateway.open(len(rows))
         outcomes = [Outcome() for _ in rows]

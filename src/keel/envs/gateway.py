@@ -9,7 +9,9 @@ produced, their log-probs and a loss mask: the episode's training row, in the la
 in-process EpisodeRunner (keel.envs.episodes):
 
 - the first request's messages are rendered through the chat template (with its `tools` when
-  the template renders tools, as the runner gives an environment's tools) into the prompt;
+  the template renders tools, as the runner gives an environment's tools) into the prompt; with
+  `chat` off (data.apply_chat_template: false) a lone user message is the prompt as written,
+  as a text example's prompt is;
 - every answer's tokens, the closing EOS included, are appended with mask 1 and their log-probs;
 - a later request must continue the session's conversation: its first messages are the ones the
   session knows (the earlier requests' and the gateway's answers), and only the messages after
@@ -198,8 +200,10 @@ class Gateway:
         max_prompt_length: int | None,
         tool_format: str = "auto",
         wait_s: float = WAIT_S,
+        chat: bool = True,
     ):
         self.tokenizer = tokenizer
+        self.chat_prompt = chat  # off: a lone user message is a text prompt
         self.sampling = sampling
         self.eos_ids = list(eos_ids)
         self.max_turns = max_turns
@@ -310,7 +314,10 @@ class Gateway:
         tools = req.tool_schemas if self.tools.renders_tools else None
         if any(m["role"] == "tool" for m in messages):
             check_tool_results(self.tokenizer, messages, tools)
-        text = render_prompt(self.tokenizer, messages, chat=True, tools=tools)
+        if not self.chat_prompt and [m["role"] for m in messages] == ["user"]:
+            text = messages[0]["content"]  # a text prompt, as written (apply_chat_template off)
+        else:
+            text = render_prompt(self.tokenizer, messages, chat=True, tools=tools)
         ids = encode_prompt_text(self.tokenizer, text)
         if not ids:
             raise bad_request("the messages render an empty prompt", param="messages")

@@ -500,6 +500,7 @@ def episode_runner(
             turn_discount=env.turn_discount,
             max_prompt_length=data.max_prompt_length,
             tool_format=data.tool_format,
+            chat=data.apply_chat_template,
         )
     if env.name == HTTP_ENV:  # an environment server: the kwargs go with each reset
         assert env.url is not None  # the schema's rule
