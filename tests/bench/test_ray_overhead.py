@@ -1,5 +1,6 @@
-"""bench/ray_overhead.py (`make bench`): one step locally and on two Ray workers and a rollout
-worker, and one weight push, run as the Makefile runs it."""
+"""bench/ray_overhead.py (`make bench`): one step locally and on one Ray worker, run as the
+Makefile runs it. (The ray_2 case and its weight push start three Ray workers, 2 min of this
+test at load 20: left to the benchmark; tests/workers test those paths.)"""
 
 import pytest
 
@@ -8,12 +9,10 @@ from tests.bench.smoke import json_lines, positive, run_bench
 pytestmark = pytest.mark.ray
 
 
-def test_one_step_local_and_on_ray_and_a_weight_push():
-    args = ("--steps", "1", "--warmup", "0", "--pushes", "1", "--cases", "local,ray_2")
+def test_one_step_local_and_on_one_ray_worker():
+    args = ("--steps", "1", "--warmup", "0", "--cases", "local,ray_1")
     rows = {r["case"]: r for r in json_lines(run_bench("ray_overhead", *args).stdout)}
-    assert set(rows) == {"ray_overhead/local", "ray_overhead/ray_2", "ray_overhead/weight_push"}
+    assert set(rows) == {"ray_overhead/local", "ray_overhead/ray_1"}  # a push only with ray_2
     assert rows["ray_overhead/local"]["ratio_to_local"] == 1.0
-    ray_2 = rows["ray_overhead/ray_2"]
-    assert positive(ray_2["s_per_step"]) and positive(ray_2["ratio_to_local"])
-    push = rows["ray_overhead/weight_push"]
-    assert positive(push["s"]) and positive(push["params"])
+    ray_1 = rows["ray_overhead/ray_1"]
+    assert positive(ray_1["s_per_step"]) and positive(ray_1["ratio_to_local"])
