@@ -35,6 +35,11 @@ TINY = [
 ]  # fmt: skip
 
 
+# decoupled rollout correction on vLLM's own log-probs: token TIS and Geo-RS (its band of
+# ±0.1% on a row's mean log-ratio keeps rows whose log-probs match the trainer's)
+CORRECTION = "{preset: decoupled_geo_rs_token_tis}"
+
+
 def _title(process: psutil.Process) -> str:
     try:
         return " ".join(process.cmdline())[:80] or process.name()
@@ -99,7 +104,9 @@ def runs(tmp_path_factory):
     cache = root / "cache"
     started = {
         "trains": WatchedRun(root / "trains", [*base, f"{reward}:digit_fraction",
-                                               "train.steps=3", "eval.every=3"], cache),
+                                               "train.steps=3", "eval.every=3",
+                                               f"algorithm.rollout_correction={CORRECTION}"],
+                             cache),
         "crashes": WatchedRun(root / "crashes", [*base, f"{reward}:explode"], cache),
         "sigterm": WatchedRun(root / "sigterm", [*base, f"{reward}:digit_fraction",
                                                  "train.steps=200", "rollout.max_staleness=1"],
@@ -117,7 +124,8 @@ def runs(tmp_path_factory):
 
 def test_grpo_trains_with_the_vllm_engine(runs):
     """Weights change, every step's rollout used the weights of the step before (pushed into the
-    engine in place), metrics are finite and the engine's log-probs match the trainer's."""
+    engine in place), metrics are finite and the engine's log-probs match the trainer's; the
+    run's rollout correction (decoupled, token TIS and Geo-RS) reads vLLM's own log-probs."""
     code, out = runs["results"]["trains"]
     assert code == 0, out[-3000:]
     run = runs["runs"]["trains"]
@@ -128,6 +136,10 @@ def test_grpo_trains_with_the_vllm_engine(runs):
     assert [r["rollout/weight_version"] for r in rows[1:]] == [1.0, 2.0, 3.0]
     assert all(r["rollout/weight_version_lag"] == 0 for r in rows[1:])
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows[1:])
+    for row in rows[1:]:  # the correction ran on vLLM's own log-probs (finite: checked above)
+        assert row["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+        assert row["training/rollout_actor_probs_pearson_corr"] > 0.99
     assert rows[1]["reward/std"] > 0
     before = AutoModelForCausalLM.from_pretrained(runs["model"])
     after = AutoModelForCausalLM.from_pretrained(run.run_dir / "model")
