@@ -176,3 +176,56 @@ def test_packed_rows_with_a_chunked_lm_head_equal_the_padded_whole_pass(tiny_dir
         return logprobs + entropy
 
     assert_same(both_passes(model, batch, run), batch.response_mask.bool())
+
+
+def _fsdp_rank(rank: int, store: str, tiny_dir, out) -> None:
+    """One of 2 FSDP2 ranks (PACK_TOKENS 12): rank 0 packs its skewed rows, which unsharded
+    would run as several packed sequences; rank 1's two rows of equal length have no padding
+    and run padded. Each must still make exactly one forward pass (FSDP2's collectives)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from keel.engine.distributed import shard_fsdp2
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(0, 120)
+    )
+    torch.set_num_threads(1)
+    forward.PACK_TOKENS = 12
+    model = shard_fsdp2(load_causal_lm(tiny_dir).eval())
+    part = skewed_batch(model.config.vocab_size) if rank == 0 else _even_rows(model)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    logprobs, _ = response_forward(model, part, temperature=0.7, packing=True)
+    (logprobs * part.response_mask).sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    torch.save((logprobs.detach(), grads, len(calls)), out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _even_rows(model) -> Batch:
+    ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % model.config.vocab_size
+    attention = torch.ones(2, 10, dtype=torch.long)
+    return Batch(input_ids=ids, attention_mask=attention, response_mask=torch.ones(2, 4))
+
+
+def test_fsdp2_ranks_make_one_forward_each_whether_they_pack_or_not(tiny_dir, tmp_path):
+    """2 FSDP2 ranks (gloo): one packs, one runs padded, each one forward pass; their
+    log-probs and the reduced gradients equal one unsharded padded pass over both parts."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_rank, args=(str(tmp_path / "store"), tiny_dir, tmp_path), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r[2] for r in ranks] == [1, 1]
+    model = load_causal_lm(tiny_dir).eval()
+    parts = [skewed_batch(model.config.vocab_size), _even_rows(model)]
+    total = 0
+    for rank, part in zip(ranks, parts, strict=True):
+        logprobs, _ = response_forward(model, part, temperature=0.7)
+        mask = part.response_mask.bool()
+        torch.testing.assert_close(rank[0][mask], logprobs[mask], atol=1e-5, rtol=1e-5)
+        total = total + (logprobs * part.response_mask).sum()
+    total.backward()
+    for got, p in zip(ranks[0][1], model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad, atol=1e-5, rtol=1e-4)

@@ -9,6 +9,7 @@ import torch
 from keel.algo.logits import entropy_from_logits, logprobs_from_logits
 from keel.engine.chunked_logits import decoder_states, lm_head_logprobs
 from keel.engine.devices import autocast, model_device
+from keel.engine.distributed import is_sharded
 from keel.engine.micro import MicroBatches
 from keel.engine.packing import Packed, last_token_index, pack, row_groups
 from keel.types import Batch
@@ -126,16 +127,19 @@ def packed_groups(model: Any, batch: Batch) -> list[tuple[list[int], Packed]] | 
     group under flash attention (varlen kernels: each row's attention costs its own length
     squared), else groups of about `PACK_TOKENS` real tokens (a block-diagonal mask costs the
     group's length squared). None when a row cannot be packed, or the batch has less padding
-    than PACK_MIN_PADDING (the padded pass then)."""
+    than PACK_MIN_PADDING (the padded pass then). An FSDP2 model gets one group: every rank
+    must run as many forward passes as the others, whatever its rows (one per micro-batch,
+    packed or padded)."""
     assert batch.attention_mask is not None
     config = getattr(model, "config", None)
     varlen = "flash" in str(getattr(config, "_attn_implementation", ""))
+    sharded = is_sharded(model)
     real = batch.attention_mask != 0
     if float(real.float().mean()) > 1 - PACK_MIN_PADDING:
         return None
     lengths = real.sum(dim=1).tolist()
     out = []
-    for rows in row_groups(lengths, None if varlen else PACK_TOKENS):
+    for rows in row_groups(lengths, None if varlen or sharded else PACK_TOKENS):
         packed = pack(batch if len(rows) == len(batch) else batch.select(rows))
         if packed is None:
             return None
