@@ -229,3 +229,21 @@ def test_fsdp2_ranks_make_one_forward_each_whether_they_pack_or_not(tiny_dir, tm
     total.backward()
     for got, p in zip(ranks[0][1], model.parameters(), strict=True):
         torch.testing.assert_close(got, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rows_under_gradient_checkpointing_equal_the_padded_pass(tiny_dir):
+    """train.gradient_checkpointing: each layer recomputed in the backward with the packed
+    positions it ran with (the tiny Llama has no dropout, so training mode changes nothing
+    else)."""
+    model = load_causal_lm(tiny_dir)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = skewed_batch(model.config.vocab_size)
+    results = []
+    for packing in (False, True):
+        model.train()
+        model.zero_grad()
+        logprobs, _ = response_forward(model, batch, packing=packing, share_prompts=True)
+        (logprobs * batch.response_mask).pow(2).sum().backward()
+        results.append((logprobs.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert (results[1][0][batch.attention_mask[:, 9:] == 0] == 0).all()  # it packed
+    assert_same(results, batch.response_mask.bool())
