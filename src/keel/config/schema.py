@@ -449,6 +449,15 @@ class RolloutConfig(Section):
     return_logprobs: bool = Field(
         False, description="keep the engine's log-probs and log their gap to the trainer's"
     )
+    quantization: Literal["int8", "fp8"] | None = Field(
+        None,
+        description="hf engine: its own copy of the policy with the Linear layers quantized "
+        "(embeddings and LM head kept), re-quantized from each full-precision weight push; the "
+        "trainer keeps full precision. int8: CPU, int8 weights per channel and activations per "
+        "token multiplied in integers (torch._int_mm); fp8: CUDA, weight-only float8_e4m3fn per "
+        "channel (untested here). Pair with return_logprobs and algorithm.rollout_correction "
+        "(docs/rollout.md); null: full precision",
+    )
     share_prompt_prefill: bool = Field(
         True,
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
@@ -480,6 +489,16 @@ class RolloutConfig(Section):
         description="multi-turn episodes in an environment (docs/environments.md); null: one "
         "response per prompt",
     )
+
+    @model_validator(mode="after")
+    def _quantization_on_hf(self) -> RolloutConfig:
+        if self.quantization is not None and self.engine != "hf":
+            raise ValueError(
+                "rollout.quantization quantizes the hf engine's weights; with rollout.engine "
+                "vllm it is not wired (vLLM's own quantization would have to be re-applied at "
+                "each weight push): set rollout.quantization: null"
+            )
+        return self
 
     def swap_step(self) -> int:
         """The decode step at which an interruptible rollout's rows take a push."""

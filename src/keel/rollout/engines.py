@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from keel.config.schema import RolloutConfig
+from keel.models.loading import ModelLoadError
 from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.protocol import EngineInputs, RolloutEngine
+from keel.rollout.quantize import quantize_model, unsupported_reason
 
 __all__ = ["ENGINE_BUILDERS", "EngineInputs", "build_rollout_engine", "hf_engine", "vllm_engine"]
 
@@ -16,9 +18,17 @@ def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
     """HF `generate`. With the actor in the same process and synchronous rollout it generates
     with the actor's module (no weight push); otherwise with its own copy. Asynchronous
     rollout (max_staleness ≥ 1) needs the copy: the module changes while the next batch
-    is being generated."""
-    share = inputs.actor_module is not None and rollout.max_staleness == 0
+    is being generated. So does a quantized rollout (rollout.quantization): the copy's Linear
+    layers quantized (`keel.rollout.quantize`), re-quantized at each weight push."""
+    scheme = rollout.quantization
+    if scheme is not None:
+        reason = unsupported_reason(scheme, inputs.device)
+        if reason is not None:
+            raise ModelLoadError(f"rollout.quantization: {scheme} cannot run here: {reason}")
+    share = inputs.actor_module is not None and rollout.max_staleness == 0 and scheme is None
     model = inputs.actor_module if share else inputs.load_copy()
+    if scheme is not None and model is not None:
+        quantize_model(model, scheme)
     on_cuda = inputs.device.type == "cuda"
     return HFRolloutEngine(
         model,
