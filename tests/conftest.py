@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "tests/cli/test_demo.py",
     "tests/cli/test_train_e2e.py",
     "tests/serve/test_lifecycle.py",
+    "tests/realmodel/test_distillation_real.py",
     "tests/realmodel/test_smollm2_train_real.py",
     "tests/realmodel/test_smollm2_real.py",
 )
