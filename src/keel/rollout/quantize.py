@@ -30,6 +30,9 @@ from torch import nn
 from torch.nn import functional as F
 
 QUANTIZATIONS = ("int8", "fp8")
+# int8 × int8 → int32 matmul (private in torch's typing, public in use: torchao and gpt-fast
+# call it); None where this build lacks it (int8_kernel_available says so)
+INT_MM: Any = getattr(torch, "_int_mm", None)
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -73,11 +76,10 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_kernel_available() -> bool:
     """Whether this PyTorch build multiplies int8 matrices on the CPU (`torch._int_mm`)."""
-    int_mm = getattr(torch, "_int_mm", None)
-    if int_mm is None:
+    if INT_MM is None:
         return False
     try:
-        int_mm(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+        INT_MM(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
     except RuntimeError:
         return False
     return True
@@ -136,7 +138,7 @@ class QuantizedLinear(nn.Module):
         if self.scheme == "int8":
             rows = x.reshape(-1, self.in_features).float()
             xq, xs = quantize_rows_int8(rows)
-            y = torch._int_mm(xq, self.qweight.t()).float() * xs * self.scales
+            y = INT_MM(xq, self.qweight.t()).float() * xs * self.scales
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
