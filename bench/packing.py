@@ -7,6 +7,8 @@ packed, `--reps` times each, medians printed; one JSON line per (model, rows, pa
 
     OMP_NUM_THREADS=1 python -m bench.packing [--models tiny,smollm2] [--rows 4,16] [--reps 3]
         [--cap TOKENS]   # the packed sequence's length (keel.engine.forward.PACK_TOKENS)
+        [--attn flex_attention]  # transformers' attention kernel (default sdpa); flex_attention
+                                 # has no backward on the CPU: no train pass (train_pass_s null)
 
 smollm2 is the real-model fixture's folder (.keel-cache/realmodel/, `make real-model`).
 """
@@ -83,12 +85,15 @@ def main() -> None:
     ap.add_argument(
         "--cap", type=int, default=None, help="tokens per packed sequence (default: PACK_TOKENS)"
     )
+    ap.add_argument("--attn", default="sdpa", help="attention implementation: sdpa, eager, ...")
     args = ap.parse_args()
     if args.cap is not None:
         forward.PACK_TOKENS = args.cap
+    no_backward = args.attn == "flex_attention" and not torch.cuda.is_available()
     torch.manual_seed(0)
     for name in args.models.split(","):
         model = load(name).eval()  # eval: no dropout; gradients still flow
+        model.set_attn_implementation(args.attn)
         for rows in [int(x) for x in args.rows.split(",")]:
             batch = skewed_rows(rows, model.config.vocab_size, args.prompt, args.response)
             batch = batch.trim_padding()
@@ -96,7 +101,7 @@ def main() -> None:
             real = int(batch.attention_mask.sum())
             times: dict[tuple[str, bool], list[float]] = {}
             for _ in range(args.reps + 1):  # the first round warms up, not counted
-                for train in (True, False):
+                for train in (False,) if no_backward else (True, False):
                     for packing in (False, True):
                         model.zero_grad(set_to_none=True)
                         t = one_pass(model, batch, packing, train)
@@ -111,7 +116,10 @@ def main() -> None:
                             "path": path,
                             "tokens": real if path == "packed" else padded_tokens,
                             "padding_fraction": round(1 - real / padded_tokens, 3),
-                            "train_pass_s": round(statistics.median(times[path, True][1:]), 4),
+                            "attn": args.attn,
+                            "train_pass_s": None
+                            if no_backward
+                            else round(statistics.median(times[path, True][1:]), 4),
                             "logprob_pass_s": round(statistics.median(times[path, False][1:]), 4),
                         }
                     ),
