@@ -10,8 +10,8 @@ MARGIN (0.7) of its start. Measured (2026-12-06, seed 0): 6.05 → 3.47 nats per
 same way: lr 3e-4 6.05 → 3.85; the supervised top-16 forward KL 6.05 → 4.71 (its own loss fell
 from 8.7 to 4.1: it covers the teacher's mass, the reverse KL falls less); supervised k3, on
 greedy answers (an earlier form of the measure), 8.08 → 7.18 at lr 5e-5 and up to 15.7 at lr
-3e-4 (most tokens sit at k3's clamp of 10, where the gradient is 0). A teacher whose tokenizer differs
-is a clear error (exit 2, both models named)."""
+3e-4 (most tokens sit at k3's clamp of 10, where the gradient is 0). A teacher whose tokenizer
+differs is a clear error (exit 2, both models named)."""
 
 from __future__ import annotations
 
