@@ -2,7 +2,8 @@
 the tiny model of each family listed here, generates with Keel's vLLM engine from chat prompts
 (Chinese text included), and its log-probs match the trainer's recomputation to the tolerance
 of tests/rollout/test_vllm.py (mean |Δ| ≤ 1e-4; measured ≤ 4e-7). A model vLLM cannot run
-gets Keel's clear error naming the model before vLLM starts.
+gets Keel's clear error naming the model before vLLM starts. Qwen3-MoE takes a streamed weight
+push (bucket by bucket over a real gloo channel) and its log-probs match the trainer's after it.
 
 vLLM's start-up is the cost (about 30 s for the first engine of a process, mostly importing
 vLLM; a few seconds for each further one), so the suite runs four families, one per tokenizer
@@ -69,6 +70,57 @@ def test_vllm_generates_with_the_trainers_log_probs(name, tmp_path):
         m = sampled.response_mask.bool()
         assert m.sum() >= len(sampled)
         assert (recomputed[m] - sampled.rollout_logprobs[m]).abs().mean() <= 1e-4
+
+
+def test_a_streamed_push_into_the_moe_engine_gives_the_trainers_log_probs(tmp_path):
+    """Qwen3-MoE (experts fused by vLLM's loader): new weights sent over a real gloo channel
+    in buckets of 16 KiB (tensors and layers spanning buckets) and loaded by the engine
+    bucket by bucket as they arrive (RolloutWorker.receive_weights' path); the engine's
+    log-probs then match the trainer's for the new weights."""
+    import socket
+    import threading
+
+    from keel.workers.rollout import RolloutWorker
+    from keel.workers.weight_sync import BucketChannel, ChannelSpec, WeightTag
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    folder = build_family(FAMILIES["qwen3_moe"], tmp_path / "moe")
+    trained = build_family(FAMILIES["qwen3_moe"], tmp_path / "trained", seed=1)
+    model = load_causal_lm(trained).eval()
+    engine = build_rollout_engine(RolloutConfig(engine="vllm"), engine_inputs(folder))
+    spec = ChannelSpec("127.0.0.1", port, 2, "moe", "gloo", timeout_s=120)
+    loads: list[int] = []
+    load_bucket = engine.load_weight_bucket
+    engine.load_weight_bucket = lambda w: (loads.append(len(w)), load_bucket(w))[1]
+    sent = {}
+
+    def sender():
+        channel = BucketChannel(spec, 0)
+        sent.update(channel.send(model.state_dict(), WeightTag(0, 1), torch.float32, 16384))
+        channel.close()
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    worker = RolloutWorker(engine)
+    try:
+        worker.weight_channel = BucketChannel(spec, 1)
+        assert worker.receive_weights() == 1
+        worker.close_weight_sync()
+        thread.join(60)
+        examples = [Example(prompt=p) for p in PROMPTS]
+        batch = engine.generate(examples, SamplingParams(n=2, temperature=0.8, max_new_tokens=8))
+    finally:
+        engine.close()
+    assert sent["weight_sync/buckets"] > 10 and len(loads) > 10 and engine.weight_version == 1
+    actor = ActorWorker(model, load_tokenizer(trained), None, temperature=0.8,
+                        mini_batch_size=64, micro_batch_size=64)  # fmt: skip
+    recomputed = actor.compute_logprobs(batch).old_logprobs
+    m = batch.response_mask.bool()
+    assert m.sum() >= len(batch)
+    assert (recomputed[m] - batch.rollout_logprobs[m]).abs().mean() <= 1e-4
 
 
 def test_a_family_with_narrow_heads_is_refused_with_a_clear_error(tmp_path):

@@ -108,6 +108,47 @@ def test_the_channel_sends_in_the_rollout_dtype_and_refuses_an_older_push():
     assert held == [WeightTag(1, 0), WeightTag(1, 0)]  # a rollback's lineage: newer
 
 
+def test_a_streamed_receive_hands_each_tensor_over_once_with_the_bucket_of_its_last_byte():
+    """receive_stream (what a streamed engine such as vLLM is fed): `start` with the tag before
+    any tensor, then after each bucket only the tensors it completed, each once, equal to what
+    was sent; 166 bytes in buckets of 40: "i" spans two buckets, "w" (70 bytes in bf16) three,
+    and the empty "e" comes last."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(7, 5), "b": torch.randn(3), "i": torch.arange(9), "e": torch.ones(0)}
+    spec = ChannelSpec("127.0.0.1", free_port(), 2, "s", "gloo", timeout_s=60)
+    events: list = []
+
+    def sender():
+        ch = BucketChannel(spec, 0)
+        ch.send(state, WeightTag(0, 3), torch.bfloat16, 40)
+        ch.close()
+
+    def receiver():
+        ch = BucketChannel(spec, 1)
+        events.append(
+            ch.receive_stream(
+                WeightTag(0, 0),
+                lambda tag: events.append(("start", tag)),
+                lambda done: events.append(("load", [(n, t.clone()) for n, t in done])),
+            )
+        )
+        ch.close()
+
+    threads = [threading.Thread(target=sender), threading.Thread(target=receiver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert events[0] == ("start", WeightTag(0, 3)) and events[-1] == WeightTag(0, 3)
+    loads = [names for kind, names in events[1:-1] if kind == "load"]
+    assert [[n for n, _ in names] for names in loads] == [["b"], ["i"], ["w"], ["e"]]
+    got = {n: t for names in loads for n, t in names}
+    torch.testing.assert_close(got["w"].float(), state["w"], rtol=BF16_RTOL, atol=0)
+    torch.testing.assert_close(got["b"].float(), state["b"], rtol=BF16_RTOL, atol=0)
+    assert torch.equal(got["i"], state["i"]) and got["e"].shape == (0,)
+
+
 def test_a_collective_sync_needs_separate_ray_groups_and_auto_falls_back_to_the_store():
     from keel.workers.group import LocalWorkerGroup
     from keel.workers.rollout import RolloutWorker

@@ -179,6 +179,20 @@ class InterruptibleEngine(Protocol):
 
 
 @runtime_checkable
+class StreamedWeightsEngine(Protocol):
+    """A `RolloutEngine` that takes a weight push as it arrives, bucket by bucket:
+    `begin_weight_update()`, `load_weight_bucket(tensors)` for each bucket's (HF name, tensor)
+    pairs, `finish_weight_update(version)`; the engine keeps no copy of the pushed tensors
+    beyond the layer it is loading (vLLM's layerwise reload). A collective push
+    (keel.workers.weight_sync) streams into such an engine instead of gathering a full
+    state first."""
+
+    def begin_weight_update(self) -> None: ...
+    def load_weight_bucket(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def finish_weight_update(self, version: int) -> None: ...
+
+
+@runtime_checkable
 class DecodingEngine(Protocol):
     """A `RolloutEngine` that can also be driven step by step: `decoder()` opens a `Decoder`
     on the engine's current weights (serving's continuous batching holds one)."""

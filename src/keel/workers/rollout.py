@@ -14,7 +14,12 @@ from keel.data.examples import Example
 from keel.engine.distributed import rank
 from keel.envs.agents import AgentRunner
 from keel.envs.episodes import EpisodeRunner
-from keel.rollout.protocol import InterruptibleEngine, RolloutEngine, SamplingParams
+from keel.rollout.protocol import (
+    InterruptibleEngine,
+    RolloutEngine,
+    SamplingParams,
+    StreamedWeightsEngine,
+)
 from keel.types import Batch
 from keel.workers.weight_sync import (
     BucketChannel,
@@ -174,11 +179,23 @@ class RolloutWorker:
 
     def receive_weights(self) -> int:
         """Receive one collective push and load it; returns its version (StaleWeightsError,
-        nothing loaded, when it is older than the weights held)."""
+        nothing loaded, when it is older than the weights held). An engine that takes weights
+        as they arrive (`StreamedWeightsEngine`: vLLM) is given each bucket's complete tensors
+        at once; another gets the whole state at the end."""
         if self.weight_channel is None:
             raise RuntimeError("receive_weights before open_weight_sync")
-        state, tag = self.weight_channel.receive(self.weight_tag)
-        self.engine.update_weights(state, tag.version)
+        engine = self.engine
+        if isinstance(engine, StreamedWeightsEngine):
+            # bucket by bucket into the engine as they arrive: no full copy on this side
+            tag = self.weight_channel.receive_stream(
+                self.weight_tag,
+                lambda _: engine.begin_weight_update(),
+                engine.load_weight_bucket,
+            )
+            engine.finish_weight_update(tag.version)
+        else:
+            state, tag = self.weight_channel.receive(self.weight_tag)
+            engine.update_weights(state, tag.version)
         self._version, self._lineage = tag.version, tag.lineage
         return tag.version
 

@@ -245,8 +245,28 @@ class BucketChannel:
         return {"weight_sync/bytes": float(total), "weight_sync/buckets": float(len(ranges))}
 
     def receive(self, held: WeightTag) -> tuple[dict[str, torch.Tensor], WeightTag]:
-        """The next push's (weights on this rank's device, tag); StaleWeightsError (on every
-        rank at once) when the tag is older than the one a rank holds."""
+        """The next push's (weights on this rank's device, tag), gathered whole (for engines
+        that take a full state); StaleWeightsError (on every rank at once) when the tag is
+        older than the one a rank holds."""
+        state: dict[str, torch.Tensor] = {}
+        tag = self.receive_stream(held, lambda _: None, lambda done: state.update(done))
+        return state, tag
+
+    def receive_stream(
+        self,
+        held: WeightTag,
+        start: Callable[[WeightTag], None],
+        load: Callable[[list[tuple[str, torch.Tensor]]], None],
+    ) -> WeightTag:
+        """Receive the next push bucket by bucket: `start(tag)` once the ranks agreed on it,
+        then `load(tensors)` after each bucket with the (name, tensor) pairs whose last byte
+        it held, each in a tensor of its own (filled from one bucket or several). The bucket
+        is freed before `load`: what this end holds beyond what `load` keeps is one bucket
+        while it is copied out, then the tensors it completed (at most a bucket's worth) and
+        the one being assembled across buckets. (Views of the bucket instead of copies kept
+        the bucket alive while the engine processed the layers: measured 391 MiB above the
+        engine against 346 MiB with copies, SmolLM2 at 64 MiB buckets.) Returns the tag;
+        StaleWeightsError as `receive`."""
         header = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._broadcast(header)
         lineage, version, nraw, bucket_bytes = (int(x) for x in header.cpu())
@@ -262,14 +282,30 @@ class BucketChannel:
         raw = torch.zeros(nraw, dtype=torch.uint8, device=self.device)
         self._broadcast(raw)
         slots, total = decode_layout(raw)
-        state = {s.name: torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in slots}
-        for start, end in buckets(total, bucket_bytes):
-            buf = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+        start(tag)
+        partial: dict[str, torch.Tensor] = {}  # tensors whose bytes have begun to arrive
+        for first, end in buckets(total, bucket_bytes):
+            buf = torch.empty(end - first, dtype=torch.uint8, device=self.device)
             self._broadcast(buf)
-            for slot, lo, hi in overlaps(slots, start, end):
-                src = slot.offset + lo - start
-                as_bytes(state[slot.name])[lo:hi].copy_(buf[src : src + hi - lo])
-        return state, tag
+            done: list[tuple[str, torch.Tensor]] = []
+            for slot, lo, hi in overlaps(slots, first, end):
+                t = partial.get(slot.name)
+                if t is None:
+                    t = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+                    partial[slot.name] = t
+                src = slot.offset + lo - first
+                as_bytes(t)[lo:hi].copy_(buf[src : src + hi - lo])
+                if hi == slot.nbytes:
+                    done.append((slot.name, partial.pop(slot.name)))
+            del buf
+            if done:
+                load(done)
+            del done
+        empty = [(s.name, torch.empty(s.shape, dtype=s.dtype, device=self.device))
+                 for s in slots if s.nbytes == 0]  # fmt: skip
+        if empty:
+            load(empty)
+        return tag
 
     def close(self) -> None:
         """Shut the communicator down (idempotent)."""
