@@ -6,13 +6,15 @@ the log-prob gap it opens (issue 42's target: ≥ 1.5× faster generation than f
 
 For each model the HF engine (Keel's decode loop, shared prefill, the rollout's call
 `generate_ids`) generates prompts × n rows of exactly new-tokens tokens (EOS suppressed) from a
-float32 copy and from an int8 copy (`keel.rollout.quantize.quantize_model`: every Linear but the
-LM head), in interleaved rounds (float, int8, float, int8, ...; one warm-up call each); it
-reports the median seconds per call by CPU time (`time.process_time`, this process's single
-thread: less disturbed by other processes than the wall clock on a shared machine) and by
-wall clock, and their ratio. The gap: the int8 engine's own log-probs of its tokens against
-the float32 model's log-probs of the same tokens (teacher-forced, temperature 1): mean |Δ|,
-max |Δ| and the mean k3 KL estimate, what rollout/logprob_* report in a run.
+float32 copy, from an int8 copy (`keel.rollout.quantize.quantize_model`: every Linear but the
+LM head) and from an int8 copy whose LM head is int8 too (`rollout.quantization_lm_head`;
+`_head` in the JSON), in interleaved rounds (float, int8, int8 + head, float, ...; one
+warm-up call each); it reports the median seconds per call by CPU time (`time.process_time`,
+this process's single thread: less disturbed by other processes than the wall clock on a
+shared machine) and by wall clock, and their ratio. The gap: each int8 engine's own log-probs
+of its tokens against the float32 model's log-probs of the same tokens (teacher-forced,
+temperature 1): mean |Δ|, max |Δ| and the mean k3 KL estimate, what rollout/logprob_* report
+in a run.
 
 tiny: keel.models.create_tiny_model's default (hidden 64, 2 layers); smollm2:
 SmolLM2-135M-Instruct as the real-model tests get it (tests/smollm2.py; `make real-model`).
@@ -68,6 +70,15 @@ def float_logprobs(
     return logps.gather(-1, gen[..., None]).squeeze(-1)
 
 
+def gap(full: torch.nn.Module, prompts, a: argparse.Namespace, out) -> tuple:
+    """(log π_int8 − log π_float on the int8 engine's tokens [rows, R], KL(int8 ‖ float) by
+    k3 on samples from int8)."""
+    assert out.logprobs is not None
+    assert all(len(t) == a.new_tokens for t in out.token_ids), "a row ended early"
+    diff = torch.tensor(out.logprobs) - float_logprobs(full, prompts, a.n, out.token_ids)
+    return diff, (torch.exp(-diff) - 1 + diff).mean()
+
+
 def measure(name: str, a: argparse.Namespace) -> dict:
     from keel.models import count_parameters, load_causal_lm, load_tokenizer
     from keel.rollout import HFRolloutEngine, SamplingParams
@@ -78,7 +89,9 @@ def measure(name: str, a: argparse.Namespace) -> dict:
         tok = load_tokenizer(folder)
         full = load_causal_lm(folder).eval()
         quant = load_causal_lm(folder).eval()
+        with_head = load_causal_lm(folder).eval()
     layers = quantize_model(quant, "int8")
+    quantize_model(with_head, "int8", lm_head=True)
     vocab = full.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, min(vocab, 1000), (a.prompts, 8), generator=g).tolist()
@@ -86,12 +99,13 @@ def measure(name: str, a: argparse.Namespace) -> dict:
     engines = {
         "float32": HFRolloutEngine(full, tok, share_prefill=True, return_logprobs=True),
         "int8": HFRolloutEngine(quant, tok, share_prefill=True, return_logprobs=True),
+        "int8_head": HFRolloutEngine(with_head, tok, share_prefill=True, return_logprobs=True),
     }
     cpu: dict[str, list[float]] = {k: [] for k in engines}
     wall: dict[str, list[float]] = {k: [] for k in engines}
     for engine in engines.values():
         engine.generate_ids(prompts, sampling)  # warm-up
-    out = None
+    outs = {}
     for _ in range(a.repeats):
         for key, engine in engines.items():
             torch.manual_seed(0)
@@ -99,14 +113,11 @@ def measure(name: str, a: argparse.Namespace) -> dict:
             got = engine.generate_ids(prompts, sampling)
             cpu[key].append(time.process_time() - c)
             wall[key].append(time.perf_counter() - w)
-            if key == "int8":
-                out = got
-    assert out is not None and out.logprobs is not None
-    assert all(len(t) == a.new_tokens for t in out.token_ids), "a row ended early"
-    ref = float_logprobs(full, prompts, a.n, out.token_ids)
-    diff = torch.tensor(out.logprobs) - ref  # log π_int8 − log π_float on int8's tokens
-    k3 = (torch.exp(-diff) - 1 + diff).mean()  # KL(int8 ‖ float), k3 on samples from int8
+            outs[key] = got
+    gaps = {key: gap(full, prompts, a, outs[key]) for key in ("int8", "int8_head")}
+    (diff, k3), (diff_h, k3_h) = gaps["int8"], gaps["int8_head"]
     c_f, c_q = statistics.median(cpu["float32"]), statistics.median(cpu["int8"])
+    c_h = statistics.median(cpu["int8_head"])
     w_f, w_q = statistics.median(wall["float32"]), statistics.median(wall["int8"])
     rows = a.prompts * a.n
     return {
@@ -120,6 +131,9 @@ def measure(name: str, a: argparse.Namespace) -> dict:
         "logprob_abs_diff": round(float(diff.abs().mean()), 5),
         "logprob_abs_diff_max": round(float(diff.abs().max()), 5),
         "logprob_kl_k3": round(float(k3), 6),
+        "int8_head_cpu_s": round(c_h, 4), "speedup_cpu_head": round(c_f / c_h, 3),
+        "logprob_abs_diff_head": round(float(diff_h.abs().mean()), 5),
+        "logprob_kl_k3_head": round(float(k3_h), 6),
     }  # fmt: skip
 
 
@@ -140,13 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(json.dumps(r))
     print("| model | rows × tokens | float32 s (CPU) | int8 s (CPU) | speed-up CPU | speed-up wall "
-          "| mean abs Δ log-prob | max abs Δ | KL (k3) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| mean abs Δ log-prob | max abs Δ | KL (k3) "
+          "| + LM head: speed-up CPU, abs Δ, KL |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['model']} | {r['rows']} × {r['new_tokens']} | {r['float32_cpu_s']:.3f} | "
               f"{r['int8_cpu_s']:.3f} | {r['speedup_cpu']:.2f}× | {r['speedup_wall']:.2f}× | "
               f"{r['logprob_abs_diff']:.4f} | {r['logprob_abs_diff_max']:.3f} | "
-              f"{r['logprob_kl_k3']:.5f} |")  # fmt: skip
+              f"{r['logprob_kl_k3']:.5f} | {r['speedup_cpu_head']:.2f}×, "
+              f"{r['logprob_abs_diff_head']:.4f}, {r['logprob_kl_k3_head']:.5f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

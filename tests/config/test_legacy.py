@@ -190,6 +190,8 @@ def leaf_paths() -> set[str]:
 # policy of every environment).
 # Issue 42 (throughput) two: train.packing (padding-free forward passes) and train.balance_ranks
 # (data-parallel ranks given even token loads), each a switch for a pass that is exact.
+# Issue 42 (quantized rollout) two: rollout.quantization (the engine's weights int8 or fp8) and
+# rollout.quantization_lm_head (its LM head too: faster, a larger gap); within the bound.
 MOST_LEAF_KEYS = 233
 
 

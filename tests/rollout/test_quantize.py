@@ -144,3 +144,27 @@ def test_quantization_with_the_vllm_engine_is_a_config_error(tmp_path):
     path.write_text("models: {actor: builtin:tiny}\nrollout: {engine: vllm, quantization: int8}\n")
     with pytest.raises(ConfigError, match=r"rollout\.quantization"):
         load_config(path)
+
+
+def test_the_lm_head_quantized_too_is_refreshed_from_the_pushed_head(tiny_dir):
+    """rollout.quantization_lm_head: the tied head becomes a quantized copy of its own (the
+    embeddings stay float), loaded from the pushed lm_head.weight; the gap stays small."""
+    actor = load_causal_lm(tiny_dir).eval()
+    rollout = RolloutConfig(quantization="int8", quantization_lm_head=True, return_logprobs=True)
+    engine = build_rollout_engine(rollout, inputs(tiny_dir, actor_module=actor))
+    head = engine.model.get_output_embeddings()
+    assert isinstance(head, QuantizedLinear) and len(quantized_layers(engine.model)) == 15
+    embeddings = engine.model.get_input_embeddings().weight
+    assert embeddings.dtype == torch.float32
+    state = nearby_weights(actor)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied, as the actor pushes it
+    engine.update_weights(state, 1)
+    actor.load_state_dict(state)
+    assert torch.equal(head.qweight, quantize_int8(state["lm_head.weight"])[0])
+    assert torch.equal(embeddings, state["model.embed_tokens.weight"])
+    torch.manual_seed(0)
+    batch = engine.generate([Example(prompt="12+3=", answer="")], SamplingParams(n=4))
+    gap = (batch.rollout_logprobs - trainer_logprobs(actor, batch)).abs()[batch.response_mask > 0]
+    assert 0 < gap.mean() < 0.02, gap.mean()
+    with pytest.raises(ValueError, match=r"quantization_lm_head needs rollout\.quantization"):
+        RolloutConfig(quantization_lm_head=True)

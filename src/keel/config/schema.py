@@ -458,6 +458,11 @@ class RolloutConfig(Section):
         "channel (untested here). Pair with return_logprobs and algorithm.rollout_correction "
         "(docs/rollout.md); null: full precision",
     )
+    quantization_lm_head: bool = Field(
+        False,
+        description="with quantization: the LM head quantized too (tied to the embeddings or "
+        "not: the embeddings stay float); faster, a larger log-prob gap (docs/rollout.md)",
+    )
     share_prompt_prefill: bool = Field(
         True,
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
@@ -492,6 +497,8 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _quantization_on_hf(self) -> RolloutConfig:
+        if self.quantization_lm_head and self.quantization is None:
+            raise ValueError("rollout.quantization_lm_head needs rollout.quantization")
         if self.quantization is not None and self.engine != "hf":
             raise ValueError(
                 "rollout.quantization quantizes the hf engine's weights; with rollout.engine "

@@ -28,7 +28,7 @@ def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
     share = inputs.actor_module is not None and rollout.max_staleness == 0 and scheme is None
     model = inputs.actor_module if share else inputs.load_copy()
     if scheme is not None and model is not None:
-        quantize_model(model, scheme)
+        quantize_model(model, scheme, lm_head=rollout.quantization_lm_head)
     on_cuda = inputs.device.type == "cuda"
     return HFRolloutEngine(
         model,
