@@ -15,10 +15,17 @@ from keel.models import TinyModelSpec, create_tiny_model
 pytestmark = pytest.mark.vllm
 
 
-def test_a_separate_ray_rollout_worker_generates_with_vllm(tmp_path):
+@pytest.mark.parametrize("actor_on_ray", [False, True], ids=["object_store", "collective"])
+def test_a_separate_ray_rollout_worker_generates_with_vllm(tmp_path, actor_on_ray):
+    """With the actor in the driver the push goes through the object store (update_weights);
+    with the actor in a Ray group of its own it is collective (gloo) and streamed into the
+    engine bucket by bucket (RolloutWorker.receive_weights), in buckets smaller than a layer."""
     model = create_tiny_model(
         tmp_path / "model", TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=2)
     )
+    groups = [{"roles": ["rollout"], "workers": 1, "cpus_per_worker": 1}]
+    if actor_on_ray:
+        groups.append({"roles": ["actor"], "workers": 1, "cpus_per_worker": 1})
     run_dir = tmp_path / "run"
     reward = "tests/cli/format_reward.py:digit_fraction"
     cfg = validate({
@@ -29,8 +36,7 @@ def test_a_separate_ray_rollout_worker_generates_with_vllm(tmp_path):
                     "vllm": {"kv_cache_space_gb": 0.125}},
         "train": {"batch_size": 4, "mini_batch_size": 16, "lr": 1e-3, "steps": 2},
         "eval": {"every": 0},
-        "resources": {"backend": "ray",
-                      "groups": [{"roles": ["rollout"], "workers": 1, "cpus_per_worker": 1}]},
+        "resources": {"backend": "ray", "groups": groups, "weight_sync_bucket_mb": 0.01},
     })  # fmt: skip
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -45,3 +51,6 @@ def test_a_separate_ray_rollout_worker_generates_with_vllm(tmp_path):
     assert [r["rollout/weight_version"] for r in trained] == [1.0, 2.0]
     assert all(r["rollout/weight_version_lag"] == 0 for r in trained)
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in trained)
+    if actor_on_ray:  # the collective sync, many buckets per push
+        assert all(r["weight_sync/buckets"] > 10 for r in trained if "weight_sync/buckets" in r)
+        assert any("weight_sync/buckets" in r for r in trained)
