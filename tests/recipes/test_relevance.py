@@ -77,6 +77,8 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "decode_loop",
         "compile",
         "env",  # evaluation plays episodes too when it is set
+        "quantization",  # evaluation generates with the rollout engine, quantized or not
+        "quantization_lm_head",
     }
     assert "#   rollout.vllm: options of the vLLM engine; rollout.engine is hf" in out
     assert "rules" not in shown["guard"] and "samples" not in shown["monitor"]
@@ -84,7 +86,8 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
     assert "# not used by sft (RUN_DIR/config.yaml keeps them):" in out
     assert (
         "#   rollout.n, rollout.temperature, rollout.return_logprobs, "
-        "rollout.share_prompt_prefill, rollout.max_staleness: " in out
+        "rollout.share_prompt_prefill, rollout.max_staleness, rollout.interruptible, "
+        "rollout.interrupt_at: " in out
     )
     assert "# derived" in out
     assert main(["config", "show", str(EXAMPLES / "grpo_arith_tiny.yaml")]) == 0

@@ -112,7 +112,8 @@ def _unused(cfg: KeelConfig, plan: StagePlan) -> list[tuple[list[str], str]]:
         if generates_eval:
             out.append((
                 ["rollout.n", "rollout.temperature", "rollout.return_logprobs",
-                 "rollout.share_prompt_prefill", "rollout.max_staleness"],
+                 "rollout.share_prompt_prefill", "rollout.max_staleness",
+                 "rollout.interruptible", "rollout.interrupt_at"],
                 f"the {stage} stage samples no training responses; its evaluation generates one "
                 "response per prompt (eval.temperature) with rollout.max_new_tokens, top_p and "
                 "batch_size",
