@@ -57,3 +57,31 @@ def test_what_an_agent_returns_is_its_reward():
     for bad in (True, "1", None, {"score": 1}, {"reward": 1, "info": 3}):
         with pytest.raises(RuntimeError, match="x: "):
             reward_of(bad, "x")
+
+
+# One turn, then a failure of the attempt on a quarter of the answers (by their characters: a
+# retry samples another answer); deterministic given the sampled tokens, as exact resume needs.
+FLAKY = """
+def run(client, example):
+    messages = [{"role": "user", "content": example["prompt"]}]
+    out = client.chat.completions.create(model="any", messages=messages, max_tokens=8)
+    text = out.choices[0].message.content or ""
+    if sum(map(ord, text)) % 4 == 0:
+        raise ConnectionError("the sandbox went away")
+    return float(example["answer"] in text)
+"""
+
+
+def test_a_flaky_agent_is_retried_the_steps_train_and_resume_is_exact(tmp_path, tiny_dir):
+    """Agent episodes under the failure policy in a run: failed attempts are retried with fresh
+    sessions (episode/retried counted), the steps train, and the resumed run replays the
+    straight one (the retries' draws come from the step's random stream)."""
+    path = tmp_path / "flaky.py"
+    path.write_text(FLAKY)
+    extra = [REWARD, "rollout.max_new_tokens=8", f"rollout.env.agent={path}:run",
+             "rollout.env.retries=2", "rollout.env.max_failed_frac=1.0"]  # fmt: skip
+    check_exact_resume(EXAMPLE, tmp_path, tiny_dir, extra)
+    rows = stable(read_metrics(tmp_path / "straight" / "metrics.jsonl"))
+    assert sum(rows[step]["episode/retried"] for step in (1, 2, 3, 4)) > 0
+    trained, start = weights(tmp_path / "straight" / "model"), weights(tiny_dir)
+    assert any(not torch.equal(trained[k], start[k]) for k in start)

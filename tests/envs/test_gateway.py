@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from keel.data import Example
-from keel.envs.agents import AgentError, AgentRunner
-from keel.envs.episodes import episode_metrics
+from keel.envs.agents import AgentRunner
+from keel.envs.episodes import (
+    EpisodesFailedError,
+    drop_failed_groups,
+    episode_metrics,
+    failure_warning,
+)
 from keel.models import load_causal_lm, load_tokenizer
 from keel.rollout import HFRolloutEngine, SamplingParams
 from tests.serve.live_server import wait_until
@@ -192,17 +197,21 @@ def test_bad_requests_are_answered_in_openais_shape(engine, tmp_path):
 
 
 def test_a_failing_agent_names_itself_and_the_example(engine, tmp_path):
+    """Without retries or a failed fraction (the runner's defaults) any failed episode stops
+    the call with the failure policy's error, naming rollout.env.agent and the example."""
     source = """
     def run(client, example):
         raise KeyError("boom")
     """
-    with pytest.raises(AgentError, match=r"rollout.env.agent .*agent.py:run on t:1.*boom"):
+    with pytest.raises(
+        EpisodesFailedError, match=r"2 of 2 episodes.*rollout.env.agent .*agent.py:run on t:1.*boom"
+    ):
         runner(engine, agent(tmp_path, source)).generate(EXAMPLES[:1], SAMPLING)
     silent = agent(tmp_path, "def run(client, example):\n    return 1.0\n", "silent.py")
-    with pytest.raises(AgentError, match="without a turn of the model"):
+    with pytest.raises(EpisodesFailedError, match="without a turn of the model"):
         runner(engine, silent).generate(EXAMPLES[:1], SAMPLING)
     wrong = agent(tmp_path, "def run(client, example):\n    return 'yes'\n", "wrong.py")
-    with pytest.raises(AgentError, match="must return the episode's reward"):
+    with pytest.raises(EpisodesFailedError, match="must return the episode's reward"):
         runner(engine, wrong).generate(EXAMPLES[:1], SAMPLING)
 
 
@@ -242,3 +251,129 @@ def test_without_the_chat_template_a_lone_user_message_is_a_text_prompt(engine, 
     assert spelled(tok, session.tokens) == first + "\n<|tool|>7\n<|assistant|>" + spelled(
         tok, session.served[1][1]
     )
+
+
+# One request, then a failure for some examples: "flaky" fails the first attempt of each
+# episode of the prompt 3+4= (the first two calls of it: both episodes start before any
+# answer comes back), "broken" fails every attempt at 12-5=.
+FLAKY = """
+import threading
+calls, lock = {}, threading.Lock()
+
+def run(client, example):
+    with lock:
+        calls[example["prompt"]] = seen = calls.get(example["prompt"], 0) + 1
+    messages = [{"role": "user", "content": example["prompt"]}]
+    client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+    if example["prompt"] == "3+4=" and seen <= 2 or example["prompt"] == "12-5=" and BROKEN:
+        raise ConnectionError("the sandbox went away")
+    return 1.0
+"""
+
+
+def check_rows(batch, run: AgentRunner) -> None:
+    """Each row is its last attempt's session and nothing else."""
+    for i, session in enumerate(run.last_sessions):
+        row = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
+        assert row == session.prompt_ids + session.tokens
+        assert session.served == [(session.prompt_ids, session.tokens)]  # one request
+
+
+def test_a_failed_agent_attempt_is_retried_with_a_fresh_session(engine, tmp_path):
+    run = runner(engine, agent(tmp_path, "BROKEN = False" + FLAKY), retries=1)
+    batch = run.generate(EXAMPLES, SamplingParams(n=2, max_new_tokens=4))
+    assert [e["failures"] for e in batch.episodes] == [1, 1, 0, 0]
+    assert [e["termination"] for e in batch.episodes] == ["done"] * 4
+    assert [e["return"] for e in batch.episodes] == [1.0] * 4
+    assert [e["requests"] for e in batch.episodes] == [1] * 4  # the failed ones' not counted
+    check_rows(batch, run)
+    kept, counts = drop_failed_groups(batch)
+    assert kept is batch and failure_warning(batch) is None
+    assert counts == {"episode/failed": 0, "episode/retried": 2, "episode/groups_dropped": 0}
+
+
+def test_an_agent_that_fails_every_attempt_drops_its_group_or_stops_the_run(engine, tmp_path):
+    spec = agent(tmp_path, "BROKEN = True" + FLAKY)
+    run = runner(engine, spec, retries=1, max_failed_frac=0.5)
+    batch = run.generate(EXAMPLES, SamplingParams(n=2, max_new_tokens=4))
+    assert [e["termination"] for e in batch.episodes] == ["done", "done", "failed", "failed"]
+    assert [e["failures"] for e in batch.episodes] == [1, 1, 2, 2]
+    assert "ConnectionError('the sandbox went away')" in batch.episodes[2]["error"]
+    check_rows(batch, run)
+    warning = failure_warning(batch)
+    assert warning is not None and warning.startswith("2 episodes failed on every attempt")
+    kept, counts = drop_failed_groups(batch)
+    assert kept.group_ids.tolist() == [0, 0]
+    assert counts == {"episode/failed": 2, "episode/retried": 4, "episode/groups_dropped": 1}
+    over = runner(engine, spec, retries=1, max_failed_frac=0.25)
+    with pytest.raises(EpisodesFailedError, match=r"2 of 4 episodes failed, each after 2 "
+                       r"attempts .*rollout.env.agent .*agent.py:run on an example"):  # fmt: skip
+        over.generate(EXAMPLES, SamplingParams(n=2, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_hung_agent_times_out_and_is_retried(engine, tmp_path, kind):
+    """The first attempt at 3+4= asks once, then hangs; past rollout.env.timeout_s it is given
+    up on and the retry plays the episode. A sync agent's thread is left running: the retry
+    releases it and it finds its session's key refused; an async agent's task is cancelled.
+    Generous limits: 2 s, 3 retries."""
+    marks = tmp_path / "mark"
+    source = f"""
+    import asyncio, os, threading, time
+    import openai
+    calls, lock = {{}}, threading.Lock()
+    MARK = {str(marks)!r}
+
+    def attempt(example):
+        with lock:
+            calls[example["prompt"]] = seen = calls.get(example["prompt"], 0) + 1
+        return seen
+
+    def ask(client, example):
+        return client.chat.completions.create(
+            model="any", messages=[{{"role": "user", "content": example["prompt"]}}],
+            max_tokens=3)
+
+    def wait_for(path):
+        for _ in range(400):
+            if os.path.exists(path):
+                return
+            time.sleep(0.05)
+
+    def run(client, example):
+        seen = attempt(example)
+        if seen == 2:  # the retry: wake the first attempt, end once it was refused
+            open(MARK + ".release", "w").close()
+        ask(client, example)
+        if seen == 1:  # hung until the retry has started
+            wait_for(MARK + ".release")
+            try:
+                ask(client, example)
+            except openai.AuthenticationError:
+                open(MARK + ".refused", "w").close()
+        if seen == 2:
+            wait_for(MARK + ".refused")
+        return 1.0
+
+    async def run_async(client, example):
+        seen = attempt(example)
+        await client.chat.completions.create(
+            model="any", messages=[{{"role": "user", "content": example["prompt"]}}],
+            max_tokens=3)
+        try:
+            if seen == 1:
+                await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            open(MARK + ".cancelled", "w").close()
+            raise
+        return 1.0
+    """
+    spec = agent(tmp_path, source) + ("_async" if kind == "async" else "")
+    run = runner(engine, spec, retries=3, timeout_s=2.0)
+    batch = run.generate(EXAMPLES[:1], SamplingParams(n=1, max_new_tokens=3))
+    episode = batch.episodes[0]
+    assert episode["termination"] == "done" and episode["failures"] == 1
+    assert episode["return"] == 1.0
+    check_rows(batch, run)
+    done = "cancelled" if kind == "async" else "refused"
+    assert Path(f"{marks}.{done}").exists()

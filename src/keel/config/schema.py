@@ -341,16 +341,18 @@ class EnvConfig(Section):
     retries: int = Field(
         2,
         ge=0,
-        description="an episode whose environment raised, timed out or was lost is played "
-        "again from the start with a fresh environment, up to this many times; one that "
-        "still fails drops its whole group from the step",
+        description="an episode whose environment (or agent) raised, timed out or was lost is "
+        "played again from the start with a fresh environment (an agent: a fresh gateway "
+        "session), up to this many times; one that still fails drops its whole group from the "
+        "step",
     )
     timeout_s: float | None = Field(
         None,
         gt=0,
         description="time limit of one reset or step: past it an in-process environment's "
         "attempt at the episode failed; with name http, of one call attempt (then retried, "
-        "http_retries). null: none in-process, 30 s with name http",
+        "http_retries); with name agent, of one whole call of the agent (an attempt). null: "
+        "none in-process and for an agent, 30 s with name http",
     )
     max_failed_frac: float = Field(
         0.25,

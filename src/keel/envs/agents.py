@@ -16,6 +16,16 @@ The agent file needs nothing from Keel.
 keel.envs.episodes.EpisodeRunner: every episode of the call runs at once (one thread each; an
 async agent gets an event loop on its thread), the gateway batches their requests by turn, and
 each session's tokens become one row with holes in `response_mask` (the runner's `_batch`).
+
+Failed episodes follow the EpisodeRunner's policy (rollout.env.retries, timeout_s,
+max_failed_frac): an agent that raises before its episode is over, returns something that is
+not a reward, never asks the model anything, or runs past `timeout_s` (the whole call of the
+agent) has failed an attempt; the episode is played again from the start with a fresh session
+(a new key; nothing of the failed one stays in the row) up to `retries` times, and one that
+fails every attempt ends `failed` (its group is dropped: episodes.drop_failed_groups). More
+than `max_failed_frac` of the call's episodes failed: EpisodesFailedError. An attempt past
+the time limit is given up on: a sync agent's thread (a daemon) is left to finish on its own,
+an async agent's task is cancelled; its session's key is refused from then on.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import torch
 
 from keel.data.encoding import assemble
 from keel.data.examples import Example
+from keel.envs.episodes import FAILED, EpisodesFailedError, too_many_failed
 from keel.envs.gateway import WAIT_S, Gateway, Session
 from keel.envs.loading import EnvLoadError, load_object
 from keel.rollout.protocol import RolloutEngine, SamplingParams
@@ -45,6 +56,10 @@ class AgentError(RuntimeError):
     or never asked the model anything; the message names rollout.env.agent and the example."""
 
 
+class AgentTimeoutError(AgentError):
+    """An agent ran past rollout.env.timeout_s: the attempt was given up on."""
+
+
 @dataclass
 class Outcome:
     """What one agent call gave: its reward and per-turn rewards and info, or its exception."""
@@ -53,6 +68,8 @@ class Outcome:
     turn_rewards: tuple[float, ...] = ()
     info: dict[str, Any] | None = None
     error: BaseException | None = None
+    failures: int = 0  # attempts that failed (the EpisodeRunner's Episode.failures)
+    failed: str | None = None  # every attempt failed: the last one's error
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
@@ -94,7 +111,9 @@ class AgentRunner:
     """Plays one agent episode per row over the gateway; `generate` returns the rows in the
     EpisodeRunner's layout. `chat` (data.apply_chat_template): off, a first request that is one
     user message is the prompt as written, as a text example's prompt is. `last_sessions`: the
-    sessions of the last call (what the gateway served, for checks)."""
+    sessions of the last call (what the gateway served, for checks: a retried episode's is its
+    last attempt's). retries / timeout_s / max_failed_frac: the failure policy of
+    keel.envs.episodes.EpisodeRunner, `timeout_s` bounding one whole call of the agent."""
 
     def __init__(
         self,
@@ -112,6 +131,9 @@ class AgentRunner:
         wait_s: float = WAIT_S,
         request_timeout_s: float = 600.0,
         chat: bool = True,
+        retries: int = 0,
+        timeout_s: float | None = None,
+        max_failed_frac: float = 0.0,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -127,6 +149,9 @@ class AgentRunner:
         self.wait_s = wait_s
         self.request_timeout_s = request_timeout_s
         self.chat = chat
+        self.retries = retries
+        self.timeout_s = timeout_s
+        self.max_failed_frac = max_failed_frac
         self.last_sessions: list[Session] = []
         self.last_engine_calls = 0
 
@@ -149,13 +174,13 @@ class AgentRunner:
         sessions = gateway.open(len(rows))
         outcomes = [Outcome() for _ in rows]
         url = gateway.serve()
-        episodes = list(zip(sessions, rows, strict=True))
+        episodes = list(zip(range(len(rows)), rows, strict=True))
         client = None
         try:
             if inspect.iscoroutinefunction(self.agent):  # every episode a task of one loop
-                threads = [threading.Thread(target=asyncio.run, name="keel-agents", daemon=True,
-                                            args=(self._play_async(gateway, url, episodes,
-                                                                   outcomes),))]  # fmt: skip
+                play = self._play_async(gateway, url, episodes, sessions, outcomes)
+                threads = [threading.Thread(target=asyncio.run, args=(play,), name="keel-agents",
+                                            daemon=True)]  # fmt: skip
             else:  # a thread per episode, one client (and connection pool) shared by them
                 import openai
 
@@ -164,11 +189,11 @@ class AgentRunner:
                 threads = [
                     threading.Thread(
                         target=self._play,
-                        args=(gateway, client, session, example, outcomes),
-                        name=f"keel-agent-{session.index}",
+                        args=(gateway, client, index, example, sessions, outcomes),
+                        name=f"keel-agent-{index}",
                         daemon=True,
                     )
-                    for session, example in episodes
+                    for index, example in episodes
                 ]
             for thread in threads:
                 thread.start()
@@ -183,46 +208,120 @@ class AgentRunner:
             raise gateway.batcher.error
         self.last_sessions = sessions
         self.last_engine_calls = gateway.batcher.calls
-        for session, example, outcome in zip(sessions, rows, outcomes, strict=True):
-            self._check(session, example, outcome)
+        errors = [o.failed for o in outcomes if o.failed is not None]
+        message = too_many_failed(errors, len(rows), self.retries, self.max_failed_frac)
+        if message is not None:
+            raise EpisodesFailedError(message)
         logprobs = gateway.batcher.logprobs
         return self._batch(examples, sampling.n, group_offset, sessions, outcomes, logprobs)
 
     # -- one episode ---------------------------------------------------------------------
 
     def _play(
-        self, gateway: Gateway, client: Any, session: Session, example: Example, outcomes: list
+        self,
+        gateway: Gateway,
+        client: Any,
+        index: int,
+        example: Example,
+        sessions: list[Session],
+        outcomes: list[Outcome],
     ) -> None:
-        """One episode of a sync agent, on its own thread; its client is `client` with the
-        session's key (`with_options`: the same connection pool)."""
+        """One episode of a sync agent, its attempts on this thread: each attempt calls the
+        agent on a thread of its own (a daemon, given up on past timeout_s) with the client
+        carrying the attempt's session key (`with_options`: the same connection pool)."""
         try:
-            value = self.agent(client.with_options(api_key=session.key), self._given(example))
-            outcomes[session.index] = reward_of(value, self._where(example))
-        except BaseException as exc:  # the agent's: judged by _check once every episode is done
-            outcomes[session.index] = Outcome(error=exc)
+            while True:
+                box: list[Outcome] = []
+                thread = threading.Thread(
+                    target=self._call,
+                    args=(client, sessions[index].key, example, box),
+                    name=f"keel-agent-call-{index}",
+                    daemon=True,
+                )
+                thread.start()
+                thread.join(self.timeout_s)
+                outcome = box[0] if box else Outcome(error=self._timed_out(example))
+                if self._settle(gateway, index, example, sessions, outcomes, outcome):
+                    return
         finally:
-            gateway.batcher.finish(session.index)
+            gateway.batcher.finish(index)
+
+    def _call(self, client: Any, key: str, example: Example, box: list[Outcome]) -> None:
+        """One attempt of a sync agent; its Outcome put in `box`."""
+        try:
+            value = self.agent(client.with_options(api_key=key), self._given(example))
+            box.append(reward_of(value, self._where(example)))
+        except BaseException as exc:  # the agent's: judged by _settle
+            box.append(Outcome(error=exc))
 
     async def _play_async(
-        self, gateway: Gateway, url: str, episodes: list[tuple[Session, Example]], outcomes: list
+        self,
+        gateway: Gateway,
+        url: str,
+        episodes: list[tuple[int, Example]],
+        sessions: list[Session],
+        outcomes: list[Outcome],
     ) -> None:
-        """Every episode of an async agent as a task of this loop, one AsyncOpenAI client."""
+        """Every episode of an async agent as a task of this loop, one AsyncOpenAI client; an
+        attempt past timeout_s is cancelled."""
         import openai
 
-        async def one(client: Any, session: Session, example: Example) -> None:
+        async def attempt(client: Any, session: Session, example: Example) -> Outcome:
             try:
                 value = await self.agent(client.with_options(api_key=session.key),
                                          self._given(example))  # fmt: skip
-                outcomes[session.index] = reward_of(value, self._where(example))
+                return reward_of(value, self._where(example))
             except BaseException as exc:
-                outcomes[session.index] = Outcome(error=exc)
+                return Outcome(error=exc)
+
+        async def one(client: Any, index: int, example: Example) -> None:
+            try:
+                while True:
+                    task = asyncio.ensure_future(attempt(client, sessions[index], example))
+                    done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+                    if done:
+                        outcome = task.result()
+                    else:
+                        task.cancel()
+                        outcome = Outcome(error=self._timed_out(example))
+                    if self._settle(gateway, index, example, sessions, outcomes, outcome):
+                        return
             finally:
-                gateway.batcher.finish(session.index)
+                gateway.batcher.finish(index)
 
         async with openai.AsyncOpenAI(
             base_url=url, api_key="-", max_retries=0, timeout=self.request_timeout_s
         ) as client:
-            await asyncio.gather(*(one(client, s, ex) for s, ex in episodes))
+            await asyncio.gather(*(one(client, i, ex) for i, ex in episodes))
+
+    def _timed_out(self, example: Example) -> AgentTimeoutError:
+        return AgentTimeoutError(f"{self._where(example)}: the agent ran past "
+                                 f"rollout.env.timeout_s={self.timeout_s:g}s")  # fmt: skip
+
+    def _settle(
+        self,
+        gateway: Gateway,
+        index: int,
+        example: Example,
+        sessions: list[Session],
+        outcomes: list[Outcome],
+        outcome: Outcome,
+    ) -> bool:
+        """Record an attempt of episode `index`: True when the episode is over (played, or out
+        of retries: `failed`); False when it starts again with a fresh session."""
+        failures = outcomes[index].failures
+        error = self._failure(sessions[index], example, outcome)
+        if error is None:
+            outcome.failures = failures
+            outcomes[index] = outcome
+            return True
+        failures += 1
+        if failures > self.retries or gateway.batcher.error is not None:
+            outcomes[index] = Outcome(error=outcome.error, failures=failures, failed=error)
+            return True
+        outcomes[index] = Outcome(failures=failures)
+        sessions[index] = gateway.reopen(sessions[index])
+        return False
 
     def _given(self, example: Example) -> dict[str, Any]:
         """The example as the agent gets it: a dict, nothing of Keel's."""
@@ -236,19 +335,21 @@ class AgentRunner:
     def _where(self, example: Example) -> str:
         return f"{AGENT_FIELD} {self.spec} on {example.source or 'an example'}"
 
-    def _check(self, session: Session, example: Example, outcome: Outcome) -> None:
-        """AgentError for a failed episode: the agent raised before the gateway ended the
-        episode, or it never asked the model anything (no row to train on)."""
+    def _failure(self, session: Session, example: Example, outcome: Outcome) -> str | None:
+        """Why the attempt failed, or None: the agent raised before the gateway ended the
+        episode (after it: reward 0, the gateway's end), ran past timeout_s, returned
+        something that is not a reward, or never asked the model anything (no row to train
+        on). The message names rollout.env.agent and the example."""
         where = self._where(example)
         error = outcome.error
-        if error is not None and session.ended is None:
-            if isinstance(error, AgentError):
-                raise error
-            raise AgentError(f"{where}: the agent raised {error!r}") from error
+        if error is not None and (session.ended is None or isinstance(error, AgentTimeoutError)):
+            return str(error) if isinstance(error, AgentError) else (
+                f"{where}: the agent raised {error!r}")  # fmt: skip
         if error is not None:  # raised after its episode was over: reward 0 (the gateway's end)
             outcome.reward, outcome.turn_rewards = 0.0, ()
         if session.prompt_ids is None or session.turns == 0:
-            raise AgentError(f"{where}: the agent returned without a turn of the model")
+            return f"{where}: the agent returned without a turn of the model"
+        return None
 
     # -- the batch -----------------------------------------------------------------------
 
@@ -288,9 +389,10 @@ class AgentRunner:
         ret = o.reward + sum(self.turn_discount**k * r for k, r in enumerate(o.turn_rewards))
         info = o.info or {}
         model = sum(s.mask)
+        failed = {"error": o.failed} if o.failed is not None else {}
         return {
             "turns": s.turns,
-            "termination": s.ended or "done",
+            "termination": FAILED if o.failed is not None else s.ended or "done",
             "return": ret,
             "tool_calls": int(info.get("tool_calls", s.tool_calls)),
             "tool_errors": int(info.get("tool_errors", 0)),
@@ -299,6 +401,8 @@ class AgentRunner:
             "messages": s.messages,
             "requests": s.requests,
             "retokenize_mismatch": s.mismatches,
+            "failures": o.failures,
+            **failed,
             **({"info": info} if info else {}),
         }
 

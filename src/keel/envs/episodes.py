@@ -268,14 +268,11 @@ class EpisodeRunner:
 
     def _check_failures(self, episodes: list[Episode]) -> None:
         failed = [e for e in episodes if e.termination == FAILED]
-        if not failed or len(failed) <= self.max_failed_frac * len(episodes):
-            return
-        message = (
-            f"{len(failed)} of {len(episodes)} episodes failed, each after "
-            f"{self.retries + 1} attempt{'s' if self.retries else ''} (more than "
-            f"rollout.env.max_failed_frac={self.max_failed_frac:g} of them); the first "
-            f"episode's last error: {failed[0].error}"
+        message = too_many_failed(
+            [e.error for e in failed], len(episodes), self.retries, self.max_failed_frac
         )
+        if message is None:
+            return
         if all(e.refusals_only for e in failed):
             raise ResetError(message)  # the environment refused the examples: a user error
         raise EpisodesFailedError(message)
@@ -423,6 +420,23 @@ class EpisodeRunner:
         batch.episodes = [e.summary() for e in episodes]
         batch.meta["eos_token_ids"] = list(self.eos_ids)
         return batch
+
+
+def too_many_failed(
+    errors: Sequence[str], total: int, retries: int, max_failed_frac: float
+) -> str | None:
+    """The message of the error that stops the run when more than `max_failed_frac` of a
+    generate call's `total` episodes failed every attempt (`errors`: each such episode's last
+    error, in row order); None when they are few enough (EpisodeRunner's and
+    keel.envs.agents.AgentRunner's rule)."""
+    if not errors or len(errors) <= max_failed_frac * total:
+        return None
+    return (
+        f"{len(errors)} of {total} episodes failed, each after "
+        f"{retries + 1} attempt{'s' if retries else ''} (more than "
+        f"rollout.env.max_failed_frac={max_failed_frac:g} of them); the first "
+        f"episode's last error: {errors[0]}"
+    )
 
 
 def failure_warning(batch: Batch) -> str | None:

@@ -116,22 +116,43 @@ class TurnBatcher:
         self.pending: dict[int, tuple[list[int], int, Future[Completions]]] = {}
         self.running: set[int] = set()
         self.first_wait: float | None = None
+        self.keys: dict[int, str] = {}  # each episode's current session key (its attempt's)
         self.calls = 0
         self.logprobs = False  # the engine returned log-probs (for every row, or for none)
         self.error: BaseException | None = None
 
-    def start(self, indexes: range) -> None:
+    def start(self, keys: list[str]) -> None:
         with self.cond:
-            self.running = set(indexes)
+            self.running = set(range(len(keys)))
+            self.keys = dict(enumerate(keys))
 
-    def submit(self, index: int, prompt_ids: list[int], budget: int) -> Future[Completions]:
+    def submit(
+        self, index: int, prompt_ids: list[int], budget: int, key: str | None = None
+    ) -> Future[Completions]:
+        """The answer to episode `index`'s request; refused (an error as its result) when `key`
+        is not the episode's current session (an attempt given up on, still asking)."""
         future: Future[Completions] = Future()
         with self.cond:
+            if key is not None and self.keys.get(index) != key:
+                future.set_exception(_abandoned())
+                return future
             self.pending[index] = (prompt_ids, budget, future)
             if self.first_wait is None:
                 self.first_wait = time.monotonic()
             self.cond.notify_all()
         return future
+
+    def retire(self, index: int, key: str) -> None:
+        """Episode `index` starts another attempt with session `key`: a request of the attempt
+        given up on that still waits is answered with an error, and a later one refused."""
+        with self.cond:
+            self.keys[index] = key
+            waiting = self.pending.pop(index, None)
+            if not self.pending:
+                self.first_wait = None
+            self.cond.notify_all()
+        if waiting is not None:
+            waiting[2].set_exception(_abandoned())
 
     def finish(self, index: int) -> None:
         """Episode `index` will send no more requests (its agent returned or raised)."""
@@ -219,10 +240,20 @@ class Gateway:
     # -- sessions --------------------------------------------------------------------------
 
     def open(self, count: int) -> list[Session]:
-        sessions = [Session(i, f"keel-session-{uuid.uuid4().hex}") for i in range(count)]
+        sessions = [Session(i, _new_key()) for i in range(count)]
         self.sessions = {s.key: s for s in sessions}
-        self.batcher.start(range(count))
+        self.batcher.start([s.key for s in sessions])
         return sessions
+
+    def reopen(self, old: Session) -> Session:
+        """A fresh session for the next attempt of `old`'s episode (a retry, keel.envs.agents):
+        nothing of `old` is kept, its key is refused from now on (401), and a request of it
+        that still waits for an answer gets an error."""
+        fresh = Session(old.index, _new_key())
+        self.sessions[fresh.key] = fresh
+        self.sessions.pop(old.key, None)
+        self.batcher.retire(old.index, fresh.key)
+        return fresh
 
     def session(self, header: str | None) -> Session:
         """The session whose key the request's bearer token is (401 otherwise)."""
@@ -277,7 +308,7 @@ class Gateway:
         budget = min(req.token_budget(self.sampling.max_new_tokens), self.sampling.max_new_tokens)
         budget = min(budget, self._room(s))
         context = self._context(s)
-        done = self.batcher.submit(s.index, context, budget).result()
+        done = self.batcher.submit(s.index, context, budget, s.key).result()
         tokens = done.token_ids[0][:budget]
         finish = done.finish_reasons[0] if len(tokens) == len(done.token_ids[0]) else "length"
         logprobs = done.logprobs[0][: len(tokens)] if done.logprobs is not None else None
@@ -482,6 +513,16 @@ class GatewayHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(events)))
         self.end_headers()
         self.wfile.write(events)
+
+
+def _new_key() -> str:
+    return f"keel-session-{uuid.uuid4().hex}"
+
+
+def _abandoned() -> APIError:
+    return APIError(409, "this attempt at the episode was given up on (it failed or ran past "
+                    "rollout.env.timeout_s) and another started with a fresh session",
+                    code="attempt_abandoned")  # fmt: skip
 
 
 def _turn(message: Message) -> Turn:

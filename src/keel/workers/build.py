@@ -501,6 +501,9 @@ def episode_runner(
             max_prompt_length=data.max_prompt_length,
             tool_format=data.tool_format,
             chat=data.apply_chat_template,
+            retries=env.retries,
+            timeout_s=env.timeout_s,  # of the whole call of the agent
+            max_failed_frac=env.max_failed_frac,
         )
     if env.name == HTTP_ENV:  # an environment server: the kwargs go with each reset
         assert env.url is not None  # the schema's rule
