@@ -3,10 +3,12 @@ on the whole batch against `train.logits_chunk_tokens`: a small decoder (2 layer
 hidden 64 by default, `--arch qwen2` a Qwen2 with 2 KV heads, `--hidden` wider) with a large
 vocabulary, so that the [rows, tokens, vocabulary] logits dominate as they do for a real
 model's. Each case runs in a fresh process (peak RSS is per process); prints one JSON line per
-case. SmolLM2's vocabulary and width, and a tiny Qwen2 at Qwen2.5's vocabulary:
+case (`chunk` the setting, `chunk_used` the chunk size it gave: `auto` is Keel's default,
+`keel.engine.logits_budget`). SmolLM2's vocabulary and width, and a tiny Qwen2 at Qwen2.5's
+vocabulary:
 
     OMP_NUM_THREADS=1 python -m bench.logits_memory [--vocab 50000] [--rows 16] [--tokens 256]
-        [--chunks none,1024,256] [--arch llama|qwen2] [--hidden 64]
+        [--chunks none,auto,1024,256] [--arch llama|qwen2] [--hidden 64]
     OMP_NUM_THREADS=1 python -m bench.logits_memory --vocab 49152 --hidden 576 --rows 8 \
         --tokens 128
     OMP_NUM_THREADS=1 python -m bench.logits_memory --arch qwen2 --vocab 151936 --rows 8 \
@@ -27,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def one_case(
-    vocab: int, rows: int, tokens: int, chunk: int | None, prompt: int = 16,
+    vocab: int, rows: int, tokens: int, chunk: int | str | None, prompt: int = 16,
     arch: str = "llama", hidden: int = 64,
 ) -> dict:  # fmt: skip
     import torch
@@ -35,6 +37,7 @@ def one_case(
 
     from keel.engine.devices import return_freed_memory
     from keel.engine.forward import response_forward
+    from keel.engine.logits_budget import resolve_chunk
     from keel.types import Batch
 
     # as a Keel worker on the CPU (keel.workers.build): freed tensors leave the process, so
@@ -66,7 +69,7 @@ def one_case(
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "arch": arch, "hidden": hidden, "vocab": vocab, "rows": rows, "tokens": tokens,
-        "chunk": chunk,
+        "chunk": chunk, "chunk_used": resolve_chunk(chunk, rows * tokens, vocab),
         "logits_mb": rows * tokens * vocab * 4 / 2**20, "peak_rss_mb": round(peak),
         "peak_over_start_mb": round(peak - base), "cpu_s": round(seconds, 2),
         "freed_memory_returned": returned,
@@ -78,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=50_000)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--chunks", default="none,1024,256")
+    parser.add_argument("--chunks", default="none,auto,1024,256")
     parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's case
     args = parser.parse_args(argv)
     if args.one is not None:
-        chunk = None if args.one == "none" else int(args.one)
+        chunk = args.one if args.one == "auto" else None if args.one == "none" else int(args.one)
         case = one_case(
             args.vocab, args.rows, args.tokens, chunk, arch=args.arch, hidden=args.hidden
         )

@@ -7,10 +7,11 @@ from tests.bench.smoke import json_lines, positive
 
 
 def test_each_chunking_runs_in_a_child_and_reports_its_peak(capsys):
-    main(["--vocab", "1000", "--rows", "2", "--tokens", "8", "--chunks", "none,4",
+    main(["--vocab", "1000", "--rows", "2", "--tokens", "8", "--chunks", "auto,4",
           "--arch", "qwen2", "--hidden", "32"])  # fmt: skip
     rows = json_lines(capsys.readouterr().out)
-    assert [r["chunk"] for r in rows] == [None, 4]
+    assert [r["chunk"] for r in rows] == ["auto", 4]
+    assert [r["chunk_used"] for r in rows] == [None, 4]  # auto: 31 KB of logits, the whole pass
     for row in rows:
         assert (row["vocab"], row["rows"], row["tokens"]) == (1000, 2, 8)
         assert (row["arch"], row["hidden"]) == ("qwen2", 32)

@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from keel.config import validate
+from keel.config.schema import TrainConfig
 from keel.engine.chunked_logits import check_plain_head
-from keel.engine.forward import response_forward
+from keel.engine.forward import pass_chunk, response_forward
+from keel.engine.logits_budget import LOGITS_BOUND_BYTES
 from keel.models import load_causal_lm
 from keel.recipes import build_spec
-from keel.workers.build import build_workers, worker_inputs
+from keel.types import Batch
+from keel.workers.build import _logits_chunk, build_workers, worker_inputs
 from tests.engine.test_forward import grouped_batch
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
@@ -112,6 +115,59 @@ def test_a_model_with_logit_softcapping_is_refused_naming_the_setting(tiny_dir):
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match=r"train\.logits_chunk_tokens.*final_logit_softcapping"):
         check_plain_head(model)
+
+
+def test_auto_chunks_a_large_vocabulary_and_equals_the_whole_pass():
+    """train.logits_chunk_tokens: auto on a 2-row pass of 240 response tokens at Qwen2.5's
+    151,936 vocabulary (278 MiB of float32 logits, above the bound): the head runs in chunks
+    of 110 tokens, with the whole pass's log-probs, entropy and gradients."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    vocab, rows, prompt, r = 151_936, 2, 4, 240
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=prompt + r,
+        tie_word_embeddings=True,
+    )).train()  # fmt: skip
+    assert rows * r * vocab * 4 > LOGITS_BOUND_BYTES
+    assert pass_chunk(model, "auto", rows * r) == 110
+    ids = torch.randint(3, vocab, (rows, prompt + r))
+    attention = torch.ones_like(ids)
+    attention[1, -40:] = 0  # the second response cut short
+    batch = Batch(
+        input_ids=ids, attention_mask=attention, response_mask=attention[:, prompt:].float()
+    )
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, out: seen.append(out.shape[:-1].numel())
+    )
+    auto = _pass(model, batch, logits_chunk="auto")
+    assert max(seen) == 110  # chunks, never the whole [2, 240, V]
+    whole = _pass(model, batch)
+    hook.remove()
+    m = batch.response_mask.bool()
+    torch.testing.assert_close(auto[0][m], whole[0][m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(auto[1][m], whole[1][m], atol=1e-5, rtol=1e-5)
+    for a, b in zip(auto[2], whole[2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_is_the_default_and_keeps_the_tiny_model_whole(tiny_dir):
+    """The default (auto) reaches the workers; the tiny model's logits stay within the bound
+    (the whole pass: golden curves unchanged); a model whose logits are not the plain head
+    takes the whole pass under auto instead of being refused."""
+    cfg = validate({"models": {"actor": str(tiny_dir)}, "algorithm": {"name": "grpo"}})
+    assert cfg.train.logits_chunk_tokens == "auto"
+    built = _workers(tiny_dir, chunk="auto")
+    assert built["actor"].logits_chunk == "auto" and built["reference"].logits_chunk == "auto"
+    assert pass_chunk(built["actor"].model, "auto", 64 * 1024) is None
+    model = load_causal_lm(tiny_dir)
+    model.config.final_logit_softcapping = 30.0
+    assert _logits_chunk(model, TrainConfig()) is None
+    assert _logits_chunk(model, TrainConfig(logits_chunk_tokens=0)) is None
+    with pytest.raises(ValueError, match=r"train\.logits_chunk_tokens"):
+        _logits_chunk(model, TrainConfig(logits_chunk_tokens=64))
 
 
 def test_fsdp_groups_take_chunks(tiny_dir):

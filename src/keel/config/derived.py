@@ -109,13 +109,6 @@ def check_lora(cfg: KeelConfig) -> None:
         )
 
 
-def check_logits_chunks(cfg: KeelConfig) -> None:
-    """train.logits_chunk_tokens: nothing the config alone can refuse. The chunked pass runs
-    under FSDP2 too (the root's FSDP forward methods, keel.engine.chunked_logits); a model
-    whose logits are not its plain LM head is refused when it loads (check_plain_head)."""
-    del cfg
-
-
 def rank_batch_sizes(plan: BatchPlan, workers: int) -> tuple[int, int]:
     """(mini-batch rows, micro-batch rows) of one of `workers` data-parallel ranks."""
     mini = plan.mini_batch_size // workers

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from keel.config.algorithms import Algorithm, CorrectionPreset
-from keel.config.derived import check_batch_algebra, check_logits_chunks, check_lora
+from keel.config.derived import check_batch_algebra, check_lora
 from keel.config.legacy import upgrade, warn_renamed
 from keel.config.section import FiniteMapping, Section, Seed
 
@@ -592,12 +592,13 @@ class TrainConfig(Section):
         description="micro-batches by a token budget: rows sorted by length, padding removed; "
         "null: micro_batch_size rows each",
     )
-    logits_chunk_tokens: int | None = Field(
-        None,
-        ge=1,
+    logits_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+        "auto",
         description="the policy's and reference's log-prob passes run the LM head on this many "
         "tokens at a time and recompute each chunk's logits in the backward, never holding the "
-        "[rows, tokens, vocabulary] logits (a large vocabulary's memory); null: all at once",
+        "[rows, tokens, vocabulary] logits (a large vocabulary's memory); auto: in chunks "
+        "whose float32 logits stay under 64 MiB where a pass's would exceed 256 MiB, else "
+        "all at once; null or 0: all at once",
     )
 
 
@@ -1099,11 +1100,6 @@ class KeelConfig(Section):
     @model_validator(mode="after")
     def _lora_applies(self) -> KeelConfig:
         check_lora(self)
-        return self
-
-    @model_validator(mode="after")
-    def _logits_chunks_apply(self) -> KeelConfig:
-        check_logits_chunks(self)
         return self
 
     @model_validator(mode="after")

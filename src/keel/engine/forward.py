@@ -10,6 +10,7 @@ from keel.algo.logits import entropy_from_logits, logprobs_from_logits
 from keel.engine.chunked_logits import decoder_states, lm_head_logprobs
 from keel.engine.devices import autocast, model_device
 from keel.engine.distributed import is_sharded
+from keel.engine.logits_budget import AUTO, LogitsChunk, chunk_tokens, resolve_chunk
 from keel.engine.micro import MicroBatches
 from keel.engine.packing import Packed, last_token_index, pack, row_groups
 from keel.types import Batch
@@ -40,7 +41,7 @@ def response_forward(
     entropy_grad: bool = True,
     dtype: torch.dtype | None = None,
     share_prompts: bool = False,
-    logits_chunk: int | None = None,
+    logits_chunk: LogitsChunk = None,
     packing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs [B, R], entropy [B, R] or None) of the response tokens under `model`, on the
@@ -53,7 +54,9 @@ def response_forward(
     share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it
     (`shared_prompt_outputs`); the result equals the plain pass up to float rounding.
     logits_chunk: the LM head runs on this many tokens at a time, never on the whole [B, R]
-    (`keel.engine.chunked_logits`; the decoder's hidden states are taken instead of logits).
+    (`keel.engine.chunked_logits`; the decoder's hidden states are taken instead of logits);
+    "auto": in chunks only where the pass's logits exceed the bound of
+    `keel.engine.logits_budget` (`pass_chunk`).
     packing: the rows run concatenated without their padding (`keel.engine.packing`), the LM
     head only where a response token is predicted; where prompts are shared, the shared pass
     runs instead. Columns without a real response token then hold 0 (masked by every loss).
@@ -85,6 +88,7 @@ def response_forward(
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
     labels = input_ids[:, -r:]
+    logits_chunk = pass_chunk(model, logits_chunk, len(batch) * r)
     states = logits_chunk is not None
     with autocast(device, dtype):
         outputs = None
@@ -163,7 +167,7 @@ def packed_response_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    logits_chunk: int | None = None,
+    logits_chunk: LogitsChunk = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_forward` over a packed micro-batch (on the model's device): one pass over its
     N real tokens, the LM head on the M positions that predict a response token; results in the
@@ -172,6 +176,7 @@ def packed_response_forward(
     if packed.targets.numel() == 0:
         empty = packed.scatter(torch.zeros(0, device=packed.input_ids.device))
         return empty, empty.clone() if with_entropy else None
+    logits_chunk = pass_chunk(model, logits_chunk, packed.targets.numel())
     if logits_chunk is not None:
         hidden = _outputs(
             model,
@@ -214,6 +219,22 @@ def shares_prompts(model: Any, batch: Batch) -> bool:
     p = batch.prompt_length if batch.response_mask is not None else batch.input_ids.shape[1]
     prompts = torch.cat([batch.input_ids[:, :p], batch.attention_mask[:, :p]], dim=1)
     return len(torch.unique(prompts, dim=0)) < len(prompts)
+
+
+def pass_chunk(model: Any, setting: LogitsChunk, tokens: int) -> int | None:
+    """The chunk size of `model`'s LM head on a pass predicting `tokens` positions under
+    train.logits_chunk_tokens `setting` (`keel.engine.logits_budget.resolve_chunk`; None: the
+    whole pass). An FSDP2 model under "auto" always takes chunks of its vocabulary's size:
+    every rank must make the same FSDP calls (the chunked pass's two forward methods, or the
+    root's forward), whatever its own rows' tokens."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if setting != AUTO:
+        return resolve_chunk(setting, tokens, vocab or 1)
+    if not vocab:
+        return None
+    if is_sharded(model):
+        return chunk_tokens(vocab)
+    return resolve_chunk(setting, tokens, vocab)
 
 
 def _outputs(model: Any, states: bool, keep: int = 0, **inputs: Any) -> torch.Tensor:

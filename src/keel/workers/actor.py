@@ -23,6 +23,7 @@ from keel.engine.distributed import (
     rank,
 )
 from keel.engine.forward import micro_batched_logprobs, position_ids_from_mask, response_forward
+from keel.engine.logits_budget import LogitsChunk
 from keel.engine.update import GradientStep
 from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
@@ -47,7 +48,7 @@ class ActorWorker(TrainableWorker):
         micro_batch_size: int,
         max_tokens_per_micro_batch: int | None = None,
         share_prompts: bool = False,
-        logits_chunk: int | None = None,
+        logits_chunk: LogitsChunk = None,
         packing: bool = False,
     ):
         super().__init__(
@@ -61,7 +62,8 @@ class ActorWorker(TrainableWorker):
         )
         self.temperature = temperature
         self.share_prompts = share_prompts  # train.share_prompts: one pass per distinct prompt
-        self.logits_chunk = logits_chunk  # train.logits_chunk_tokens: the LM head in chunks
+        # train.logits_chunk_tokens: the LM head in chunks ("auto": where the logits are large)
+        self.logits_chunk: LogitsChunk = logits_chunk
         self.weight_version = 0  # optimizer updates applied through `update`; rollouts check it
         self.weight_lineage = 0  # checkpoint loads into this worker (keel.workers.weight_sync)
         self.weight_channel: BucketChannel | None = None  # rank 0's end of a collective sync

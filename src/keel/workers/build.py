@@ -36,6 +36,7 @@ from keel.engine.devices import (
     trained_weights_dtype,
 )
 from keel.engine.distributed import is_sharded
+from keel.engine.logits_budget import AUTO, LogitsChunk
 from keel.envs.agents import AGENT_ENV, AgentRunner
 from keel.envs.builtin import ENVIRONMENTS, run_tool_format
 from keel.envs.episodes import EpisodeRunner
@@ -401,12 +402,18 @@ def _local_teacher(d: DistillationConfig) -> str | None:
     return None if d.teacher_url is not None else d.teacher
 
 
-def _logits_chunk(model: Any, t: TrainConfig) -> int | None:
+def _logits_chunk(model: Any, t: TrainConfig) -> LogitsChunk:
     """train.logits_chunk_tokens, once the model is known to compute its logits as the LM
-    head of the last hidden states (`check_plain_head` names the setting otherwise)."""
-    if t.logits_chunk_tokens is not None:
+    head of the last hidden states (`check_plain_head` names the setting otherwise; under
+    "auto" such a model takes the whole pass). 0: None (off)."""
+    if t.logits_chunk_tokens == AUTO:
+        try:
+            check_plain_head(model)
+        except ValueError:
+            return None
+    elif t.logits_chunk_tokens:
         check_plain_head(model)
-    return t.logits_chunk_tokens
+    return t.logits_chunk_tokens or None
 
 
 def _causal_lm(path: Path, mp: ModelPlan, train: TrainConfig | None) -> torch.nn.Module:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from keel.engine.forward import micro_batched_logprobs
+from keel.engine.logits_budget import LogitsChunk
 from keel.engine.micro import micro_batches
 from keel.models.lora import base_model_eval
 from keel.types import Batch
@@ -32,7 +33,7 @@ class ReferenceWorker:
         dtype: torch.dtype | None = None,
         max_tokens_per_micro_batch: int | None = None,
         share_prompts: bool = False,
-        logits_chunk: int | None = None,
+        logits_chunk: LogitsChunk = None,
         packing: bool = False,
     ):
         self.model = model
@@ -40,7 +41,7 @@ class ReferenceWorker:
         self.adapter_off = adapter_off
         self.dtype = dtype
         self.share_prompts = share_prompts
-        self.logits_chunk = logits_chunk
+        self.logits_chunk: LogitsChunk = logits_chunk
         if not adapter_off:
             self.model.eval()
             self.model.requires_grad_(False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from keel.engine.logits_budget import LogitsChunk, resolve_chunk
 from keel.engine.memory.shapes import ModelShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -141,12 +142,13 @@ def logits_bytes(
     tokens: int,
     vocab: int,
     compute_bytes: int,
-    chunk_tokens: int | None = None,
+    chunk_tokens: LogitsChunk = None,
     training: bool = True,
 ) -> int:
     """The LM head's logits over the response tokens: positions × V × bytes, positions =
     rows × tokens (Keel projects only the response's tokens: logits_to_keep), or
-    `chunk_tokens` positions at a time with train.logits_chunk_tokens.
+    `chunk_tokens` positions at a time with train.logits_chunk_tokens ("auto": as
+    `keel.engine.logits_budget.resolve_chunk` decides for these positions and vocabulary).
 
     Training: four float32 tensors of that size live at once (16 bytes per position and
     vocabulary entry): the float32 logits the log-sum-exp keeps, and at the end of the forward
@@ -157,8 +159,9 @@ def logits_bytes(
     No-grad passes (log-probs of the reference, the old policy): the logits and the
     log-sum-exp's exponentials, 8 bytes (+ b)."""
     positions = rows * tokens
-    if chunk_tokens is not None:
-        positions = min(positions, chunk_tokens)
+    chunk = resolve_chunk(chunk_tokens, positions, vocab)
+    if chunk is not None:
+        positions = min(positions, chunk)
     per = (4 if training else 2) * FP32 + (compute_bytes if compute_bytes < FP32 else 0)
     return positions * vocab * per
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from keel.engine.logits_budget import LogitsChunk
 from keel.engine.memory.estimate import (
     DTYPE_BYTES,
     FP32,
@@ -88,7 +89,7 @@ class PlanInputs:
     prompt_tokens: int = 64
     response_tokens: int = 16
     gradient_checkpointing: bool = False
-    logits_chunk_tokens: int | None = None
+    logits_chunk_tokens: LogitsChunk = None  # "auto": resolved per pass (logits_bytes)
     eager_attention: bool = False
     generate_prompts: int = 1  # prompts per generate call (rollout.batch_size)
     rollout_n: int = 1
@@ -398,7 +399,7 @@ def advise(inputs: PlanInputs) -> list[Advice]:
         levers.append(
             (("train.gradient_checkpointing=true",), replace(inputs, gradient_checkpointing=True))
         )
-    if inputs.logits_chunk_tokens is None:
+    if inputs.logits_chunk_tokens in (None, 0):
         levers.append(
             (("train.logits_chunk_tokens=1024",), replace(inputs, logits_chunk_tokens=1024))
         )
