@@ -121,7 +121,8 @@ class DPOController(PairController):
         reference = self.roles.reference
         assert reference is not None
         for s in range(0, len(pairs), EVAL_CHUNK):
-            batch = reference.call("compute_ref_logprobs", self.encode(pairs[s : s + EVAL_CHUNK]))
+            chunk = self.encode(pairs[s : s + EVAL_CHUNK])
+            batch = reference.call("compute_ref_logprobs", chunk, pairs=True)
             assert batch.response_mask is not None and batch.ref_logprobs is not None
             width = int(batch.response_mask.sum(dim=1).max())
             for j in range(len(batch) // 2):
@@ -131,7 +132,7 @@ class DPOController(PairController):
     def _with_reference(self, batch: Batch, ids: list[int], cache: dict[int, torch.Tensor]):
         if not cache:
             assert self.roles.reference is not None
-            return self.roles.reference.call("compute_ref_logprobs", batch)
+            return self.roles.reference.call("compute_ref_logprobs", batch, pairs=True)
         assert batch.response_mask is not None
         ref = torch.zeros_like(batch.response_mask)
         for j, i in enumerate(ids):

@@ -50,10 +50,16 @@ class ReferenceWorker:
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     @torch.no_grad()
-    def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        """Fills `ref_logprobs` [B, R]."""
+    def compute_ref_logprobs(self, batch: Batch, *, pairs: bool = False) -> Batch:
+        """Fills `ref_logprobs` [B, R]. pairs: `batch` holds preference pairs (chosen, rejected)
+        and is cut into micro-batches as the DPO policy's own passes are
+        (TrainableWorker.micro_batches(pairs=True): micro_batch_size pairs, each pair in one
+        micro-batch), so that a policy equal to the reference gives the very same numbers: a
+        packed pass's rounding depends on which rows share it."""
+        rows = (2 if pairs else 1) * self.micro_batch_size
+        unit = 2 if pairs and len(batch) % 2 == 0 else 1
         micros = micro_batches(
-            batch, self.micro_batch_size, self.max_tokens_per_micro_batch, packed=self.packing
+            batch, rows, self.max_tokens_per_micro_batch, unit=unit, packed=self.packing
         )
         with base_model_eval(self.model) if self.adapter_off else nullcontext():
             logprobs = micro_batched_logprobs(
