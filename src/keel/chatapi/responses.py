@@ -85,6 +85,15 @@ def answer(gen: Generation, stops: Sequence[str], tokenizer: Any, per_token: boo
     if cut is None:
         return Answer(gen.text, gen.finish_reason, gen.tokens, pieces, gen.logprobs)
     assert pieces is not None
+    kept = kept_pieces(pieces, cut)
+    logprobs = gen.logprobs[: len(kept)] if gen.logprobs is not None else None
+    return Answer(gen.text[:cut], "stop", len(kept), kept, logprobs)
+
+
+def kept_pieces(pieces: Sequence[str], cut: int) -> list[str]:
+    """The pieces of the tokens that produced text[:cut] (text = their join), the last one cut
+    at `cut`: what an answer cut at a stop sequence keeps (`answer`, and keel serve's
+    continuous batching as rows decode)."""
     kept: list[str] = []
     used = 0
     for piece in pieces:
@@ -92,8 +101,7 @@ def answer(gen: Generation, stops: Sequence[str], tokenizer: Any, per_token: boo
             break
         kept.append(piece[: cut - used])
         used += len(piece)
-    logprobs = gen.logprobs[: len(kept)] if gen.logprobs is not None else None
-    return Answer(gen.text[:cut], "stop", len(kept), kept, logprobs)
+    return kept
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:

@@ -37,7 +37,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from keel.chatapi.responses import first_stop
+from keel.chatapi.responses import first_stop, kept_pieces
 from keel.data.examples import Example
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest, RowToken, SamplingParams
 from keel.serve.batching import BatchReport, WorkQueue, _run_task
@@ -131,19 +131,6 @@ def held_back(text: str, stops: Sequence[str]) -> int:
                 longest = k
                 break
     return longest
-
-
-def kept_pieces(pieces: Sequence[str], cut: int) -> list[str]:
-    """The pieces of the tokens that produced text[:cut] (text = their join), the last one cut
-    at `cut` (the rule of keel.chatapi.responses.answer)."""
-    kept: list[str] = []
-    used = 0
-    for piece in pieces:
-        if used >= cut:
-            break
-        kept.append(piece[: cut - used])
-        used += len(piece)
-    return kept
 
 
 @dataclass
