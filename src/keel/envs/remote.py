@@ -42,10 +42,10 @@ from typing import Any
 
 from keel.data.examples import Example
 from keel.envs.protocol import Observation, StepResult
+from keel.rewards.remote import RETRIED_STATUS  # the statuses every Keel HTTP client retries
 
 PROTOCOL = "keel-env"
 VERSION = 1
-RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class EnvServerError(RuntimeError):

@@ -29,6 +29,7 @@ import torch
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.tokenizer_match import TokenizerFingerprint, check_fingerprint
+from keel.rewards.remote import RETRIED_STATUS
 from keel.types import Batch
 
 
@@ -227,7 +228,7 @@ class RemoteTeacher:
                     return json.loads(response.read())
             except urllib.error.HTTPError as exc:
                 text = exc.read().decode("utf-8", "replace")[:300]
-                if exc.code not in (429, 500, 502, 503, 504) or attempt == self.retries:
+                if exc.code not in RETRIED_STATUS or attempt == self.retries:
                     raise TeacherServiceError(f"{self.endpoint}: HTTP {exc.code}: {text}") from None
             except OSError as exc:
                 if attempt == self.retries:
