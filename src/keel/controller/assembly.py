@@ -30,15 +30,14 @@ from keel.types import Tokenizer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import (
     ROLES,
-    Roles,
     WorkerInputs,
     build_workers,
     reward_scorer,
     role_names,
-    roles_from_groups,
     worker_inputs,
 )
 from keel.workers.group import weight_push
+from keel.workers.roles import Roles, roles_from_groups
 
 if TYPE_CHECKING:
     from keel.controller.plan import RunPlan

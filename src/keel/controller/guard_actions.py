@@ -25,8 +25,8 @@ from keel.controller.keeping import Keeping
 from keel.controller.outcome import RunStopped
 from keel.controller.protocol import Controller
 from keel.guard import GUARD_STATE, EventLog, Guard, GuardDecisions, Verdict, write_decisions
-from keel.workers.build import Roles
 from keel.workers.group import WorkerGroup
+from keel.workers.roles import Roles
 from keel.workers.trainable import ScalesLR
 
 __all__ = ["GuardActions", "Levers", "resumed_lineage", "set_lr_scale"]

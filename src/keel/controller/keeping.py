@@ -29,8 +29,8 @@ from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig, ModelsConfig
 from keel.guard import EventLog
 from keel.models.lora import adapter_base
-from keel.workers.build import Roles
 from keel.workers.group import WorkerGroup
+from keel.workers.roles import Roles
 
 __all__ = ["Keeping", "export_run", "has_state", "save_policy", "trainable_roles"]
 

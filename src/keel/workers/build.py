@@ -1,8 +1,8 @@
 """Building a run's role workers in one process from the parts of its plan: load the models,
 wrap them in the worker classes, wire the rollout to the actor. The local backend
 (keel.controller.assembly, from the run plan's WorkerInputs) and every Ray rank
-(keel.workers.ray_group, from the plain config it is sent) call build_workers; `Roles` holds
-the groups. `worker_inputs` is the one place here that reads a whole config."""
+(keel.workers.ray_group, from the plain config it is sent) call build_workers (the groups over
+them: keel.workers.roles). `worker_inputs` is the one place here that reads a whole config."""
 
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ from keel.models import (
 )
 from keel.models.lora import wrap_lora
 from keel.models.tokenizer_match import check_same_vocabulary
-from keel.monitor.devices import DeviceReading
 from keel.recipes.relevance import ROLES, StagePlan, role_names, stage_plan
 from keel.rewards import (
     BatchRewardScorer,
@@ -69,7 +68,6 @@ from keel.types import Tokenizer
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
 from keel.workers.dpo import DPOWorker
-from keel.workers.group import WorkerGroup
 from keel.workers.reference import ReferenceWorker
 from keel.workers.reward import RewardWorker
 from keel.workers.reward_model import ModelRewardWorker, RewardModelTrainer
@@ -77,9 +75,9 @@ from keel.workers.rollout import RolloutWorker
 from keel.workers.teacher import RemoteTeacher, TeacherWorker, teacher_api_key
 
 __all__ = [
-    "ROLES", "ModelPlan", "Roles", "Shard", "WorkerInputs", "build_critic",
+    "ROLES", "ModelPlan", "Shard", "WorkerInputs", "build_critic",
     "build_workers", "episode_runner", "frozen_reward_model", "resolve_models", "reward_scorer",
-    "reward_worker", "role_names", "roles_from_groups", "rollout_worker", "worker_inputs",
+    "reward_worker", "role_names", "rollout_worker", "worker_inputs",
 ]  # fmt: skip
 
 
@@ -203,24 +201,6 @@ def worker_inputs(
     )
 
 
-@dataclass
-class Roles:
-    """The worker groups of a run (None where the algorithm has no such role)."""
-
-    actor: WorkerGroup
-    rollout: WorkerGroup | None  # None where nothing generates (rm)
-    reward: WorkerGroup | None
-    reference: WorkerGroup | None
-    tokenizer: Tokenizer
-    critic: WorkerGroup | None = None
-    teacher: WorkerGroup | None = None  # the distillation teacher (keel.workers.teacher)
-    # separate rollout workers: pushes the actor's weights to them ({} metrics when colocated)
-    push_weights: Callable[[], dict[str, float]] = lambda: {}
-    close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
-    # the device readings of the Ray workers ([] when every role runs in this process)
-    device_readings: Callable[[], list[DeviceReading]] = lambda: []
-
-
 def reward_scorer(r: RewardConfig, answer_key: str) -> RewardScorer | WeightedRewardScorer:
     """The reward scorer of the reward section: the HTTP service at reward.url, or reward.fn per
     row, or with reward.signature: trl one call per batch, or with reward.fns their weighted sum.
@@ -273,20 +253,6 @@ def _fn_scorer(
     if signature == "trl":
         return BatchRewardScorer(fn, answer_key=answer_key, name=name, **policy)
     return RewardScorer(fn, name=name, **policy)
-
-
-def roles_from_groups(tokenizer: Tokenizer, groups: dict[str, Any], **hooks: Any) -> Roles:
-    """`Roles` over the role groups by name (absent roles are None); hooks: push_weights, close."""
-    return Roles(
-        actor=groups["actor"],
-        rollout=groups.get("rollout"),
-        reward=groups.get("reward"),
-        reference=groups.get("reference"),
-        tokenizer=tokenizer,
-        critic=groups.get("critic"),
-        teacher=groups.get("teacher"),
-        **hooks,
-    )
 
 
 # FSDP2 wrapping of one model: shard(model, compute_dtype) (None: full precision).

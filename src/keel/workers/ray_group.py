@@ -38,15 +38,9 @@ from keel.engine.distributed import shard_fsdp2
 from keel.engine.seeding import seed_everything
 from keel.models import resolve_model_path
 from keel.monitor.devices import DeviceReading, read_device
-from keel.workers.build import (
-    Roles,
-    WorkerInputs,
-    build_workers,
-    reward_scorer,
-    roles_from_groups,
-    worker_inputs,
-)
+from keel.workers.build import WorkerInputs, build_workers, reward_scorer, worker_inputs
 from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch
+from keel.workers.roles import Roles, roles_from_groups
 from keel.workers.weight_sync import NoSync, WeightSync, weight_sync
 
 # What a dead worker or a lost node raises at ray.get: the actor died (its process, or its node
