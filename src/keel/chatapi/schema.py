@@ -27,16 +27,16 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
-    n: int = Field(1, ge=1, strict=True)
-    temperature: float = Field(1.0, ge=0, le=2, strict=True)
-    top_p: float = Field(1.0, gt=0, le=1, strict=True)
-    stream: bool = Field(False, strict=True)
+    n: int = Field(default=1, ge=1, strict=True)
+    temperature: float = Field(default=1.0, ge=0, le=2, strict=True)
+    top_p: float = Field(default=1.0, gt=0, le=1, strict=True)
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = Field(0.0, strict=True)
-    frequency_penalty: float = Field(0.0, strict=True)
+    presence_penalty: float = Field(default=0.0, strict=True)
+    frequency_penalty: float = Field(default=0.0, strict=True)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(None, strict=True)
+    seed: int | None = Field(default=None, strict=True)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -66,17 +66,17 @@ class Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = Field(False, strict=True)
+    include_usage: bool = Field(default=False, strict=True)
 
 
 class CompletionRequest(Request):
     """POST /v1/completions."""
 
     prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1, strict=True)
-    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
-    echo: bool = Field(False, strict=True)
-    best_of: int | None = Field(None, strict=True)
+    max_tokens: int = Field(default=16, ge=1, strict=True)
+    logprobs: int | None = Field(default=None, ge=0, le=5, strict=True)
+    echo: bool = Field(default=False, strict=True)
+    best_of: int | None = Field(default=None, strict=True)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -184,7 +184,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = Field(None, strict=True)
+    strict: bool | None = Field(default=None, strict=True)
 
 
 class Tool(BaseModel):
@@ -207,13 +207,13 @@ class ChatCompletionRequest(Request):
     """POST /v1/chat/completions."""
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    logprobs: bool = Field(False, strict=True)
-    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    logprobs: bool = Field(default=False, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, strict=True)
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")

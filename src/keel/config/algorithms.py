@@ -35,14 +35,16 @@ class PolicyLossConfig(Section):
     loss and its clip ratios."""
 
     loss_mode: Literal["vanilla", "gspo", "gspo_token"] = Field(
-        "vanilla",
+        default="vanilla",
         description="vanilla: PPO-clip on the per-token ratio; gspo: GSPO's sequence-level "
         "ratio and clipping; gspo_token: GSPO-token",
     )
-    clip_ratio_low: float = Field(0.2, ge=0, description="the ratio's lower clip 1 − ε_low")
-    clip_ratio_high: float = Field(0.2, ge=0, description="the ratio's upper clip 1 + ε_high")
+    clip_ratio_low: float = Field(default=0.2, ge=0, description="the ratio's lower clip 1 − ε_low")
+    clip_ratio_high: float = Field(
+        default=0.2, ge=0, description="the ratio's upper clip 1 + ε_high"
+    )
     clip_ratio_c: float = Field(
-        3.0,
+        default=3.0,
         gt=1,
         allow_inf_nan=True,
         description="dual-clip constant (loss_mode vanilla); .inf disables",
@@ -100,34 +102,35 @@ class RolloutCorrectionConfig(Section):
     checked when the spec is built (keel config validate), naming the key."""
 
     preset: CorrectionPreset | None = Field(
-        None, description="one of verl's 19 presets (ROLLOUT_CORRECTION_PRESETS); null: none"
+        default=None,
+        description="one of verl's 19 presets (ROLLOUT_CORRECTION_PRESETS); null: none",
     )
     rollout_is: Literal["token", "sequence"] | None = Field(
-        None, description="importance-weight level; null: no weights"
+        default=None, description="importance-weight level; null: no weights"
     )
     rollout_is_threshold: float | str = Field(
-        2.0, description="U > 0: TIS, w = min(ρ, U); 'lo_hi': IcePop, w = ρ·[lo ≤ ρ ≤ hi]"
+        default=2.0, description="U > 0: TIS, w = min(ρ, U); 'lo_hi': IcePop, w = ρ·[lo ≤ ρ ≤ hi]"
     )
     rollout_is_batch_normalize: bool = Field(
-        False, description="divide the weights by their batch mean"
+        default=False, description="divide the weights by their batch mean"
     )
     rollout_rs: str | None = Field(
-        None,
+        default=None,
         description="rejection options, comma-separated, all must pass: token_k1/k2/k3, "
         "seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; null: none",
     )
     rollout_rs_threshold: float | str | None = Field(
-        None,
+        default=None,
         description="one threshold for all options or one per option, comma-separated; k1: "
         "'lo_hi' or u (= 1/u_u); k2/k3: u",
     )
     bypass_mode: bool = Field(
-        False,
+        default=False,
         description="π_old := the engine's log-probs (no recomputation), weights and "
         "rejection inside the loss; false: decoupled (three policies)",
     )
     loss_type: Literal["ppo_clip", "reinforce"] = Field(
-        "ppo_clip",
+        default="ppo_clip",
         description="bypass mode's loss: ppo_clip (weights for metrics only) or "
         "reinforce (weights applied)",
     )
@@ -147,13 +150,15 @@ class RLAlgorithm(Section):
     policy_loss: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig())
     loss_agg_mode: AggMode = "token-mean"
     loss_scale_factor: float | None = Field(
-        None, gt=0, description="the constant K of seq-mean-token-sum-norm; drgrpo: the budget"
+        default=None,
+        gt=0,
+        description="the constant K of seq-mean-token-sum-norm; drgrpo: the budget",
     )
-    kl_loss_coef: float = Field(0.0, ge=0, description="KL as a loss; 0 loads no reference")
+    kl_loss_coef: float = Field(default=0.0, ge=0, description="KL as a loss; 0 loads no reference")
     kl_loss_type: KLType = "low_var_kl"
     entropy_coeff: float = 0.0
     rollout_correction: RolloutCorrectionConfig | None = Field(
-        None,
+        default=None,
         description="rollout correction (IS weights, rejection, bypass mode); needs "
         "rollout.return_logprobs; null: none",
     )
@@ -163,7 +168,9 @@ class FilterGroupsConfig(Section):
     """Dynamic sampling (DAPO): groups whose scores are all equal are dropped and more are
     generated until the batch is full."""
 
-    max_num_gen_batches: int = Field(4, ge=0, description="generation rounds per step; 0: no cap")
+    max_num_gen_batches: int = Field(
+        default=4, ge=0, description="generation rounds per step; 0: no cap"
+    )
 
 
 class OverlongBufferConfig(Section):
@@ -171,7 +178,7 @@ class OverlongBufferConfig(Section):
     up to penalty_factor, linearly."""
 
     len: int = Field(ge=1, description="tokens before the budget where the punishment starts")
-    penalty_factor: float = Field(1.0, ge=0)
+    penalty_factor: float = Field(default=1.0, ge=0)
 
 
 # Presets of the GRPO family: name → the defaults it changes on GRPO. The user's own keys win
@@ -220,15 +227,19 @@ class GRPOAlgorithm(RLAlgorithm):
 
     name: Literal["grpo", "drgrpo", "dapo", "gspo"]
     norm_adv_by_std: bool = True
-    adv_epsilon: float = Field(1e-6, gt=0)
+    adv_epsilon: float = Field(default=1e-6, gt=0)
     loss_agg_mode: AggMode = "seq-mean-token-mean"
-    kl_loss_coef: float = Field(0.001, ge=0, description="KL as a loss; 0 loads no reference")
-    filter_groups: FilterGroupsConfig | None = Field(
-        None, description="dynamic sampling: drop groups whose scores are all equal; null: off"
+    kl_loss_coef: float = Field(
+        default=0.001, ge=0, description="KL as a loss; 0 loads no reference"
     )
-    overlong_filter: bool = Field(False, description="mask out responses cut at the budget")
+    filter_groups: FilterGroupsConfig | None = Field(
+        default=None,
+        description="dynamic sampling: drop groups whose scores are all equal; null: off",
+    )
+    overlong_filter: bool = Field(default=False, description="mask out responses cut at the budget")
     overlong_buffer: OverlongBufferConfig | None = Field(
-        None, description="soft overlong punishment over the budget's last tokens; null: off"
+        default=None,
+        description="soft overlong punishment over the budget's last tokens; null: off",
     )
 
     @model_validator(mode="before")
@@ -255,15 +266,16 @@ class DPOAlgorithm(Section):
 
     name: Literal["dpo"]
     loss: DPOLossType = "sigmoid"
-    beta: float = Field(0.1, gt=0, description="β (IPO: τ)")
+    beta: float = Field(default=0.1, gt=0, description="β (IPO: τ)")
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="ε of cDPO / robust DPO (sigmoid, cdpo, robust only)"
+        default=0.0, ge=0, lt=0.5, description="ε of cDPO / robust DPO (sigmoid, cdpo, robust only)"
     )
     precompute_ref_logps: bool = Field(
-        True, description="reference log-probs computed once for the whole dataset and cached"
+        default=True,
+        description="reference log-probs computed once for the whole dataset and cached",
     )
     eval_generate: bool = Field(
-        False,
+        default=False,
         description="evaluation also answers the held-out prompts (greedy) and scores the "
         "answers with reward.fn (eval/accuracy, eval/reward_mean)",
     )
@@ -281,16 +293,16 @@ class KLControlConfig(Section):
     """The coefficient β of KL in the reward: fixed, or Ziegler's adaptive controller."""
 
     type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = Field(0.001, ge=0, description="β (the initial β when adaptive)")
-    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token to aim for")
-    horizon: int = Field(10000, gt=0, description="adaptive: sequences over which β adapts")
+    kl_coef: float = Field(default=0.001, ge=0, description="β (the initial β when adaptive)")
+    target_kl: float = Field(default=0.1, gt=0, description="adaptive: the KL per token to aim for")
+    horizon: int = Field(default=10000, gt=0, description="adaptive: sequences over which β adapts")
 
 
 class RewardKLAlgorithm(RLAlgorithm):
     """Fields shared by algorithms that may put KL in the reward (PPO, RLOO, REINFORCE++)."""
 
     use_kl_in_reward: bool = True
-    kl_penalty: KLType = Field("kl", description="KL estimator in the reward (k1)")
+    kl_penalty: KLType = Field(default="kl", description="KL estimator in the reward (k1)")
     kl_ctrl: KLControlConfig = KLControlConfig()
 
 
@@ -298,12 +310,16 @@ class PPOAlgorithm(RewardKLAlgorithm):
     """PPO, RLHF style: a critic, GAE, whitened advantages, clipped value loss."""
 
     name: Literal["ppo"]
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    norm_adv: bool = Field(True, description="whiten advantages over the batch's tokens")
-    cliprange_value: float | None = Field(0.5, gt=0, description="value clip ε_v; null: off")
-    critic_lr: float = Field(1e-5, gt=0)
-    critic_warmup_steps: int = Field(0, ge=0, description="first steps that train only the critic")
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=0.95, ge=0, le=1)
+    norm_adv: bool = Field(default=True, description="whiten advantages over the batch's tokens")
+    cliprange_value: float | None = Field(
+        default=0.5, gt=0, description="value clip ε_v; null: off"
+    )
+    critic_lr: float = Field(default=1e-5, gt=0)
+    critic_warmup_steps: int = Field(
+        default=0, ge=0, description="first steps that train only the critic"
+    )
 
 
 class RLOOAlgorithm(RewardKLAlgorithm):
@@ -316,7 +332,7 @@ class ReinforcePPAlgorithm(RewardKLAlgorithm):
     """REINFORCE++ (discounted returns, batch whitening) and REINFORCE++-baseline (group mean)."""
 
     name: Literal["reinforce_pp", "reinforce_pp_baseline"]
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(default=1.0, ge=0, le=1)
 
 
 Algorithm = Annotated[

@@ -26,11 +26,11 @@ class LoraConfig(Section):
     """A LoRA adapter on the actor (peft): only the adapter trains; the reference policy is the
     base model with the adapter disabled, and the exported model/ folder is merged."""
 
-    r: int = Field(8, ge=1, description="rank of the adapter")
-    alpha: float = Field(16.0, gt=0, description="scale: the update is alpha / r · B·A")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    r: int = Field(default=8, ge=1, description="rank of the adapter")
+    alpha: float = Field(default=16.0, gt=0, description="scale: the update is alpha / r · B·A")
+    dropout: float = Field(default=0.0, ge=0, lt=1)
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="module names (e.g. [q_proj, v_proj]) or all-linear"
+        default="all-linear", description="module names (e.g. [q_proj, v_proj]) or all-linear"
     )
 
 
@@ -42,33 +42,38 @@ class ModelsConfig(Section):
         description="HF causal-LM folder of the policy, a hub id (org/name) in the HF cache, "
         "or builtin:tiny"
     )
-    reference: str | None = Field(None, description="reference policy; default: same as actor")
+    reference: str | None = Field(
+        default=None, description="reference policy; default: same as actor"
+    )
     critic: str | None = None
-    reward: str | None = Field(None, description="reward-model folder (RL: scores rollouts)")
+    reward: str | None = Field(
+        default=None, description="reward-model folder (RL: scores rollouts)"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32",
+        default="float32",
         description="compute precision: trained models keep float32 weights and optimizer "
         "states and run forward/backward under autocast in this dtype; frozen models "
         "(reference, reward model, a separate rollout copy) are stored in it",
     )
     pure_low_precision: bool = Field(
-        False,
+        default=False,
         description="trained models' weights and optimizer states in models.dtype too (no "
         "float32 master copy; small updates round away): only when asked, with a warning",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
-        None, description="the attention kernel transformers uses; null: transformers' default"
+        default=None,
+        description="the attention kernel transformers uses; null: transformers' default",
     )
     lora: LoraConfig | None = Field(
-        None, description="train a LoRA adapter (peft) instead of every weight of the actor"
+        default=None, description="train a LoRA adapter (peft) instead of every weight of the actor"
     )
     revision: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         description="the branch, tag or commit of every model given by hub id; null: main",
     )
     trust_remote_code: bool = Field(
-        False,
+        default=False,
         description="let transformers run model and tokenizer code a model folder ships "
         "(auto_map in its config); only for models you trust",
     )
@@ -77,9 +82,13 @@ class ModelsConfig(Section):
 class ArithmeticConfig(Section):
     """The built-in integer-arithmetic task (`37+45=` → `82`)."""
 
-    max_operand: int = Field(99, ge=1, description="operands are drawn from [0, max_operand]")
-    ops: str = Field("+", pattern=r"^[+\-*]+$", description="operators to draw from: + - *")
-    eval_size: int = Field(200, ge=1, description="held-out problems, never seen in training")
+    max_operand: int = Field(
+        default=99, ge=1, description="operands are drawn from [0, max_operand]"
+    )
+    ops: str = Field(default="+", pattern=r"^[+\-*]+$", description="operators to draw from: + - *")
+    eval_size: int = Field(
+        default=200, ge=1, description="held-out problems, never seen in training"
+    )
     seed: Seed = 0
 
 
@@ -90,14 +99,14 @@ class DataColumns(Section):
     answer: str = "answer"
     response: str = "response"
     messages: str = Field(
-        "messages",
+        default="messages",
         description="a row without a prompt field: chat messages; before the last assistant "
         "message = the prompt, that message = the response",
     )
-    chosen: str = Field("chosen", description="preference pairs: the preferred response")
-    rejected: str = Field("rejected", description="preference pairs: the other response")
+    chosen: str = Field(default="chosen", description="preference pairs: the preferred response")
+    rejected: str = Field(default="rejected", description="preference pairs: the other response")
     tools: str = Field(
-        "tools",
+        default="tools",
         description="a row's tool definitions (OpenAI function schemas), passed to the chat "
         "template as tools=",
     )
@@ -107,41 +116,41 @@ class DataConfig(Section):
     """Training and evaluation data: `builtin:arithmetic` or JSONL/Parquet files."""
 
     train: str = Field(
-        "builtin:arithmetic",
+        default="builtin:arithmetic",
         description="builtin:arithmetic, builtin:preference (pairs) or a .jsonl/.parquet",
     )
     eval: str | None = Field(
-        None,
+        default=None,
         description="held-out data; default: the arithmetic held-out split when training "
         "on builtin:arithmetic, otherwise no evaluation",
     )
     on_bad_row: Literal["raise", "skip"] = Field(
-        "raise",
+        default="raise",
         description="a malformed row: raise (error naming file:line) or skip it and count it",
     )
     columns: DataColumns = Field(
         default_factory=lambda: DataColumns(), description="the names of a row's fields"
     )
     train_on: Literal["last", "all_assistant"] = Field(
-        "last",
+        default="last",
         description="SFT on a messages row: last (its last assistant message, the messages "
         "before it the prompt) or all_assistant (every assistant turn, in the token layout "
         "of a played episode; observations masked out)",
     )
     tools: list[dict[str, Any]] | None = Field(
-        None,
+        default=None,
         description="tool definitions for every row without its own (OpenAI function schemas)",
     )
     tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
-        "auto",
+        default="auto",
         description="how the model writes tool calls (episodes, SFT data): auto = from the "
         "tokenizer's chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> "
         "llama3_json, else hermes)",
     )
     apply_chat_template: bool = False
-    max_prompt_length: int = Field(64, ge=1)
+    max_prompt_length: int = Field(default=64, ge=1)
     truncation: Literal["error", "left", "drop"] = Field(
-        "error",
+        default="error",
         description="a prompt longer than max_prompt_length: error (naming file:line), left "
         "(keep its last max_prompt_length tokens) or drop (leave it out, counted)",
     )
@@ -155,29 +164,33 @@ class RewardModelConfig(Section):
     score = weight · clip(normalise(RM score)) + fn_weight · reward.fn (rule reward; with
     reward.fns, fn_weight · Σ weight_k · fn_k)."""
 
-    weight: float = Field(1.0, description="weight of the reward model's score")
+    weight: float = Field(default=1.0, description="weight of the reward model's score")
     fn_weight: float = Field(
-        0.0,
+        default=0.0,
         description="weight of the rule reward reward.fn (or reward.fns' weighted sum); 0 does "
         "not call it",
     )
-    normalize: bool = Field(False, description="running z-score of the RM score (all steps)")
-    clip: float | None = Field(None, gt=0, description="clip the (normalised) RM score to ±clip")
+    normalize: bool = Field(
+        default=False, description="running z-score of the RM score (all steps)"
+    )
+    clip: float | None = Field(
+        default=None, gt=0, description="clip the (normalised) RM score to ±clip"
+    )
 
 
 class RewardHTTPConfig(Section):
     """Requests to a reward service (reward.url)."""
 
-    timeout_s: float = Field(30.0, gt=0, description="time limit of one request attempt")
+    timeout_s: float = Field(default=30.0, gt=0, description="time limit of one request attempt")
     retries: int = Field(
-        3,
+        default=3,
         ge=0,
         description="retries of a request that failed to connect, timed out, or got "
         "429 or a 5xx status",
     )
-    backoff_s: float = Field(0.5, ge=0, description="wait before retry k: backoff_s · 2^k")
+    backoff_s: float = Field(default=0.5, ge=0, description="wait before retry k: backoff_s · 2^k")
     api_key_env: str = Field(
-        "KEEL_REWARD_API_KEY",
+        default="KEEL_REWARD_API_KEY",
         description="environment variable holding a bearer token for the service (unset: none)",
     )
 
@@ -205,16 +218,18 @@ class RewardFnConfig(Section):
     """One of several reward functions (reward.fns): the step's reward is Σ weight · score."""
 
     fn: str = Field(description="builtin:NAME, module:fn or file.py:fn")
-    weight: float = Field(1.0, description="its weight in the sum Σ weight · score")
+    weight: float = Field(default=1.0, description="its weight in the sum Σ weight · score")
     name: str | None = Field(
-        None,
+        default=None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="logged as reward/<name>; default: the part of fn after its last ':'",
     )
     kwargs: FiniteMapping = Field(
         default_factory=dict, description="keyword arguments, on top of reward.kwargs"
     )
-    signature: Literal["row", "trl"] | None = Field(None, description="null: reward.signature")
+    signature: Literal["row", "trl"] | None = Field(
+        default=None, description="null: reward.signature"
+    )
 
     def metric_name(self) -> str:
         """`name`, or the one derived from `fn`."""
@@ -226,26 +241,26 @@ class RewardConfig(Section):
     weighted functions (`fns`), or an HTTP reward service (`url`)."""
 
     fn: str | None = Field(
-        None,
+        default=None,
         description="builtin:NAME, module:fn or file.py:fn; default builtin:numeric_match, "
         "null when reward.fns is set",
     )
     fns: list[RewardFnConfig] | None = Field(
-        None,
+        default=None,
         description="several reward functions instead of fn: score = Σ weight · fn, each "
         "logged as reward/<name>",
     )
     url: Annotated[str | None, AfterValidator(_http_url)] = Field(
-        None,
+        default=None,
         description="score through an HTTP reward service (keel serve --reward, docs/serving.md) "
         "instead of reward.fn",
     )
     http: RewardHTTPConfig = RewardHTTPConfig()
     batch_size: int = Field(
-        64, ge=1, description="rows per request to reward.url and per reward-model forward"
+        default=64, ge=1, description="rows per request to reward.url and per reward-model forward"
     )
     signature: Literal["row", "trl"] = Field(
-        "row",
+        default="row",
         description="row: fn(prompt, response, answer, **kwargs) -> float per row; trl: "
         "fn(prompts=, completions=, <data.columns.answer>=, **kwargs) -> list[float] per batch",
     )
@@ -254,17 +269,28 @@ class RewardConfig(Section):
     fallback_score: float = 0.0
     model: RewardModelConfig = RewardModelConfig()
     timeout_s: float | None = Field(
-        60.0, gt=0, description="per-call time limit; a call past it is an error; null: none"
+        default=60.0,
+        gt=0,
+        description="per-call time limit; a call past it is an error; null: none",
     )
-    max_concurrency: int = Field(1, ge=1, description="reward calls running at once (threads)")
+    max_concurrency: int = Field(
+        default=1, ge=1, description="reward calls running at once (threads)"
+    )
     max_hung_calls: int = Field(
-        32, ge=1, description="stop the run when this many timed-out calls are still running"
+        default=32,
+        ge=1,
+        description="stop the run when this many timed-out calls are still running",
     )
     max_abs: float | None = Field(
-        None, gt=0, description="a score with |score| above this is an error; null: no bound"
+        default=None,
+        gt=0,
+        description="a score with |score| above this is an error; null: no bound",
     )
     max_error_rate: float = Field(
-        1.0, ge=0, le=1, description="stop the run when a step's errored fraction exceeds this"
+        default=1.0,
+        ge=0,
+        le=1,
+        description="stop the run when a step's errored fraction exceeds this",
     )
 
     @model_validator(mode="before")
@@ -309,13 +335,20 @@ class VLLMConfig(Section):
     """Options of the vLLM rollout engine (rollout.engine: vllm; the `keel[vllm]` extra)."""
 
     gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="fraction of GPU memory vLLM may take (weights + KV cache)"
+        default=0.5,
+        gt=0,
+        le=1,
+        description="fraction of GPU memory vLLM may take (weights + KV cache)",
     )
     max_model_len: int | None = Field(
-        None, ge=1, description="longest prompt + response; null: the model's context length"
+        default=None,
+        ge=1,
+        description="longest prompt + response; null: the model's context length",
     )
     kv_cache_space_gb: float = Field(
-        1.0, gt=0, description="KV-cache memory on CPU, in GiB (vLLM's kv_cache_memory_bytes)"
+        default=1.0,
+        gt=0,
+        description="KV-cache memory on CPU, in GiB (vLLM's kv_cache_memory_bytes)",
     )
 
 
@@ -327,19 +360,19 @@ class EnvConfig(Section):
         "server at rollout.env.url (docs/environments.md)"
     )
     url: Annotated[str | None, AfterValidator(_http_url)] = Field(
-        None,
+        default=None,
         description="with name http: the environment server (keel env serve, or any server of "
         "the keel-env protocol), e.g. http://127.0.0.1:8711",
     )
     http_retries: int = Field(
-        3,
+        default=3,
         ge=0,
         description="with name http: retries of a call to the server that failed to connect, "
         "timed out or got 429 or a 5xx status (after 0.2 s · 2^k; every call of the protocol "
         "can be retried)",
     )
     retries: int = Field(
-        2,
+        default=2,
         ge=0,
         description="an episode whose environment (or agent) raised, timed out or was lost is "
         "played again from the start with a fresh environment (an agent: a fresh gateway "
@@ -347,7 +380,7 @@ class EnvConfig(Section):
         "step",
     )
     timeout_s: float | None = Field(
-        None,
+        default=None,
         gt=0,
         description="time limit of one reset or step: past it an in-process environment's "
         "attempt at the episode failed; with name http, of one call attempt (then retried, "
@@ -355,7 +388,7 @@ class EnvConfig(Section):
         "none in-process and for an agent, 30 s with name http",
     )
     max_failed_frac: float = Field(
-        0.25,
+        default=0.25,
         ge=0,
         le=1,
         description="stop the run when more than this fraction of a generate call's episodes "
@@ -364,25 +397,28 @@ class EnvConfig(Section):
     kwargs: FiniteMapping = Field(
         default_factory=dict, description="keyword arguments of the environment's constructor"
     )
-    max_turns: int = Field(1, ge=1, description="the policy's turns per episode")
+    max_turns: int = Field(default=1, ge=1, description="the policy's turns per episode")
     max_episode_tokens: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="response tokens of an episode, the policy's and the observations'; "
         "null: no limit besides max_turns × max_new_tokens and the observations",
     )
     turn_discount: float = Field(
-        1.0, ge=0, le=1, description="γ: an episode's environment rewards add up to Σ_k γ^k r_k"
+        default=1.0,
+        ge=0,
+        le=1,
+        description="γ: an episode's environment rewards add up to Σ_k γ^k r_k",
     )
-    workers: int = Field(8, ge=1, description="environment steps (tool calls) run at once")
+    workers: int = Field(default=8, ge=1, description="environment steps (tool calls) run at once")
     require_bubblewrap: bool = Field(
-        True,
+        default=True,
         description="the python tool's sandbox must have its outer layer, bubblewrap: "
         "`keel train` exits 2 where it does not work; false: run the code with the inner "
         "layers only (a warning event says so; docs/tools.md)",
     )
     agent: str | None = Field(
-        None,
+        default=None,
         description="with name agent: the user's agent, path/to/file.py:function or "
         "package.module:function, called once per episode with an openai client on the "
         "training gateway and the example; it returns the episode's reward "
@@ -419,17 +455,18 @@ class RolloutConfig(Section):
     that generates and how far behind the trainer it may run."""
 
     engine: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: transformers generate; vllm: the vLLM engine (keel[vllm] extra)"
+        default="hf",
+        description="hf: transformers generate; vllm: the vLLM engine (keel[vllm] extra)",
     )
     vllm: VLLMConfig = VLLMConfig()
     max_staleness: int = Field(
-        0,
+        default=0,
         ge=0,
         description="k ≥ 1: the next batches are generated while the current one trains, with "
         "weights at most k updates old; 0: synchronous",
     )
     interruptible: bool = Field(
-        False,
+        default=False,
         description="with max_staleness ≥ 1: a weight push reaches the batch generating ahead "
         "mid-generation; its rows still running at decode step interrupt_at continue under "
         "the new weights (their KV cache computed again), every token recording the version "
@@ -438,21 +475,23 @@ class RolloutConfig(Section):
         "version they started with (docs/rollout.md)",
     )
     interrupt_at: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="the decode step (a row's token index) at which an interruptible "
         "rollout's unfinished rows take the pushed weights; null: max_new_tokens // 2",
     )
-    n: int = Field(8, ge=1, description="responses sampled per prompt (the GRPO group size)")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(16, ge=1)
-    batch_size: int | None = Field(None, ge=1, description="prompts per generate call")
+    n: int = Field(
+        default=8, ge=1, description="responses sampled per prompt (the GRPO group size)"
+    )
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_new_tokens: int = Field(default=16, ge=1)
+    batch_size: int | None = Field(default=None, ge=1, description="prompts per generate call")
     return_logprobs: bool = Field(
-        False, description="keep the engine's log-probs and log their gap to the trainer's"
+        default=False, description="keep the engine's log-probs and log their gap to the trainer's"
     )
     quantization: Literal["int8", "fp8"] | None = Field(
-        None,
+        default=None,
         description="hf engine: its own copy of the policy with the Linear layers quantized "
         "(embeddings and LM head kept), re-quantized from each full-precision weight push; the "
         "trainer keeps full precision. int8: CPU, int8 weights per channel and activations per "
@@ -461,17 +500,17 @@ class RolloutConfig(Section):
         "(docs/rollout.md); null: full precision",
     )
     quantization_lm_head: bool = Field(
-        False,
+        default=False,
         description="with quantization: the LM head quantized too (tied to the embeddings or "
         "not: the embeddings stay float); faster, a larger log-prob gap (docs/rollout.md)",
     )
     share_prompt_prefill: bool = Field(
-        True,
+        default=True,
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
         "repeated n times), with the reserved or the static KV cache",
     )
     decode_loop: Literal["keel", "static", "generate"] = Field(
-        "keel",
+        default="keel",
         description="hf: keel, Keel's own decode loop on the reserved KV cache (a forward over "
         "the live rows per step, finished rows dropped; models with sliding-window or other "
         "non-full-attention layers fall back to generate); static: the same loop, its decode "
@@ -480,19 +519,19 @@ class RolloutConfig(Section):
         "static_cache)",
     )
     static_cache: bool | None = Field(
-        None,
+        default=None,
         description="HF generate with transformers' static KV cache (what compiled decoding "
         "needs) instead of Keel's reserved one; null: on CUDA only",
     )
     compile: bool | None = Field(
-        None,
+        default=None,
         description="compiled decoding: hf torch.compiles the model for Keel's decode loop "
         "(dynamic shapes) or, with static_cache, transformers' decode step; "
         "vllm uses CUDA graphs and torch.compile (vLLM's enforce_eager off: slower start-up, "
         "faster decoding); null: hf on CUDA, vllm off",
     )
     env: EnvConfig | None = Field(
-        None,
+        default=None,
         description="multi-turn episodes in an environment (docs/environments.md); null: one "
         "response per prompt",
     )
@@ -547,53 +586,60 @@ class RolloutConfig(Section):
 class TrainConfig(Section):
     """Optimisation: steps, the batch algebra, optimizer and LR schedule."""
 
-    steps: int = Field(100, ge=1, description="training steps (RL: rollout batches; SFT: batches)")
-    batch_size: int = Field(32, ge=1, description="prompts per step (SFT: examples per step)")
+    steps: int = Field(
+        default=100, ge=1, description="training steps (RL: rollout batches; SFT: batches)"
+    )
+    batch_size: int = Field(
+        default=32, ge=1, description="prompts per step (SFT: examples per step)"
+    )
     mini_batch_size: int | None = Field(
-        None, ge=1, description="sequences per optimizer update; default: the whole step"
+        default=None, ge=1, description="sequences per optimizer update; default: the whole step"
     )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="sequences per forward/backward; default: the mini-batch"
+        default=None, ge=1, description="sequences per forward/backward; default: the mini-batch"
     )
-    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch (RL only)")
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each rollout batch (RL only)")
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; null: off")
-    warmup_steps: int = Field(0, ge=0, description="LR warm-up, in optimizer updates")
+    grad_clip: float | None = Field(
+        default=1.0, gt=0, description="max global grad norm; null: off"
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="LR warm-up, in optimizer updates")
     lr_schedule: Literal["constant", "cosine"] = "cosine"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     share_prompts: bool = Field(
-        True,
+        default=True,
         description="rows with the same prompt (a group) share one forward pass of it in the "
         "actor's and reference's log-prob passes and the critic's value passes; off: every row "
         "runs its prompt",
     )
     gradient_checkpointing: bool = Field(
-        False, description="recompute activations in backward: less memory, ~30% more compute"
+        default=False,
+        description="recompute activations in backward: less memory, ~30% more compute",
     )
     packing: bool = Field(
-        True,
+        default=True,
         description="padding-free forward passes: each micro-batch's rows run concatenated "
         "without their padding, attention kept inside each row (actor, reference, critic, reward "
         "model; SFT and DPO); where prompts are shared (train.share_prompts) the shared pass runs "
         "instead; off: padded rows",
     )
     balance_ranks: bool = Field(
-        True,
+        default=True,
         description="Ray data-parallel ranks get rows by their token lengths so that every rank "
         "computes about as many tokens (each keeping its row count; GRPO groups whole where "
         "prompts are shared); off: consecutive rows",
     )
     max_tokens_per_micro_batch: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="micro-batches by a token budget: rows sorted by length, padding removed; "
         "null: micro_batch_size rows each",
     )
     logits_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
-        "auto",
+        default="auto",
         description="the policy's and reference's log-prob passes run the LM head on this many "
         "tokens at a time and recompute each chunk's logits in the backward, never holding the "
         "[rows, tokens, vocabulary] logits (a large vocabulary's memory); auto: in chunks "
@@ -608,18 +654,22 @@ class EvalConfig(Section):
     first step / after the last one on or off (null: as `every` says)."""
 
     every: int = Field(
-        10, ge=0, description="evaluate every N steps, at step 0 and after the last; 0: never"
+        default=10,
+        ge=0,
+        description="evaluate every N steps, at step 0 and after the last; 0: never",
     )
     at_start: bool | None = Field(
-        None, description="evaluate before the first step (step 0); null: when every > 0"
+        default=None, description="evaluate before the first step (step 0); null: when every > 0"
     )
     at_end: bool | None = Field(
-        None, description="evaluate after the last step; null: when every > 0"
+        default=None, description="evaluate after the last step; null: when every > 0"
     )
-    temperature: float = Field(0.0, ge=0, description="0 means greedy")
+    temperature: float = Field(default=0.0, ge=0, description="0 means greedy")
     max_new_tokens: int | None = None
-    batch_size: int = Field(256, ge=1)
-    correct_threshold: float = Field(1.0, description="a response is correct if score ≥ this")
+    batch_size: int = Field(default=256, ge=1)
+    correct_threshold: float = Field(
+        default=1.0, description="a response is correct if score ≥ this"
+    )
 
 
 class UploadEncryption(Section):
@@ -630,7 +680,7 @@ class UploadEncryption(Section):
         description="AES256: S3-managed keys (SSE-S3); aws:kms: a KMS key (SSE-KMS, kms_key_id)"
     )
     kms_key_id: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         description="aws:kms: the KMS key's id, ARN or alias (required); not with AES256",
     )
@@ -649,28 +699,32 @@ class CheckpointConfig(Section):
     controller and guard state, config) under RUN_DIR/checkpoints, published atomically."""
 
     save_steps: int = Field(
-        50, ge=0, description="save every N steps and at the last; 0: none during the run"
+        default=50, ge=0, description="save every N steps and at the last; 0: none during the run"
     )
-    keep: int = Field(2, ge=1, description="step folders to keep (the newest healthy one stays)")
+    keep: int = Field(
+        default=2, ge=1, description="step folders to keep (the newest healthy one stays)"
+    )
     upload_to: str | None = Field(
-        None, description="fsspec URL (s3://bucket/prefix, file://…) to copy each checkpoint to"
+        default=None,
+        description="fsspec URL (s3://bucket/prefix, file://…) to copy each checkpoint to",
     )
     storage_options: FiniteMapping = Field(
         default_factory=dict, description="fsspec options for upload_to (endpoint_url, key, …)"
     )
     upload_wait_s: float = Field(
-        120.0, ge=0, description="at the end of the run, wait this long for pending uploads"
+        default=120.0, ge=0, description="at the end of the run, wait this long for pending uploads"
     )
     upload_encryption: UploadEncryption | None = Field(
-        None, description="S3 server-side encryption of the uploads; null: the bucket's default"
+        default=None,
+        description="S3 server-side encryption of the uploads; null: the bucket's default",
     )
     format: Literal["full", "sharded"] = Field(
-        "full",
+        default="full",
         description="full: rank 0 gathers and writes HF folders; sharded: every rank writes its "
         "own torch.distributed.checkpoint shards (resumable on another number of ranks)",
     )
     async_save: bool = Field(
-        False,
+        default=False,
         description="sharded only: stage each rank's shards in host memory and write them in "
         "the background while training goes on (published at the next save, rollback or exit)",
     )
@@ -719,29 +773,29 @@ class GuardRule(Section):
     `max_drop_frac` compare the rolling mean with its best so far (window 1 when unset)."""
 
     metric: str = Field(min_length=1, description="a key of metrics.jsonl (docs/metrics.md)")
-    max: float | None = Field(None, description="trip when the value is above this")
-    min: float | None = Field(None, description="trip when the value is below this")
+    max: float | None = Field(default=None, description="trip when the value is above this")
+    min: float | None = Field(default=None, description="trip when the value is below this")
     max_drop: float | None = Field(
-        None, gt=0, description="trip when the rolling mean falls this far below its best"
+        default=None, gt=0, description="trip when the rolling mean falls this far below its best"
     )
     max_drop_frac: float | None = Field(
-        None, gt=0, description="trip when it falls this fraction of |best| below its best"
+        default=None, gt=0, description="trip when it falls this fraction of |best| below its best"
     )
     window: int | None = Field(
-        None, ge=1, description="steps in the rolling mean; null: the step's own value"
+        default=None, ge=1, description="steps in the rolling mean; null: the step's own value"
     )
     action: GuardAction = Field(
-        "warn",
+        default="warn",
         description="warn; rollback (to the newest healthy checkpoint); stop; correct: switch "
         "the rollout correction to `preset` instead of rolling back",
     )
     preset: CorrectionPreset | None = Field(
-        None,
+        default=None,
         description="with action correct: the algorithm.rollout_correction preset the run "
         "switches to when the rule trips (e.g. decoupled_geo_rs_token_tis)",
     )
     name: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         description="the rule's name in events.jsonl; null: collapse for a drop, kl / entropy / "
         "length / drift on their metrics, else the metric",
@@ -794,9 +848,9 @@ class NonfiniteConfig(Section):
     """A non-finite `*loss` or `*grad_norm`, or a skipped update (`*/skipped` > 0)."""
 
     action: Literal["warn", "skip"] = Field(
-        "skip", description="the update is skipped either way; warn or skip (count it)"
+        default="skip", description="the update is skipped either way; warn or skip (count it)"
     )
-    patience: int = Field(3, ge=1, description="non-finite steps in a row → rollback")
+    patience: int = Field(default=3, ge=1, description="non-finite steps in a row → rollback")
 
 
 class GuardConfig(Section):
@@ -820,79 +874,92 @@ class GuardConfig(Section):
                 raise ValueError(guard_bound_error(bounds, f"guard.rules[{i}]"))
         return data
 
-    lr_factor: float = Field(0.5, gt=0, le=1, description="LR multiplier after each rollback")
-    kl_factor: float = Field(1.0, ge=1, description="KL coefficient multiplier per rollback")
-    skip_data: bool = Field(True, description="after a rollback, skip the batches that led to it")
-    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed; one more trip stops")
+    lr_factor: float = Field(
+        default=0.5, gt=0, le=1, description="LR multiplier after each rollback"
+    )
+    kl_factor: float = Field(
+        default=1.0, ge=1, description="KL coefficient multiplier per rollback"
+    )
+    skip_data: bool = Field(
+        default=True, description="after a rollback, skip the batches that led to it"
+    )
+    max_rollbacks: int = Field(
+        default=3, ge=0, description="rollbacks allowed; one more trip stops"
+    )
 
 
 class PrometheusConfig(Section):
     """The Prometheus exporter: /metrics and /healthz over HTTP while the run lives."""
 
-    host: str = Field("127.0.0.1", description="address to listen on; 0.0.0.0 for all")
-    port: int = Field(9400, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    host: str = Field(default="127.0.0.1", description="address to listen on; 0.0.0.0 for all")
+    port: int = Field(default=9400, ge=0, le=65535, description="TCP port; 0 picks a free one")
 
 
 class SamplesConfig(Section):
     """A few (prompt, response, reward) rows of the step's batch, to read what the policy says."""
 
-    every: int = Field(10, ge=0, description="log samples every N steps; 0: never")
-    count: int = Field(4, ge=1, description="rows logged each time")
-    console: bool = Field(True, description="also print them on the console")
+    every: int = Field(default=10, ge=0, description="log samples every N steps; 0: never")
+    count: int = Field(default=4, ge=1, description="rows logged each time")
+    console: bool = Field(default=True, description="also print them on the console")
 
 
 class WandbConfig(Section):
     """A W&B run per Keel run (its id kept in RUN_DIR/trackers.json, reopened on resume)."""
 
-    project: str | None = Field(None, min_length=1, description="null: W&B's default project")
-    entity: str | None = Field(None, min_length=1, description="null: the account's default")
+    project: str | None = Field(
+        default=None, min_length=1, description="null: W&B's default project"
+    )
+    entity: str | None = Field(
+        default=None, min_length=1, description="null: the account's default"
+    )
     mode: Literal["online", "offline"] | None = Field(
-        None,
+        default=None,
         description="null: online when W&B credentials are found (WANDB_API_KEY, "
         "WANDB_IDENTITY_TOKEN_FILE or a netrc entry), else offline under RUN_DIR/wandb",
     )
     tags: list[str] = Field(default_factory=list)
-    group: str | None = Field(None, min_length=1)
+    group: str | None = Field(default=None, min_length=1)
 
 
 class MlflowConfig(Section):
     """An MLflow run per Keel run (its id kept in RUN_DIR/trackers.json, reopened on resume)."""
 
     tracking_uri: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         description="null: $MLFLOW_TRACKING_URI, else a file store at RUN_DIR/mlruns",
     )
-    experiment: str = Field("keel", min_length=1, description="created when missing")
-    log_model: bool = Field(False, description="log RUN_DIR/model as the artifact `model`")
+    experiment: str = Field(default="keel", min_length=1, description="created when missing")
+    log_model: bool = Field(default=False, description="log RUN_DIR/model as the artifact `model`")
 
 
 class MonitorConfig(Section):
     """Where metrics go: console, metrics.jsonl, Prometheus, TensorBoard, W&B, MLflow."""
 
     progress: bool = Field(
-        True, description="progress on stderr: a bar on a terminal, else lines (below)"
+        default=True, description="progress on stderr: a bar on a terminal, else lines (below)"
     )
     progress_every_steps: int = Field(
-        10,
+        default=10,
         ge=0,
         description="stderr not a terminal: a progress line every N steps (and after the "
         "first and the last step); 0: by time only",
     )
     progress_every_seconds: float = Field(
-        60.0,
+        default=60.0,
         ge=0,
         description="stderr not a terminal: a progress line after the first step that ends "
         "this many seconds after the previous line; 0: by steps only",
     )
     jsonl: bool = True
-    prometheus: PrometheusConfig | None = Field(None, description="null: no exporter")
-    tensorboard: bool = Field(False, description="write RUN_DIR/tensorboard event files")
+    prometheus: PrometheusConfig | None = Field(default=None, description="null: no exporter")
+    tensorboard: bool = Field(default=False, description="write RUN_DIR/tensorboard event files")
     wandb: WandbConfig | None = Field(
-        None, description="true or a section: log to W&B (needs `wandb`); false/null: off"
+        default=None, description="true or a section: log to W&B (needs `wandb`); false/null: off"
     )
     mlflow: MlflowConfig | None = Field(
-        None, description="true or a section: log to MLflow (needs `mlflow`); false/null: off"
+        default=None,
+        description="true or a section: log to MLflow (needs `mlflow`); false/null: off",
     )
     samples: SamplesConfig = SamplesConfig()
 
@@ -919,12 +986,12 @@ class WorkerGroupConfig(Section):
     a rollout role in another group gets the new weights pushed after each update."""
 
     roles: list[RoleName] = Field(min_length=1, description="roles hosted by these workers")
-    workers: int = Field(1, ge=1, description="Ray actors (ranks) of the group")
-    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker")
-    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker (nccl when > 0)")
-    fsdp: bool = Field(False, description="shard the group's models with FSDP2 fully_shard")
+    workers: int = Field(default=1, ge=1, description="Ray actors (ranks) of the group")
+    cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per worker")
+    gpus_per_worker: float = Field(default=0.0, ge=0, description="GPUs per worker (nccl when > 0)")
+    fsdp: bool = Field(default=False, description="shard the group's models with FSDP2 fully_shard")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Ray placement-group strategy for the group's bundles"
+        default="PACK", description="Ray placement-group strategy for the group's bundles"
     )
     resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict,
@@ -945,10 +1012,11 @@ class RayConfig(Section):
     """How to reach Ray, and what the workers' processes get."""
 
     address: str | None = Field(
-        None, description="an existing cluster (`auto`, `ray://…`, `HOST:6379`); null: start one"
+        default=None,
+        description="an existing cluster (`auto`, `ray://…`, `HOST:6379`); null: start one",
     )
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of a Ray started here")
-    num_gpus: int | None = Field(None, ge=0, description="GPUs of a Ray started here")
+    num_cpus: int | None = Field(default=None, ge=1, description="CPUs of a Ray started here")
+    num_gpus: int | None = Field(default=None, ge=0, description="GPUs of a Ray started here")
     namespace: str = "keel"
     env_vars: dict[str, str] = Field(
         default_factory=dict,
@@ -962,7 +1030,8 @@ class ResourcesConfig(Section):
 
     backend: Literal["local", "ray"] = "local"
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where models and batches live: auto is cuda when a GPU is visible"
+        default="auto",
+        description="where models and batches live: auto is cuda when a GPU is visible",
     )
     ray: RayConfig = RayConfig()
     groups: list[WorkerGroupConfig] = Field(
@@ -970,15 +1039,17 @@ class ResourcesConfig(Section):
         description="colocation groups; roles in no group run in the driver process",
     )
     max_restarts: int = Field(
-        0, ge=0, description="ray: times a dead worker makes the run restart from a checkpoint"
+        default=0,
+        ge=0,
+        description="ray: times a dead worker makes the run restart from a checkpoint",
     )
     weight_sync: Literal["auto", "collective", "object_store"] = Field(
-        "auto",
+        default="auto",
         description="how separate rollout workers get the actor's weights: auto is collective "
         "on Ray when the actor and the rollout are in separate groups, else object_store",
     )
     weight_sync_bucket_mb: float = Field(
-        256.0, gt=0, description="collective weight sync: MiB per bucket of the byte stream"
+        default=256.0, gt=0, description="collective weight sync: MiB per bucket of the byte stream"
     )
 
     @model_validator(mode="after")
@@ -1006,32 +1077,42 @@ class DistillationConfig(Section):
 
     enabled: bool = False
     teacher: str | None = Field(
-        None,
+        default=None,
         description="the teacher: a model loaded in this process (a folder, builtin:NAME, hub "
         "id or GGUF file, resolved as models.actor), or the http(s) URL of a keel serve of it "
         "(its /v1/prompt_logprobs); it must share the student's tokenizer",
     )
     loss_mode: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk"] = (
-        Field("k3", description="a single-sample reverse-KL estimator, or the top-k forward KL")
+        Field(
+            default="k3",
+            description="a single-sample reverse-KL estimator, or the top-k forward KL",
+        )
     )
-    topk: int = Field(32, ge=1, le=256, description="K of forward_kl_topk")
+    topk: int = Field(default=32, ge=1, le=256, description="K of forward_kl_topk")
     use_task_rewards: bool = Field(
-        True, description="keep the task's policy loss and add coef · L_distill; false: L_distill"
+        default=True,
+        description="keep the task's policy loss and add coef · L_distill; false: L_distill",
     )
-    coef: float = Field(1.0, ge=0, description="weight of L_distill beside the task loss")
+    coef: float = Field(default=1.0, ge=0, description="weight of L_distill beside the task loss")
     loss_max_clamp: float | None = Field(
-        None, gt=0, description="each token's loss clamped to [-M, M]; null: off"
+        default=None, gt=0, description="each token's loss clamped to [-M, M]; null: off"
     )
     log_prob_min_clamp: float | None = Field(
-        None, lt=0, description="forward_kl_topk: log-probs clamped below at this; null: off"
+        default=None,
+        lt=0,
+        description="forward_kl_topk: log-probs clamped below at this; null: off",
     )
     use_policy_gradient: bool = Field(
-        False,
+        default=False,
         description="advantage -sg(loss) under PPO-clip (dual-clip 3) instead of the loss "
         "itself (supervised)",
     )
-    clip_ratio_low: float = Field(0.2, ge=0, description="the policy-gradient mode's PPO clip")
-    clip_ratio_high: float = Field(0.2, ge=0, description="the policy-gradient mode's PPO clip")
+    clip_ratio_low: float = Field(
+        default=0.2, ge=0, description="the policy-gradient mode's PPO clip"
+    )
+    clip_ratio_high: float = Field(
+        default=0.2, ge=0, description="the policy-gradient mode's PPO clip"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> DistillationConfig:

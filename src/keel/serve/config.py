@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from keel.config.loading import ConfigError, parse_override, read_yaml, set_path
 from keel.config.schema import RolloutConfig
@@ -23,61 +24,75 @@ class ServeConfig(Section):
     """How `keel serve` batches, limits and protects requests."""
 
     model_name: str | None = Field(
-        None, description="the model id in /v1/models and requests; default: MODEL's folder name"
+        default=None,
+        description="the model id in /v1/models and requests; default: MODEL's folder name",
     )
     max_batch_size: int = Field(
-        64, ge=1, description="most rows (prompts × n) in one generate call (continuous: rows "
-        "decoding at once); also one request's",
-    )  # fmt: skip
+        default=64,
+        ge=1,
+        description="most rows (prompts × n) in one generate call (continuous: rows decoding at "
+        "once); also one request's",
+    )
     max_wait_ms: float = Field(
-        5.0, ge=0, description="serve.batching=batch: longest a request waits for others to share "
-        "its generate call",
-    )  # fmt: skip
+        default=5.0,
+        ge=0,
+        description="serve.batching=batch: longest a request waits for others to share its "
+        "generate call",
+    )
     batching: Literal["continuous", "batch"] | None = Field(
-        None,
+        default=None,
         description="continuous: requests join and leave the running decode batch per token "
         "(an engine with a step API: HF, vLLM); batch: one generate call per batch of "
         "requests; null: continuous where the engine can",
     )
-    max_prompt_tokens: int = Field(512, ge=1, description="longest prompt, in tokens")
-    max_new_tokens: int = Field(256, ge=1, description="largest max_tokens a request may ask")
-    max_body_bytes: int = Field(1 << 20, ge=1, description="largest request body, in bytes")
+    max_prompt_tokens: int = Field(default=512, ge=1, description="longest prompt, in tokens")
+    max_new_tokens: int = Field(
+        default=256, ge=1, description="largest max_tokens a request may ask"
+    )
+    max_body_bytes: int = Field(default=1 << 20, ge=1, description="largest request body, in bytes")
     max_pending_requests: int = Field(
-        1024, ge=1, description="requests queued or generating; beyond it: 429"
+        default=1024, ge=1, description="requests queued or generating; beyond it: 429"
     )
     api_key: str | None = Field(
-        None, description=f"bearer token every /v1 request must carry; default: ${API_KEY_ENV}"
+        default=None,
+        description=f"bearer token every /v1 request must carry; default: ${API_KEY_ENV}",
     )
-    api_key_env: str = Field(API_KEY_ENV, description="environment variable read for api_key")
-    tls_certfile: str | None = Field(None, description="PEM certificate: serve HTTPS")
-    tls_keyfile: str | None = Field(None, description="PEM private key of tls_certfile")
+    api_key_env: str = Field(
+        default=API_KEY_ENV, description="environment variable read for api_key"
+    )
+    tls_certfile: str | None = Field(default=None, description="PEM certificate: serve HTTPS")
+    tls_keyfile: str | None = Field(default=None, description="PEM private key of tls_certfile")
     follow_interval_s: float = Field(
-        5.0, gt=0, description="--follow: seconds between looks for a newer checkpoint"
+        default=5.0, gt=0, description="--follow: seconds between looks for a newer checkpoint"
     )
     drain_timeout_s: float = Field(
-        30.0, gt=0, description="SIGTERM: longest wait for in-flight requests to finish"
+        default=30.0, gt=0, description="SIGTERM: longest wait for in-flight requests to finish"
     )
     switch_interval_ms: float = Field(
-        1.0,
+        default=1.0,
         gt=0,
         description="Python's thread switch interval (sys.setswitchinterval): how long the "
         "generating thread may hold the GIL while requests wait to be read and answered",
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads of the generating thread; null: torch's"
+        default=None,
+        ge=1,
+        description="torch intra-op threads of the generating thread; null: torch's",
     )
     apply_chat_template: bool = Field(
-        False,
+        default=False,
         description="--reward: text prompts go through the reward model's chat template too (as "
         "in a run with data.apply_chat_template); message lists always do",
     )
     tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
-        "auto",
+        default="auto",
         description="how the model writes tool calls (chat requests with tools), as "
         "data.tool_format; auto: the one its chat template writes",
     )
     grpc_workers: int = Field(
-        64, ge=1, description="--grpc-port: threads answering gRPC calls (each waits on its batch)"
+        default=64,
+        ge=1,
+        description="--grpc-port: threads answering gRPC calls (each waits on its batch)",
     )
 
     @model_validator(mode="after")
@@ -129,7 +144,7 @@ def load_serve_config(path: Path | None, overrides: Iterable[str] = ()) -> Serve
         raise ConfigError("\n".join([f"{source}: invalid serve config", *lines])) from None
 
 
-def _problem(err: dict) -> str:
+def _problem(err: ErrorDetails) -> str:
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         return f"  {key}: unknown key"
