@@ -152,7 +152,7 @@ PHASES = (
 class PhaseClock:
     """Wall seconds per phase of a step, measured by wrapping the calls both programs make:
 
-    - generate: HF `GenerationMixin.generate`, and Keel's decode loop (`HFDecoder.decode`);
+    - generate: HF `GenerationMixin.generate`, and Keel's decode loop (`RolloutDecoder.decode`);
     - old_logprob_fwd / ref_fwd / train_fwd: one log-prob pass over the batch, the model's
       forward plus the log-softmax (and entropy) over the response tokens: Keel's
       `response_forward` (as the actor and reference workers call it), TRL's
@@ -305,12 +305,12 @@ class PhaseClock:
             clock._record_rows(attention_mask, attention_mask[:, -logits_to_keep:])
 
         import keel.engine.forward
-        import keel.rollout.decoding
+        import keel.rollout.decode
         import keel.workers.actor
 
         self._patch(transformers.GenerationMixin, "generate", timed("generate"))
         # Keel's own decode loop (rollout.decode_loop keel / static) does not call generate
-        self._patch(keel.rollout.decoding.HFDecoder, "decode", timed("generate"))
+        self._patch(keel.rollout.decode.RolloutDecoder, "decode", timed("generate"))
         # the training pass (the actor's loss) and the no-grad passes (old and reference
         # log-probs, through keel.engine.forward.micro_batched_logprobs)
         self._patch(keel.workers.actor, "response_forward", logprob_pass(0, keel_rows))

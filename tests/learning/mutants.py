@@ -184,11 +184,11 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation(
             "async_old_logprobs_from_engine",
             "controller/rl.py",
-            '                batch = roles.actor.call("compute_logprobs", batch)\n',
+            "                batch = roles.actor.call(ActorWorker.compute_logprobs, batch)\n",
             "                batch = (\n"
             "                    batch.replace(old_logprobs=batch.rollout_logprobs)\n"
             "                    if self.max_staleness and batch.rollout_logprobs is not None\n"
-            '                    else roles.actor.call("compute_logprobs", batch)\n'
+            "                    else roles.actor.call(ActorWorker.compute_logprobs, batch)\n"
             "                )\n",
             "asynchronous rollout takes the engine's (stale) log-probs as π_old instead of the "
             "trainer's recomputation",
@@ -238,7 +238,7 @@ MUTATIONS: dict[str, Mutation] = {
             "bypass_pi_old_from_trainer",
             "controller/rl.py",
             "                batch = batch.replace(old_logprobs=engine_logprobs(batch))\n",
-            '                batch = roles.actor.call("compute_logprobs", batch)\n',
+            "                batch = roles.actor.call(ActorWorker.compute_logprobs, batch)\n",
             "rollout correction's bypass mode takes π_old from the trainer's recomputation "
             "instead of the engine's log-probs",
             tests=(
@@ -250,13 +250,13 @@ MUTATIONS: dict[str, Mutation] = {
         ),
         Mutation(
             "interruptible_keeps_old_kv",
-            "rollout/decoding.py",
+            "rollout/decode/rollout_loop.py",
             "                        self._reprefill(rows, tokens, steps)\n",
             "                        pass\n",
             "an interruptible rollout's rows continue under new weights over the KV cache the "
             "old ones computed: their tokens' log-probs are no version's",
             tests=(
-                "tests/rollout/test_decoding.py::"
+                "tests/rollout/decode/test_decoder.py::"
                 "test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights",
             ),
         ),

@@ -12,9 +12,9 @@ from keel.data.examples import Example
 from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.eos import eos_token_ids
-from keel.rollout.decoding import HFDecoder, compiled_forward, decodes
-from keel.rollout.graphs import StaticSteps
-from keel.rollout.kvcache import RESERVED_NEW_TOKENS, reserved_cache
+from keel.rollout.decode import HFDecoder, RolloutDecoder, compiled_forward, decodes
+from keel.rollout.decode.graphs import StaticSteps
+from keel.rollout.decode.kvcache import RESERVED_NEW_TOKENS, reserved_cache
 from keel.rollout.protocol import Completions, RowRequest, SamplingParams, StepHook
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
@@ -32,16 +32,16 @@ class HFRolloutEngine:
     the model's generation config); its response_mask includes that token.
 
     dtype: autocast dtype of the forward passes (a colocated actor in mixed precision).
-    The KV cache reserves the generation's room up front (`keel.rollout.kvcache`);
+    The KV cache reserves the generation's room up front (`keel.rollout.decode.kvcache`);
     static_cache: transformers' `StaticCache` instead (attention over all its positions, masked),
     which lets transformers compile the decode step on CUDA when `compile` is on.
     share_prefill: the n rows of a prompt share one prefill (`shared_prefill`), into either
     cache.
-    decode_loop: "keel" decodes with Keel's own loop (`keel.rollout.decoding.HFDecoder`: the
+    decode_loop: "keel" decodes with Keel's own loop (`keel.rollout.decode`: the
     same tokens and log-probs as `generate` for the same seed, a forward over the live rows
     only), unless static_cache is on or the model has other than full-attention layers;
     "static": the same loop with its decode steps at padded (rows, columns) buckets on a
-    static cache, each captured in a CUDA graph on CUDA (`keel.rollout.graphs`; static_cache
+    static cache, each captured in a CUDA graph on CUDA (`keel.rollout.decode.graphs`; static_cache
     and compile do not apply to it, nor does it run with FSDP2: synced falls back to "keel");
     "generate": HF `generate`. `decoder()` opens the loop's step API (serving)."""
 
@@ -231,7 +231,7 @@ class HFRolloutEngine:
         """Keel's loop, every row joined at once, the sampling noise drawn for all of them
         every step as `generate` draws it (so the same seed gives the same tokens); the
         step hook, when set, between its steps."""
-        decoder = HFDecoder(
+        decoder = RolloutDecoder(
             self.model, self.eos_ids, self.pad_id, dtype=self.dtype, synced=self.synced,
             share_prefill=self.share_prefill, logprobs=self.return_logprobs,
             noise_rows=len(rows), compiled=self._compiled, static=self._steps,

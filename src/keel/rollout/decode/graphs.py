@@ -1,7 +1,7 @@
 """The decode step at fixed shapes: a padded batch bucket on a static KV cache, which on CUDA
 is captured once in a CUDA graph and replayed every step (`rollout.decode_loop: static`).
 
-Keel's decode loop (`keel.rollout.decoding.HFDecoder`) runs one forward per step over the
+Keel's decode loop (`keel.rollout.decode.decoder.HFDecoder`) runs one forward per step over the
 live rows, with a cache as wide as the filled columns: every step has new shapes, and on a GPU
 the step's time is the launch of its kernels, not their work. Here the running rows sit in
 the first rows of a bucket of B rows (a power of two) on a cache of C columns (a power of two
@@ -105,7 +105,7 @@ class StaticStep:
 
     def load(self, cache: DynamicCache, n: int, width: int) -> None:
         """This bucket's cache holds the first `width` columns of `cache`'s n rows (a reserved
-        cache, `keel.rollout.decoding._merged`); every other position is zero."""
+        cache, `keel.rollout.decode.kvcache.merged_cache`); every other position is zero."""
         if self.cache is None:
             self._allocate(cache)
         assert self.cache is not None

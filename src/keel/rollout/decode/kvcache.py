@@ -6,6 +6,9 @@ of a CPU `generate` (bench/compare_trl.py, W2). `ReservedLayer` writes each step
 sized for prompt + max_new_tokens (at most RESERVED_NEW_TOKENS new ones; it doubles past
 that) and hands attention a view of the filled part; the keys and values, and so the sampled
 tokens, are exactly those of the dynamic cache (tested).
+
+Keel's decode loop moves rows between such caches: `merged_cache` joins the rows of several,
+right-aligned at one column; `gather_rows` repeats a shared prefill's rows.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class ReservedLayer(DynamicLayer):
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Take `keys`, `values` [B, H, capacity, D] as this layer's buffers, their first
-        `length` positions filled (the decode loop's rebuilt batch, `keel.rollout.decoding`)."""
+        `length` positions filled (the decode loop's rebuilt batch, `merged_cache`)."""
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.capacity = keys.shape[-2]
@@ -129,3 +132,40 @@ def reserved_cache(config: PreTrainedConfig, capacity: int) -> DynamicCache:
         ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
     ]
     return cache
+
+
+def merged_cache(
+    config: Any, sources: list[tuple[DynamicCache, int, int, list[int]]], width: int, cap: int
+) -> DynamicCache:
+    """A reserved cache of `cap` positions holding each source's rows (cache, its filled
+    width, the first column any chosen row uses, the rows), their filled columns ending at
+    column `width`; columns before a row's own start are zero (masked, but finite)."""
+    cache = reserved_cache(config, cap)
+    rows = sum(len(picked) for *_, picked in sources)
+    for li, layer in enumerate(cache.layers):
+        assert isinstance(layer, ReservedLayer)
+        merged = []
+        for part in ("keys", "values"):
+            first = getattr(sources[0][0].layers[li], part)
+            _, heads, _, dim = first.shape
+            buffer = first.new_empty(rows, heads, cap, dim)
+            buffer[:, :, :width].zero_()
+            at = 0
+            for source, w, lo, picked in sources:
+                held = getattr(source.layers[li], part)
+                index = torch.tensor(picked, device=held.device)
+                n = len(picked)
+                buffer[at : at + n, :, width - (w - lo) : width] = held[index, :, lo:w]
+                at += n
+            merged.append(buffer)
+        layer.hold(merged[0], merged[1], width)
+    return cache
+
+
+def gather_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Every layer's rows replaced by rows `index` [N] of it (a shared prefill's repeat)."""
+    for layer in cache.layers:
+        assert isinstance(layer, ReservedLayer) and layer.buffers is not None
+        width = layer.get_seq_length()
+        keys, values = (b[index.to(b.device)] for b in layer.buffers)
+        layer.hold(keys, values, width)

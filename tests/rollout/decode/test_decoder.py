@@ -1,4 +1,4 @@
-"""Keel's decode loop (`keel.rollout.decoding`): generate's tokens and log-probs for the same
+"""Keel's decode loop (`keel.rollout.decode`): generate's tokens and log-probs for the same
 seed, rows joining and leaving at any step, and a batch that does not grow with uptime."""
 
 import copy
@@ -9,7 +9,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from keel.models import load_causal_lm, load_tokenizer
 from keel.rollout import HFRolloutEngine, SamplingParams
-from keel.rollout.decoding import HFDecoder, sample_tokens
+from keel.rollout.decode import HFDecoder
+from keel.rollout.decode.sampling import sample_tokens
 from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest
 
 

@@ -7,7 +7,7 @@ from transformers.cache_utils import DynamicLayer
 from keel.data import Example
 from keel.models import load_causal_lm, load_tokenizer
 from keel.rollout import HFRolloutEngine, SamplingParams
-from keel.rollout.kvcache import ReservedLayer, reserved_cache
+from keel.rollout.decode.kvcache import ReservedLayer, reserved_cache
 
 
 def _same(reserved: ReservedLayer, dynamic: DynamicLayer) -> None:
@@ -130,7 +130,8 @@ def test_a_generation_longer_than_the_reserved_room_grows_and_samples_the_same(
     batches = []
     for reserved in (1024, 2):
         monkeypatch.setattr("keel.rollout.hf.RESERVED_NEW_TOKENS", reserved)
-        monkeypatch.setattr("keel.rollout.decoding.RESERVED_NEW_TOKENS", reserved)
+        monkeypatch.setattr("keel.rollout.decode.decoder.RESERVED_NEW_TOKENS", reserved)
+        monkeypatch.setattr("keel.rollout.decode.rollout_loop.RESERVED_NEW_TOKENS", reserved)
         torch.manual_seed(2)
         engine = HFRolloutEngine(model, tok, return_logprobs=True, share_prefill=True)
         batches.append(engine.generate(examples, sampling))

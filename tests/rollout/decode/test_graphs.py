@@ -1,15 +1,15 @@
-"""The decode step at fixed shapes (`keel.rollout.graphs`): padded buckets on a static cache give
-the dynamic loop's tokens, a cache outgrown mid-generation moves to a larger bucket, and an
-engine keeps a bounded set of steps. (On CUDA each step is a CUDA graph: bench/gpu_step.py
---decode-loop static and tests/gpu measure and check it there.)"""
+"""The decode step at fixed shapes (`keel.rollout.decode.graphs`): padded buckets on a static
+cache give the dynamic loop's tokens, a cache outgrown mid-generation moves to a larger
+bucket, and an engine keeps a bounded set of steps. (On CUDA each step is a CUDA graph:
+bench/gpu_step.py --decode-loop static and tests/gpu measure and check it there.)"""
 
 import pytest
 import torch
 
 from keel.models import load_causal_lm, load_tokenizer
-from keel.rollout import HFRolloutEngine, SamplingParams, decoding
-from keel.rollout.decoding import HFDecoder
-from keel.rollout.graphs import MIN_COLUMNS, StaticSteps, bucket
+from keel.rollout import HFRolloutEngine, SamplingParams
+from keel.rollout.decode import HFDecoder, RolloutDecoder
+from keel.rollout.decode.graphs import MIN_COLUMNS, StaticSteps, bucket
 from keel.rollout.protocol import RowRequest
 
 
@@ -24,12 +24,13 @@ def test_a_generation_that_outgrows_its_bucket_moves_on_with_the_same_tokens(tin
     loop's; the pool holds the buckets it made."""
     tok, model = load_tokenizer(tiny_dir), load_causal_lm(tiny_dir).eval()
     model.generation_config.suppress_tokens = [tok.eos_token_id]  # every row runs to the end
-    monkeypatch.setattr(decoding, "RESERVED_NEW_TOKENS", 4)
+    for module in ("decoder", "rollout_loop"):
+        monkeypatch.setattr(f"keel.rollout.decode.{module}.RESERVED_NEW_TOKENS", 4)
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("1+1=", "9*9=", "77")]
     sampling = SamplingParams(temperature=0.9, max_new_tokens=150)
     got = {}
     for static in (None, StaticSteps()):
-        decoder = HFDecoder(model, [tok.eos_token_id], tok.pad_token_id, static=static)
+        decoder = RolloutDecoder(model, [tok.eos_token_id], tok.pad_token_id, static=static)
         torch.manual_seed(5)
         got[static is None] = decoder.decode(
             [RowRequest(i, p, sampling) for i, p in enumerate(prompts)]
