@@ -66,9 +66,10 @@ def _rank(rank: int, world: int, store: str, model_dir: str, work: str, mode: st
     from keel.config import validate
     from keel.engine.distributed import checkpoint_group, shard_fsdp2
     from keel.models.factory import count_parameters
+    from keel.plan.inputs import worker_inputs
     from keel.recipes import build_spec
     from keel.types import Batch
-    from keel.workers.build import build_workers, worker_inputs
+    from keel.workers.build import build_workers
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cfg = validate({

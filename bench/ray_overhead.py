@@ -32,9 +32,9 @@ from safetensors.torch import load_file
 from bench.run import timed_steps
 from keel.config import validate
 from keel.controller.assembly import assemble_roles, build_reward, load_datasets
-from keel.controller.plan import resolve_run_plan
 from keel.controller.rl import RLController
 from keel.models import create_tiny_model
+from keel.plan.run import resolve_run
 from keel.recipes import build_spec
 
 RAY_1 = [{"roles": ["actor", "rollout", "reference"], "workers": 1, "cpus_per_worker": 0.5}]
@@ -61,7 +61,7 @@ def step_seconds(
 ):
     cfg = config(model_dir, groups, steps + warmup)
     spec = build_spec(cfg)
-    roles = assemble_roles(resolve_run_plan(cfg, spec), build_reward(cfg))
+    roles = assemble_roles(resolve_run(cfg, spec), build_reward(cfg))
     try:
         ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec))
         times = timed_steps(ctl, steps, warmup)

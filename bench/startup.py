@@ -33,10 +33,10 @@ OVERRIDES = (
 PHASES = {
     "run_training": ("controller/runner.py", "run_training"),
     "config": ("config/loading.py", "load_config"),
-    "plan": ("controller/plan.py", "resolve_run_plan"),
+    "plan": ("plan/run.py", "resolve_run"),
     "datasets": ("controller/assembly.py", "load_datasets"),
     "fit_prompt_lengths": ("controller/assembly.py", "fit_prompt_lengths"),
-    "reward": ("workers/build.py", "build_reward"),
+    "reward": ("controller/assembly.py", "build_reward"),
     "workers": ("workers/build.py", "build_workers"),
     "evaluate": ("controller/evaluation.py", "evaluate_policy"),
     "first_step": ("", "_train_step"),  # wherever the step loop lives

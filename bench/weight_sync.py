@@ -42,8 +42,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from keel.config import validate
 from keel.models import TinyModelSpec, count_parameters, create_tiny_model, load_causal_lm
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
-from keel.workers.build import worker_inputs
 from keel.workers.ray_group import build_ray_roles
 
 TRANSPORTS = ("object_store", "collective")

@@ -14,7 +14,7 @@ LAYERS = {
     "config": 0, "types": 0, "durable": 0,
     "algo": 1, "rewards": 1, "jsonlines": 1,
     "data": 2, "models": 2, "monitor": 2, "report": 2, "guard": 2, "engine": 2, "recipes": 2,
-    "rollout": 3, "checkpoint": 3, "chatapi": 3,
+    "rollout": 3, "checkpoint": 3, "chatapi": 3, "plan": 3,
     "envs": 4,
     "workers": 5,
     "controller": 6,

@@ -18,8 +18,9 @@ from keel.checkpoint.sharded import load_role_sharded, save_role_sharded, wait_r
 from keel.checkpoint.state import TRAINER_STATE
 from keel.config import validate
 from keel.engine.distributed import shard_fsdp2
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
-from keel.workers.build import build_workers, worker_inputs
+from keel.workers.build import build_workers
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
 

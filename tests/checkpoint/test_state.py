@@ -27,8 +27,9 @@ from keel.config import validate
 from keel.controller import run_training
 from keel.controller.resume import RunDirError
 from keel.guard import read_events
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
-from keel.workers.build import build_workers, worker_inputs
+from keel.workers.build import build_workers
 from keel.workers.group import LocalWorkerGroup
 from tests.workers.test_actor import rl_spec, synthetic_batch
 

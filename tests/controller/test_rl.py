@@ -132,7 +132,8 @@ def test_a_ppo_run_writes_the_critic_as_an_hf_folder_next_to_the_policy(tiny_dir
 def test_a_separate_rollout_that_missed_a_weight_push_stops_the_run(tiny_dir):
     """The rollout role as a separate worker (its own model copy): with the push every step
     passes the version check; without it the second step's rollout is one update behind."""
-    from keel.workers.build import build_workers, worker_inputs
+    from keel.plan.inputs import worker_inputs
+    from keel.workers.build import build_workers
     from keel.workers.group import LocalWorkerGroup, WeightPush
 
     ctl = controller(tiny_dir, {"name": "grpo", "kl_loss_coef": 0.0})
@@ -259,7 +260,8 @@ def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_di
     from keel.engine.forward import response_forward
     from keel.models import load_causal_lm
     from keel.models.lora import is_lora
-    from keel.workers.build import build_workers, worker_inputs
+    from keel.plan.inputs import worker_inputs
+    from keel.workers.build import build_workers
     from keel.workers.group import LocalWorkerGroup, WeightPush
 
     lora = {"actor": str(tiny_dir), "lora": {"r": 4, "alpha": 8.0}}

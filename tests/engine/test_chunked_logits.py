@@ -12,9 +12,10 @@ from keel.engine.chunked_logits import check_plain_head
 from keel.engine.forward import pass_chunk, response_forward
 from keel.engine.logits_budget import LOGITS_BOUND_BYTES
 from keel.models import load_causal_lm
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
 from keel.types import Batch
-from keel.workers.build import _logits_chunk, build_workers, worker_inputs
+from keel.workers.build import _logits_chunk, build_workers
 from tests.engine.test_forward import grouped_batch
 from tests.workers.test_actor import rl_spec, synthetic_batch
 

@@ -8,9 +8,10 @@ import torch
 
 from keel.config import validate
 from keel.engine import GradientStep
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
 from keel.types import Batch
-from keel.workers.build import build_workers, worker_inputs
+from keel.workers.build import build_workers
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
 # The known gradient: (3, 0) on one parameter and (4,) on another, global L2 norm 5.

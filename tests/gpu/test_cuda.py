@@ -24,8 +24,9 @@ from keel.config import validate
 from keel.config.loading import load_config
 from keel.controller import run_training
 from keel.monitor import read_metrics
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
-from keel.workers.build import build_workers, worker_inputs
+from keel.workers.build import build_workers
 from tests.controller.test_resume import check_exact_resume
 from tests.workers.test_build import changed_after_three_updates
 

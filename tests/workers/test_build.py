@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from keel.config import validate
+from keel.plan.inputs import worker_inputs
 from keel.recipes import build_spec
-from keel.workers.build import build_workers, worker_inputs
+from keel.workers.build import build_workers
 from tests.workers.test_actor import rl_spec, synthetic_batch
 
 

@@ -214,8 +214,8 @@ def rollout_state(worker):
 def ray_roles(ray_session, tiny_dir, tmp_path_factory):
     """The actor on one Ray worker, the rollout on two; both transports over these groups:
     the collective sync `build_ray_roles` set up, and an object-store sync beside it."""
+    from keel.plan.inputs import worker_inputs
     from keel.recipes import build_spec
-    from keel.workers.build import worker_inputs
     from keel.workers.ray_group import build_ray_roles
     from keel.workers.weight_sync import ObjectStoreSync
 

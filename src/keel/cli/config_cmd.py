@@ -10,8 +10,8 @@ import yaml
 
 from keel.config import batch_plan, load_config
 from keel.config.loading import config_tree
+from keel.plan.stage import stage_plan
 from keel.recipes import build_spec
-from keel.recipes.relevance import stage_plan
 
 
 def validate_file(path: Path, overrides: Sequence[str]) -> int:
@@ -48,7 +48,7 @@ def check_run_environment(cfg: Any) -> str:
 def show(path: Path, overrides: Sequence[str]) -> int:
     """The resolved config without the settings the algorithm does not use (listed after it as
     comments), then the derived batch numbers: the stage plan and batch plan a run's plan
-    holds (keel.controller.plan), without loading its models."""
+    holds (keel.plan.run), without loading its models."""
     cfg = load_config(path, overrides)
     spec = build_spec(cfg)
     plan = batch_plan(cfg)

@@ -24,23 +24,19 @@ from keel.data.saved import choose_split
 from keel.models import ModelLoadError, load_tokenizer, resolve_model_path
 from keel.models.loading import context_length
 from keel.models.tokenizer_match import check_same_vocabulary
+from keel.plan.inputs import WorkerInputs, worker_inputs
+from keel.plan.stage import ROLES, role_names
 from keel.rewards import RewardScorer, WeightedRewardScorer
+from keel.rewards.build import reward_scorer
 from keel.rewards.scoring import Scorer
 from keel.types import Tokenizer
 from keel.workers import LocalWorkerGroup
-from keel.workers.build import (
-    ROLES,
-    WorkerInputs,
-    build_workers,
-    reward_scorer,
-    role_names,
-    worker_inputs,
-)
+from keel.workers.build import build_workers
 from keel.workers.group import weight_push
 from keel.workers.roles import Roles, roles_from_groups
 
 if TYPE_CHECKING:
-    from keel.controller.plan import RunPlan
+    from keel.plan.run import ResolvedRun
 
 __all__ = [
     "BUILTIN_TASK", "PAIR_STAGES", "PREFERENCE_TASK", "ROLES", "Datasets", "Roles",
@@ -328,22 +324,22 @@ def check_teacher_tokenizer(cfg: KeelConfig, teacher: str) -> None:
 
 
 def build_reward(cfg: KeelConfig) -> RewardScorer | WeightedRewardScorer:
-    """The reward scorer of `cfg`'s reward section (keel.workers.build.reward_scorer)."""
+    """The reward scorer of `cfg`'s reward section (keel.rewards.build.reward_scorer)."""
     return reward_scorer(cfg.reward, cfg.data.columns.answer)
 
 
-def assemble_roles(plan: RunPlan, scorer: Scorer) -> Roles:
+def assemble_roles(run: ResolvedRun, scorer: Scorer) -> Roles:
     """The run's roles on `resources.backend`: in this process, or as Ray actors."""
-    if plan.config.resources.backend == "ray":
+    if run.config.resources.backend == "ray":
         from keel.workers.ray_group import build_ray_roles  # the one module importing Ray
 
-        return build_ray_roles(plan.config, plan.spec, plan.workers)
-    return local_roles(plan.workers, scorer)
+        return build_ray_roles(run.config, run.spec, run.workers)
+    return local_roles(run.workers, scorer)
 
 
 def build_roles(cfg: KeelConfig, spec: AlgorithmSpec, scorer: Scorer) -> Roles:
     """The local roles of `cfg` run as `spec`, from their own WorkerInputs (for tests and
-    benches that build roles without a run; `keel train` builds them from its run plan)."""
+    benches that build roles without a run; `keel train` builds them from its resolved run)."""
     return local_roles(worker_inputs(cfg, spec), scorer)
 
 

@@ -27,7 +27,6 @@ from keel.controller.assembly import (
 from keel.controller.guard_actions import GuardActions
 from keel.controller.keeping import Keeping, export_run, trainable_roles
 from keel.controller.outcome import RunPreempted, RunResult, finished_result
-from keel.controller.plan import resolve_run_plan
 from keel.controller.preemption import Preemption
 from keel.controller.preference import DPOController, RewardModelController
 from keel.controller.protocol import Controller, ControllerFactory
@@ -45,6 +44,7 @@ from keel.engine.seeding import seed_everything
 from keel.guard import EventLog, Guard
 from keel.jsonlines import set_aside_bad_lines
 from keel.monitor.build import build_monitor, check_monitor_config
+from keel.plan.run import resolve_run
 from keel.recipes import build_spec
 from keel.rewards import RewardError
 from keel.workers.group import WorkerLostError
@@ -92,7 +92,7 @@ def run_training(
     check_context_length(cfg, spec)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec)
-    run_plan = resolve_run_plan(cfg, spec)  # model folders, the tokenizer, device, batch numbers
+    run_plan = resolve_run(cfg, spec)  # model folders, the tokenizer, device, batch numbers
     data = fit_prompt_lengths(run_plan.tokenizer, data, cfg.data)
     scorer = build_reward(cfg)
     restarts, note = 0, None

@@ -39,10 +39,11 @@ from keel.engine.devices import resolve_device
 from keel.engine.seeding import seed_everything
 from keel.models import ModelLoadError, load_tokenizer
 from keel.models.loading import context_length
+from keel.plan.models import ResolvedModels, resolve_models
 from keel.rewards import Scorer
 from keel.types import Tokenizer
 from keel.workers import LocalWorkerGroup
-from keel.workers.build import ModelPlan, resolve_models, reward_worker, rollout_worker
+from keel.workers.build import reward_worker, rollout_worker
 from keel.workers.group import WorkerGroup
 
 RUN_CONFIG = "config.yaml"
@@ -129,7 +130,9 @@ def build_rollout(cfg: KeelConfig, tokenizer: Tokenizer | None = None) -> Worker
     return LocalWorkerGroup("rollout", [rollout_worker(models, cfg.rollout, cfg.data, None)])
 
 
-def policy_models(models: ModelsConfig, device: str, role: str, tokenizer: Tokenizer) -> ModelPlan:
+def policy_models(
+    models: ModelsConfig, device: str, role: str, tokenizer: Tokenizer
+) -> ResolvedModels:
     """The models of `role` (rollout or reward) resolved as a run resolves them, on the
     resources.device `device`, with the policy's `tokenizer` (already loaded)."""
     return resolve_models(models, (role,), resolve_device(device), tokenizer=tokenizer)

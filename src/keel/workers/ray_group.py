@@ -38,7 +38,9 @@ from keel.engine.distributed import shard_fsdp2
 from keel.engine.seeding import seed_everything
 from keel.models import resolve_model_path
 from keel.monitor.devices import DeviceReading, read_device
-from keel.workers.build import WorkerInputs, build_workers, reward_scorer, worker_inputs
+from keel.plan.inputs import WorkerInputs, worker_inputs
+from keel.rewards.build import reward_scorer
+from keel.workers.build import build_workers
 from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch
 from keel.workers.roles import Roles, roles_from_groups
 from keel.workers.weight_sync import NoSync, WeightSync, weight_sync

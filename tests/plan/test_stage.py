@@ -6,8 +6,8 @@ import yaml
 
 from keel.cli.main import main
 from keel.config import validate
+from keel.plan.stage import unused_settings
 from keel.recipes import build_spec
-from keel.recipes.relevance import unused_settings
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

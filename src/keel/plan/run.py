@@ -1,11 +1,11 @@
-"""The run plan: a validated config turned, once, into what a run is built from.
+"""The resolved run: a validated config turned, once, into what a run is built from.
 
 `keel train` (keel.controller.runner.run_training) resolves it after its inputs are checked:
 each role's model folder (hub ids and `builtin:` names resolved), the actor's tokenizer (loaded
 once, for the prompt lengths, the workers and the controller), the device and the dtypes, the
 batch numbers and the stage's plan (its roles, the values the workers use and the settings that
-do not apply, which `keel config show` prints from the same stage plan). The builders take the
-plan's parts (keel.workers.build.WorkerInputs), never the whole config.
+do not apply, which `keel config show` prints from the same stage plan). The builders take its
+parts (keel.plan.inputs.WorkerInputs), never the whole config; the controllers take it whole.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from pathlib import Path
 from keel.algo.spec import AlgorithmSpec
 from keel.config.derived import BatchPlan
 from keel.config.schema import KeelConfig, ResourcesConfig
-from keel.recipes.relevance import StagePlan, role_names
+from keel.plan.inputs import WorkerInputs, worker_inputs
+from keel.plan.models import ResolvedModels
+from keel.plan.stage import StagePlan, role_names
 from keel.types import Tokenizer
-from keel.workers.build import ModelPlan, WorkerInputs, worker_inputs
+
+__all__ = ["ResolvedRun", "resolve_run"]
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class ResolvedRun:
     """One run, resolved. config: the validated config with its input paths resolved (what
     RUN_DIR/config.yaml holds; the controllers and the step loop read their own sections of
     it). workers: what the role workers are built from (models, stage, batch, sections)."""
@@ -41,7 +44,7 @@ class RunPlan:
         return self.workers.batch
 
     @property
-    def models(self) -> ModelPlan:
+    def models(self) -> ResolvedModels:
         return self.workers.models
 
     @property
@@ -50,11 +53,11 @@ class RunPlan:
         return self.workers.models.tokenizer
 
 
-def resolve_run_plan(cfg: KeelConfig, spec: AlgorithmSpec) -> RunPlan:
-    """The RunPlan of `cfg` (validated, input paths resolved) run as `spec`. On Ray, the device
-    is resolved here only when some role runs in this process (roles in no resources.groups
-    entry); each rank resolves its own."""
-    return RunPlan(
+def resolve_run(cfg: KeelConfig, spec: AlgorithmSpec) -> ResolvedRun:
+    """The ResolvedRun of `cfg` (validated, input paths resolved) run as `spec`. On Ray, the
+    device is resolved here only when some role runs in this process (roles in no
+    resources.groups entry); each rank resolves its own."""
+    return ResolvedRun(
         config=cfg,
         spec=spec,
         run_dir=Path(cfg.run_dir),

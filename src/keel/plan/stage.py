@@ -1,6 +1,6 @@
 """The stage plan of a config: the roles its algorithm has, the settings that apply to it (the
 values the workers are built with) and the settings that do not, all read from its
-AlgorithmSpec (stage, roles, flags), never from its name. The run plan (keel.controller.plan)
+AlgorithmSpec (stage, roles, flags), never from its name. The resolved run (keel.plan.run)
 holds it; the builders (keel.workers.build) read its values and `keel config show` leaves the
 settings that do not apply out, saying why: one source for both."""
 

@@ -1,5 +1,6 @@
-"""The run plan: resolved once per `keel train` (the actor's tokenizer loaded once), frozen,
-with the batch numbers `keel config show` prints and the settings it leaves out."""
+"""The resolved run (keel.plan.run): resolved once per `keel train` (the actor's tokenizer
+loaded once), frozen, with the batch numbers `keel config show` prints and the settings it
+leaves out."""
 
 import dataclasses
 import sys
@@ -13,10 +14,10 @@ from keel.config import batch_plan, validate
 from keel.config.derived import rank_batch_sizes
 from keel.config.loading import load_config
 from keel.controller import run_training
-from keel.controller.plan import resolve_run_plan
 from keel.models import loading
+from keel.plan.run import resolve_run
+from keel.plan.stage import unused_settings
 from keel.recipes import build_spec
-from keel.recipes.relevance import unused_settings
 from tests.conftest import TINY_GRPO
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -54,7 +55,7 @@ def test_keel_train_loads_the_actors_tokenizer_once(tmp_path, tiny_dir, monkeypa
 def test_the_plan_holds_todays_batch_numbers_and_the_stage_plan_config_show_prints(tiny_grpo):
     cfg = tiny_grpo("train.mini_batch_size=8", "train.micro_batch_size=2", "train.ppo_epochs=2")
     spec = build_spec(cfg)
-    plan = resolve_run_plan(cfg, spec)
+    plan = resolve_run(cfg, spec)
     assert plan.batch == batch_plan(cfg)
     assert plan.batch.total_optimizer_steps == batch_plan(cfg).total_optimizer_steps
     assert rank_batch_sizes(plan.batch, 2) == (4, 2)
@@ -72,12 +73,12 @@ def test_offline_stages_compute_logprobs_at_temperature_one_without_shared_promp
         "models": {"actor": str(tiny_dir)}, "algorithm": {"name": "sft"},
         "rollout": {"temperature": 0.7}, "train": {"share_prompts": True},
     })  # fmt: skip
-    stage = resolve_run_plan(cfg, build_spec(cfg)).stage
+    stage = resolve_run(cfg, build_spec(cfg)).stage
     assert (stage.temperature, stage.share_prompts, stage.samples) == (1.0, False, False)
 
 
 def test_every_part_of_the_plan_is_frozen(tiny_grpo):
-    plan = resolve_run_plan(cfg := tiny_grpo(), build_spec(cfg))
+    plan = resolve_run(cfg := tiny_grpo(), build_spec(cfg))
     for part, field in [(plan, "run_dir"), (plan.workers, "batch"), (plan.models, "device"),
                         (plan.stage, "roles"), (plan.batch, "mini_batch_size")]:  # fmt: skip
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -88,7 +89,7 @@ def test_pure_low_precision_is_warned_about_once_when_the_plan_is_resolved(tiny_
     cfg = tiny_grpo("models.dtype=bfloat16", "models.pure_low_precision=true")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = resolve_run_plan(cfg, build_spec(cfg))
+        plan = resolve_run(cfg, build_spec(cfg))
     assert sum("pure_low_precision" in str(w.message) for w in caught) == 1
     assert plan.models.trained_dtype == "bfloat16" and plan.models.compute == torch.bfloat16
 
@@ -97,7 +98,7 @@ def test_a_ray_driver_whose_roles_all_run_on_ranks_resolves_no_device(tiny_grpo)
     """Each rank resolves resources.device itself (its GPU is not the driver's)."""
     groups = '[{"roles": ["actor", "rollout", "reference", "reward"], "workers": 1}]'
     cfg = tiny_grpo("resources.backend=ray", f"resources.groups={groups}")
-    assert resolve_run_plan(cfg, build_spec(cfg)).models.device is None
+    assert resolve_run(cfg, build_spec(cfg)).models.device is None
     some = '[{"roles": ["actor", "rollout"], "workers": 1}]'
     cfg = tiny_grpo("resources.backend=ray", f"resources.groups={some}")
-    assert resolve_run_plan(cfg, build_spec(cfg)).models.device == torch.device("cpu")
+    assert resolve_run(cfg, build_spec(cfg)).models.device == torch.device("cpu")
