@@ -123,12 +123,7 @@ def tiny_llama_folder(path: Path, size: str, *, forced: bool = True) -> tuple[Pa
     """A Llama folder from keel.models.create_tiny_model with its EOS suppressed (`forced`;
     else left as it is); (folder, parameters). size "tiny": the factory's default (hidden 64,
     2 layers); "small": hidden 256, 4 layers, 4 heads, MLP 1024."""
-    from keel.models import (
-        TinyModelSpec,
-        count_parameters,
-        create_tiny_model,
-        load_causal_lm,
-    )
+    from keel.models import TinyModelSpec, count_parameters, create_tiny_model, load_causal_lm
 
     specs = {
         "tiny": TinyModelSpec(),
@@ -314,7 +309,7 @@ class PhaseClock:
         import keel.workers.actor
 
         self._patch(transformers.GenerationMixin, "generate", timed("generate"))
-        # Keel's own decode loop (rollout.decode_loop keel / static) does not call generate
+        # Keel's own decode loop (rollout.decode keel / keel-static) does not call generate
         self._patch(keel.rollout.decode.RolloutDecoder, "decode", timed("generate"))
         # the training pass (the actor's loss) and the no-grad passes (old and reference
         # log-probs, through keel.engine.forward.micro_batched_logprobs)
