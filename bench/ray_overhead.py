@@ -61,10 +61,9 @@ def step_seconds(
 ):
     cfg = config(model_dir, groups, steps + warmup)
     spec = build_spec(cfg)
-    run = resolve_run(cfg, spec)
-    roles = assemble_roles(run, build_reward(cfg))
+    roles = assemble_roles(resolve_run(cfg, spec), build_reward(cfg))
     try:
-        ctl = RLController(run, roles, load_datasets(cfg, spec))
+        ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec))
         times = timed_steps(ctl, steps, warmup)
         pushes = []
         if groups is RAY_2:

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from keel.algo.preference import bradley_terry_loss, dpo_loss, sequence_logps
+from keel.algo.spec import AlgorithmSpec
+from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.protocol import Controller
 from keel.data import BatchStream, Example
 from keel.data.preference import PreferencePair, encode_pairs
 from keel.monitor import StageTimer
-from keel.plan.run import ResolvedRun
-from keel.types import Batch
+from keel.types import Batch, ReferenceBatch, SequenceBatch
 
 EVAL_CHUNK = 256  # pairs per evaluation batch
 
@@ -29,8 +30,7 @@ EVAL_CHUNK = 256  # pairs per evaluation batch
 class PairController(Controller):
     """What the rm and dpo stages share: the pair stream, encoding, timing, state."""
 
-    def __init__(self, run: ResolvedRun, roles: Roles, data: Datasets):
-        cfg, spec = run.config, run.spec
+    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
@@ -55,13 +55,13 @@ class PairController(Controller):
 
     def finish(self, start: float, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         elapsed = time.perf_counter() - start
-        assert batch.attention_mask is not None and batch.response_mask is not None
-        lengths = batch.response_mask.sum(dim=1)
+        trained = batch.view(SequenceBatch)
+        lengths = trained.response_mask.sum(dim=1)
         return {
             **metrics,
             **self.timer.pop(),
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
+            "perf/tokens_per_second": float(trained.attention_mask.sum()) / elapsed,
             "response/chosen_length_mean": lengths[0::2].float().mean().item(),
             "response/rejected_length_mean": lengths[1::2].float().mean().item(),
         }
@@ -106,9 +106,8 @@ class DPOController(PairController):
     when spec.precompute_ref_logps (then cached per pair and the reference model is released),
     otherwise at every step."""
 
-    def __init__(self, run: ResolvedRun, roles: Roles, data: Datasets):
-        super().__init__(run, roles, data)
-        spec = run.spec
+    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
+        super().__init__(cfg, spec, roles, data)
         self.ref_cache: dict[int, torch.Tensor] = {}  # pair index → ref_logprobs [2, R_pair]
         if spec.precompute_ref_logps:
             self.ref_cache = self._reference_rows(self.train_pairs)
@@ -124,18 +123,17 @@ class DPOController(PairController):
         for s in range(0, len(pairs), EVAL_CHUNK):
             chunk = self.encode(pairs[s : s + EVAL_CHUNK])
             batch = reference.call("compute_ref_logprobs", chunk, pairs=True)
-            assert batch.response_mask is not None and batch.ref_logprobs is not None
-            width = int(batch.response_mask.sum(dim=1).max())
+            scored = batch.view(ReferenceBatch)
+            width = int(scored.response_mask.sum(dim=1).max())
             for j in range(len(batch) // 2):
-                cache[s + j] = batch.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
+                cache[s + j] = scored.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
         return cache
 
     def _with_reference(self, batch: Batch, ids: list[int], cache: dict[int, torch.Tensor]):
         if not cache:
             assert self.roles.reference is not None
             return self.roles.reference.call("compute_ref_logprobs", batch, pairs=True)
-        assert batch.response_mask is not None
-        ref = torch.zeros_like(batch.response_mask)
+        ref = torch.zeros_like(batch.view(SequenceBatch).response_mask)
         for j, i in enumerate(ids):
             rows = cache[i][:, : ref.shape[1]]
             ref[2 * j : 2 * j + 2, : rows.shape[1]] = rows
@@ -162,9 +160,9 @@ class DPOController(PairController):
             batch = self.encode([self.eval_pairs[i] for i in ids])
             batch = self._with_reference(batch, ids, self.eval_ref)
             policy.append(self.roles.actor.call("sequence_logps", batch))
-            assert batch.response_mask is not None and batch.ref_logprobs is not None
-            ref.append(sequence_logps(batch.ref_logprobs, batch.response_mask))
-            lengths.append(batch.response_mask.sum(dim=1))
+            scored = batch.view(ReferenceBatch)
+            ref.append(sequence_logps(scored.ref_logprobs, scored.response_mask))
+            lengths.append(scored.response_mask.sum(dim=1))
         p, r, n = torch.cat(policy), torch.cat(ref), torch.cat(lengths)
         assert self.spec.preference_loss is not None
         out = dpo_loss(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from keel.algo.spec import AlgorithmSpec
+from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.protocol import Controller
@@ -13,14 +15,13 @@ from keel.data.conversation import call_writer, encode_conversations, has_conver
 from keel.data.encoding import encode_sft
 from keel.data.tool_calls import tool_call_format_for
 from keel.monitor import StageTimer
-from keel.plan.run import ResolvedRun
+from keel.types import SequenceBatch
 
 
 class SFTController(Controller):
     skips_batches = True
 
-    def __init__(self, run: ResolvedRun, roles: Roles, data: Datasets):
-        cfg, spec = run.config, run.spec
+    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
@@ -68,11 +69,11 @@ class SFTController(Controller):
         with self.timer("update"):
             metrics = self.roles.actor.call("sft_update", batch, spec=self.spec)
         elapsed = time.perf_counter() - start
-        assert batch.attention_mask is not None and batch.response_mask is not None
+        trained = batch.view(SequenceBatch)
         return {
             **metrics,
             **self.timer.pop(),
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
-            "response/length_mean": batch.response_mask.sum(dim=1).float().mean().item(),
+            "perf/tokens_per_second": float(trained.attention_mask.sum()) / elapsed,
+            "response/length_mean": trained.response_mask.sum(dim=1).float().mean().item(),
         }
