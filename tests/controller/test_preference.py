@@ -11,6 +11,8 @@ from keel.controller.assembly import build_reward, build_roles, load_datasets
 from keel.controller.preference import DPOController, RewardModelController
 from keel.data import DataError
 from keel.recipes import build_spec
+from keel.workers.dpo import DPOWorker
+from keel.workers.reference import ReferenceWorker
 
 
 def config(tiny_dir, tmp_path, **algorithm):
@@ -77,7 +79,7 @@ def test_ipo_mean_evaluates_on_per_token_log_probs(tiny_dir, tmp_path):
     metrics = ctl.evaluate()
     assert metrics["eval/dpo/loss"] == pytest.approx(1.0, rel=1e-5)  # h = 0: (0 − 1/(2β))²
     batch = ctl.encode(ctl.eval_pairs)
-    mean = ctl.roles.actor.call("sequence_logps", batch) / batch.response_mask.sum(dim=1)
+    mean = ctl.roles.actor.call(DPOWorker.sequence_logps, batch) / batch.response_mask.sum(dim=1)
     assert metrics["eval/logps/chosen"] == pytest.approx(mean[0::2].mean().item(), rel=1e-5)
     assert metrics["eval/logps/rejected"] == pytest.approx(mean[1::2].mean().item(), rel=1e-5)
 
@@ -108,7 +110,7 @@ def test_lora_dpo_uses_the_base_as_reference_and_trains_the_adapter(tiny_dir, tm
     for step in (1, 2):
         assert ctl.step(step)["actor/grad_norm"] > 0
     batch = ctl.encode(ctl.train_pairs[:4])
-    ref = ctl.roles.reference.call("compute_ref_logprobs", batch).ref_logprobs
+    ref = ctl.roles.reference.call(ReferenceWorker.compute_ref_logprobs, batch).ref_logprobs
     with torch.no_grad():
         base = response_forward(load_causal_lm(tiny_dir).eval(), batch)[0]
         trained = response_forward(actor.eval(), batch)[0]

@@ -19,6 +19,8 @@ from keel.controller.rl import (
 )
 from keel.recipes import build_spec
 from keel.types import Batch
+from keel.workers.actor import ActorWorker
+from keel.workers.reference import ReferenceWorker
 
 
 def controller(tiny_dir, algorithm, **sections):
@@ -207,7 +209,7 @@ def test_no_shortcut_where_old_logprobs_are_read_before_the_update(tiny_dir):
     seen = []
     two_minis.roles.actor.call = _spy(two_minis.roles.actor.call, seen)
     two_minis.step(1)
-    assert "compute_logprobs" in seen
+    assert ActorWorker.compute_logprobs in seen
 
 
 def test_token_tis_steps_log_the_drift_and_the_weights(tiny_dir):
@@ -291,7 +293,7 @@ def test_lora_grpo_trains_only_the_adapter_against_the_base_as_reference(tiny_di
         torch.testing.assert_close(batch.ref_logprobs, logps(base, batch), atol=1e-6, rtol=1e-5)
     for name, p in actor.model.named_parameters():
         assert torch.equal(p, frozen[name]) != p.requires_grad, name  # adapter moved, base not
-    ref = ctl.roles.reference.call("compute_ref_logprobs", batch).ref_logprobs
+    ref = ctl.roles.reference.call(ReferenceWorker.compute_ref_logprobs, batch).ref_logprobs
     torch.testing.assert_close(ref, logps(base, batch), atol=1e-6, rtol=1e-5)  # still the base
     live = logps(actor.model, batch)
     assert (live - ref).abs().max() > 1e-3  # the trained adapter: far beyond rounding (0.026)
@@ -326,7 +328,7 @@ def test_asynchronous_pi_old_is_the_trainers_recomputation_not_the_engines(tiny_
 
     def spy(call):
         def wrapped(method, *args, **kwargs):
-            if method == "update":
+            if method is ActorWorker.update:
                 with torch.no_grad():
                     live = response_forward(actor.model.eval(), args[0],
                                             temperature=actor.temperature)[0]  # fmt: skip
@@ -461,7 +463,7 @@ def test_a_decoupled_correction_step_weights_rejects_and_logs(tiny_dir):
     ctl.roles.actor.call = _spy(ctl.roles.actor.call, seen)
     before = params(ctl.roles.actor)
     metrics = ctl.step(1)
-    assert "compute_logprobs" in seen and not same(before, params(ctl.roles.actor))
+    assert ActorWorker.compute_logprobs in seen and not same(before, params(ctl.roles.actor))
     keys = finite_keys(metrics, "rollout_corr/")
     assert "rollout_corr/rollout_is_batch_norm_factor" in keys
     assert "rollout_corr/rollout_rs_token_k1_masked_fraction" in keys

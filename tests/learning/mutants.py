@@ -256,7 +256,7 @@ MUTATIONS: dict[str, Mutation] = {
             "an interruptible rollout's rows continue under new weights over the KV cache the "
             "old ones computed: their tokens' log-probs are no version's",
             tests=(
-                "tests/rollout/decode/test_rollout_loop.py::"
+                "tests/rollout/decode/test_decoder.py::"
                 "test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights",
             ),
         ),

@@ -73,7 +73,8 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "top_p",
         "max_new_tokens",
         "batch_size",
-        "decode",
+        "static_cache",
+        "decode_loop",
         "compile",
         "env",  # evaluation plays episodes too when it is set
         "quantization",  # evaluation generates with the rollout engine, quantized or not

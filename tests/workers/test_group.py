@@ -1,6 +1,7 @@
 """Data-parallel dispatch of LocalWorkerGroup (the same code RayWorkerGroup uses): mini-batch
 aware sharding, row order restored, group offsets, rollout layouts, the weight push."""
 
+import pytest
 import torch
 
 from keel.types import Batch
@@ -29,7 +30,7 @@ def test_each_rank_gets_its_share_of_every_mini_batch():
 def test_results_come_back_in_the_original_row_order():
     workers = [Echo(0), Echo(1)]
     batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
-    out = LocalWorkerGroup("actor", workers, row_block=4).call("tag", batch)
+    out = LocalWorkerGroup("actor", workers, row_block=4).call(Echo.tag, batch)
     assert out.scores.tolist() == list(range(8))
     assert out.values[:, 0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
     assert workers[1].seen == [[2.0, 3.0, 6.0, 7.0]]
@@ -37,7 +38,7 @@ def test_results_come_back_in_the_original_row_order():
 
 def test_a_list_is_split_in_pieces_and_group_offsets_follow():
     group = LocalWorkerGroup("rollout", [Echo(0), Echo(1)])
-    out = group.call("offsets", ["a", "b", "c", "d"], group_offset=10)
+    out = group.call(Echo.offsets, ["a", "b", "c", "d"], group_offset=10)
     assert out == [("a", 10), ("b", 10), ("c", 12), ("d", 12)]
 
 
@@ -54,7 +55,7 @@ def test_rollouts_of_different_widths_are_gathered_in_one_layout():
         def generate(self, rows):
             return rollout(*self.shape)
 
-    out = LocalWorkerGroup("rollout", [Gen((2, 3)), Gen((4, 1))]).call("generate", ["x", "y"])
+    out = LocalWorkerGroup("rollout", [Gen((2, 3)), Gen((4, 1))]).call(Gen.generate, ["x", "y"])
     assert out.prompt_length == 4 and out.response_length == 3
     assert out.input_ids.tolist() == [[0, 0, 7, 7, 5, 5, 5], [7, 7, 7, 7, 5, 0, 0]]
 
@@ -104,7 +105,7 @@ def test_weights_are_pushed_only_to_rollout_workers_with_their_own_copy():
 
 def test_fewer_rows_than_ranks_still_call_every_rank_and_keep_one_result_per_row():
     workers = [Echo(0), Echo(1), Echo(2)]
-    out = LocalWorkerGroup("rollout", workers).call("offsets", ["a", "b"], group_offset=5)
+    out = LocalWorkerGroup("rollout", workers).call(Echo.offsets, ["a", "b"], group_offset=5)
     assert out == [("a", 5), ("b", 6)]  # rank 2 ran too (a repeat of "a"), its result dropped
     assert [len(w.seen) for w in workers] == [1, 1, 1]
 
@@ -119,7 +120,28 @@ def test_preference_pairs_stay_on_one_rank_and_per_row_tensors_come_back_in_orde
 
     batch = Batch(scores=torch.arange(8.0), response_mask=torch.ones(8, 1))
     group = LocalWorkerGroup("actor", [Scorer(), Scorer()], row_block=4, row_unit=2)
-    assert group.call("score", batch).tolist() == [10.0 * i for i in range(8)]
+    assert group.call(Scorer.score, batch).tolist() == [10.0 * i for i in range(8)]
+
+
+def test_a_call_names_its_method_by_reference_and_runs_the_workers_own():
+    """A string (the old `call("tag", …)`) or a nameless callable is refused; a base class's
+    method runs the worker's own method of that name (dispatch by `__name__`)."""
+
+    class Loud(Echo):
+        def tag(self, batch):
+            return batch.replace(values=torch.full((len(batch), 1), -1.0))
+
+    batch = Batch(scores=torch.arange(4.0), response_mask=torch.ones(4, 1))
+    group = LocalWorkerGroup("actor", [Loud(0), Loud(1)])
+    assert group.call(Echo.tag, batch).values[:, 0].tolist() == [-1.0] * 4
+    assert group.call_all(Echo.offsets, ["a"], group_offset=3) == [[("a", 3)]] * 2
+    for wrong in ("tag", lambda w, b: b):
+        with pytest.raises(TypeError, match="by reference"):
+            group.call(wrong, batch)
+        with pytest.raises(TypeError, match="by reference"):
+            group.call_all(wrong)
+    with pytest.raises(TypeError, match="one positional argument"):
+        group.call(Echo.offsets, ["a"], 3)
 
 
 def test_local_and_ray_groups_are_worker_groups():

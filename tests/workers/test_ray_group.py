@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from keel.config import validate
 from keel.controller.runner import run_training
 from keel.guard.events import read_events
+from keel.types import Batch
 
 pytestmark = pytest.mark.ray
 
@@ -26,6 +27,39 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def test_a_ray_group_sends_the_methods_name_and_the_worker_runs_its_own(ray_session):
+    """The wire carries `method.__name__` to `RoleHost.run` (role, name, rows, kwargs), never
+    the function: a method of another class with that name runs the workers' own."""
+    from keel.workers.ray_group import RayWorkerGroup, RoleHost
+
+    class Doubler:
+        def double(self, batch):
+            return batch.replace(scores=batch.scores * 2)
+
+    class Host(RoleHost):
+        def __init__(self):
+            super().__init__(0, 1, 0)
+            self.workers = {"actor": Doubler()}
+
+    class Other:
+        def double(self, batch):
+            return batch
+
+    hosts = [ray.remote(Host).options(num_cpus=0).remote()]
+    try:
+        group = RayWorkerGroup("actor", hosts)
+        batch = Batch(scores=torch.arange(4.0), response_mask=torch.ones(4, 1))
+        assert group.call(Doubler.double, batch).scores.tolist() == [0.0, 2.0, 4.0, 6.0]
+        assert group.call(Other.double, batch).scores.tolist() == [0.0, 2.0, 4.0, 6.0]
+        got = ray.get(hosts[0].run.remote("actor", "double", batch, {}))
+        assert got.scores.tolist() == [0.0, 2.0, 4.0, 6.0]
+        with pytest.raises(TypeError, match="by reference"):
+            group.call("double", batch)
+    finally:
+        for h in hosts:
+            ray.kill(h)
 
 
 def tiny_grpo(tiny_dir, run_dir, **resources):

@@ -69,6 +69,8 @@ def test_a_group_of_ranks_reports_means_over_all_rows():
     cfg = config([{"fn": "builtin:numeric_match", "name": "accuracy"}])
     workers = [RewardWorker(build_reward(cfg)) for _ in range(2)]
     group = LocalWorkerGroup("reward", workers)
-    out = group.call("score", batch(["1", "2", "3", "4", "0"], ["1", "2", "3", "4", "5"]))
+    out = group.call(
+        RewardWorker.score, batch(["1", "2", "3", "4", "0"], ["1", "2", "3", "4", "5"])
+    )
     assert out.scores.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
     assert out.meta["reward_metrics"]["reward/accuracy"] == pytest.approx(4 / 5)

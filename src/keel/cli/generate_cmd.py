@@ -52,6 +52,7 @@ def generate(
     from keel.controller.saved_policy import build_rollout, check_fits, policy_config
     from keel.engine.seeding import seed_everything
     from keel.rollout import SamplingParams
+    from keel.workers.rollout import RolloutWorker
 
     source = policy_source(model)
     examples = read_prompts(prompts, stdin or sys.stdin)
@@ -84,9 +85,9 @@ def generate(
     rollout = build_rollout(cfg)
     try:
         seed_everything(options.seed)
-        batch = rollout.call("generate", examples, sampling=sampling)
+        batch = rollout.call(RolloutWorker.generate, examples, sampling=sampling)
     finally:
-        rollout.call_all("close")
+        rollout.call_all(RolloutWorker.close)
     _print(batch, examples, options)
     return 0
 

@@ -34,6 +34,7 @@ from keel.workers import LocalWorkerGroup
 from keel.workers.build import build_workers
 from keel.workers.group import weight_push
 from keel.workers.roles import Roles, roles_from_groups
+from keel.workers.rollout import RolloutWorker
 
 if TYPE_CHECKING:
     from keel.plan.run import ResolvedRun
@@ -352,5 +353,9 @@ def local_roles(inputs: WorkerInputs, scorer: Scorer) -> Roles:
         inputs.models.tokenizer,
         groups,
         push_weights=weight_push(groups["actor"], rollout),
-        close=(lambda: rollout.call_all("close")) if rollout is not None else (lambda: None),
+        close=(
+            (lambda: rollout.call_all(RolloutWorker.close))
+            if rollout is not None
+            else (lambda: None)
+        ),
     )

@@ -15,8 +15,10 @@ from keel.config.schema import EvalConfig, KeelConfig, RolloutConfig
 from keel.data.examples import Example
 from keel.envs.episodes import episode_metrics
 from keel.rollout import SamplingParams
-from keel.types import Batch, ScoredBatch, TextBatch
+from keel.types import Batch
 from keel.workers.group import WorkerGroup
+from keel.workers.roles import RewardRole
+from keel.workers.rollout import RolloutWorker
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ def eval_sampling(eval_cfg: EvalConfig, rollout_cfg: RolloutConfig) -> SamplingP
 
 
 def evaluate_examples(
-    rollout: WorkerGroup,
-    reward: WorkerGroup,
+    rollout: WorkerGroup[RolloutWorker],
+    reward: WorkerGroup[RewardRole],
     examples: Sequence[Example],
     eval_cfg: EvalConfig,
     rollout_cfg: RolloutConfig,
@@ -95,15 +97,15 @@ def evaluate_examples(
     warnings: list[tuple[str, str]] = []
     for start in range(0, len(examples), eval_cfg.batch_size):
         chunk = list(examples[start : start + eval_cfg.batch_size])
-        batch = rollout.call("generate", chunk, sampling=sampling)
-        batch = reward.call("score", batch, update_stats=False)  # eval never moves the stats
-        scored = batch.view(ScoredBatch)
-        scores.append(scored.scores)
+        batch = rollout.call(RolloutWorker.generate, chunk, sampling=sampling)
+        batch = reward.call(RewardRole.score, batch, update_stats=False)  # eval never moves stats
+        scores.append(batch.scores)
         errors += int(batch.meta.get("reward_errors", 0))
         for key, value in batch.meta.get("reward_metrics", {}).items():
             parts[key] = parts.get(key, 0.0) + float(value) * len(chunk)
-        warnings.extend(tuple(w) for w in batch.meta.pop("reward_warnings", ()))
-        lengths.append(scored.response_mask.sum(dim=1))
+        warnings.extend((rule, message) for rule, message in batch.meta.pop("reward_warnings", ()))
+        assert batch.response_mask is not None  # typed now that the call returns a Batch
+        lengths.append(batch.response_mask.sum(dim=1))
         episodes.extend(batch.episodes or [])
         predictions.extend(_predictions(batch, chunk))
         if on_batch is not None:
@@ -122,8 +124,9 @@ def evaluate_examples(
 
 def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
     """The scored rows of `batch` (one per example, in order) as predictions."""
-    scored, text = batch.view(ScoredBatch), batch.view(TextBatch)
-    lengths = scored.response_mask.sum(dim=1).long().tolist()
+    assert batch.scores is not None and batch.responses is not None
+    assert batch.response_mask is not None
+    lengths = batch.response_mask.sum(dim=1).long().tolist()
     reasons = batch.finish_reasons or [""] * len(batch)
     episodes = batch.episodes or [None] * len(batch)
     return [
@@ -139,8 +142,8 @@ def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
         )
         for ex, response, score, length, reason, episode in zip(
             examples,
-            text.responses,
-            scored.scores.tolist(),
+            batch.responses,
+            batch.scores.tolist(),
             lengths,
             reasons,
             episodes,
@@ -150,8 +153,8 @@ def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
 
 
 def evaluate(
-    rollout: WorkerGroup,
-    reward: WorkerGroup,
+    rollout: WorkerGroup[RolloutWorker],
+    reward: WorkerGroup[RewardRole],
     examples: Sequence[Example],
     eval_cfg: EvalConfig,
     rollout_cfg: RolloutConfig,

@@ -29,8 +29,10 @@ from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig, ModelsConfig
 from keel.guard import EventLog
 from keel.models.lora import adapter_base
+from keel.workers.critic import CriticWorker
 from keel.workers.group import WorkerGroup
 from keel.workers.roles import Roles
+from keel.workers.trainable import TrainableWorker
 
 __all__ = ["Keeping", "export_run", "has_state", "save_policy", "trainable_roles"]
 
@@ -211,7 +213,11 @@ class Keeping:
 
 
 def export_run(
-    roles: Roles, run_dir: Path, step: int, models: ModelsConfig, lineage: Lineage | None = None
+    roles: Roles[TrainableWorker],
+    run_dir: Path,
+    step: int,
+    models: ModelsConfig,
+    lineage: Lineage | None = None,
 ) -> Path:
     """The end of a run: RUN_DIR/critic (with a critic), then RUN_DIR/model (save_policy; its
     export record holds `lineage`'s model id and run version).
@@ -224,14 +230,14 @@ def export_run(
     if critic is not None:
 
         def write_critic(tmp: Path) -> None:
-            critic.call_all("save_pretrained", path=tmp)
+            critic.call_all(CriticWorker.save_pretrained, path=tmp)
 
         publish_folder(run_dir / "critic", write_critic)
     return save_policy(roles, run_dir / "model", step, models, lineage)
 
 
 def save_policy(
-    roles: Roles,
+    roles: Roles[TrainableWorker],
     target: Path,
     step: int,
     models: ModelsConfig | None = None,
@@ -244,18 +250,20 @@ def save_policy(
         base, revision = adapter_base(models)
 
         def write_adapter(tmp: Path) -> None:
-            roles.actor.call_all("save_adapter", path=tmp, base=base, revision=revision)
+            roles.actor.call_all(
+                TrainableWorker.save_adapter, path=tmp, base=base, revision=revision
+            )
 
         publish_folder(target.parent / ADAPTER_FOLDER, write_adapter)
 
     def write(tmp: Path) -> None:
-        roles.actor.call_all("save_pretrained", path=tmp)
+        roles.actor.call_all(TrainableWorker.save_pretrained, path=tmp)
         write_export_record(tmp, step, lineage)
 
     return publish_folder(target, write)
 
 
-def trainable_roles(roles: Roles) -> dict[str, WorkerGroup]:
+def trainable_roles(roles: Roles[object]) -> dict[str, WorkerGroup[object]]:
     """The role groups whose workers carry state (state_dict), by role name: the actor, the
     critic. Their rank-0 state is what a checkpoint saves."""
     groups = {

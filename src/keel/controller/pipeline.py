@@ -38,6 +38,7 @@ import torch
 from keel.config.loading import ConfigError
 from keel.types import Batch
 from keel.workers.group import WorkerGroup
+from keel.workers.rollout import RolloutWorker
 
 # What one generation job returns: the scored batch and its metrics (sampling/*, timing/*).
 Produced = tuple[Batch, dict[str, float]]
@@ -59,7 +60,7 @@ class RolloutGate:
     """The `SwapGate` of the rollout role's workers (`RolloutWorker.swap_*`), which must run
     in this process: a push reaches them while they generate on the pipeline's thread."""
 
-    def __init__(self, group: WorkerGroup | None, at_step: int):
+    def __init__(self, group: WorkerGroup[RolloutWorker] | None, at_step: int):
         if group is None:
             raise ConfigError("rollout.interruptible: this stage has no rollout role")
         if not group.in_process:
@@ -68,16 +69,16 @@ class RolloutGate:
                 "(resources.backend: local): a Ray rollout worker takes one call at a time"
             )
         self.group = group
-        self.swaps = all(group.call_all("interruptible", at_step=at_step))
+        self.swaps = all(group.call_all(RolloutWorker.interruptible, at_step=at_step))
 
     def address(self, job: int | None) -> None:
-        self.group.call_all("swap_address", job=job)
+        self.group.call_all(RolloutWorker.swap_address, job=job)
 
     def begin(self, job: int) -> None:
-        self.group.call_all("swap_begin", job=job)
+        self.group.call_all(RolloutWorker.swap_begin, job=job)
 
     def end(self, job: int) -> None:
-        self.group.call_all("swap_end", job=job)
+        self.group.call_all(RolloutWorker.swap_end, job=job)
 
 
 def version_metrics(versions: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

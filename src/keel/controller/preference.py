@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -22,15 +22,20 @@ from keel.controller.protocol import Controller
 from keel.data import BatchStream, Example
 from keel.data.preference import PreferencePair, encode_pairs
 from keel.monitor import StageTimer
-from keel.types import Batch, ReferenceBatch, SequenceBatch
+from keel.types import Batch
+from keel.workers.dpo import DPOWorker
+from keel.workers.reference import ReferenceWorker
+from keel.workers.reward_model import RewardModelTrainer
+from keel.workers.trainable import TrainableWorker
 
 EVAL_CHUNK = 256  # pairs per evaluation batch
+A = TypeVar("A", bound=TrainableWorker)  # the actor role's workers
 
 
-class PairController(Controller):
+class PairController(Controller, Generic[A]):
     """What the rm and dpo stages share: the pair stream, encoding, timing, state."""
 
-    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
+    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[A], data: Datasets):
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
@@ -55,13 +60,13 @@ class PairController(Controller):
 
     def finish(self, start: float, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         elapsed = time.perf_counter() - start
-        trained = batch.view(SequenceBatch)
-        lengths = trained.response_mask.sum(dim=1)
+        assert batch.attention_mask is not None and batch.response_mask is not None
+        lengths = batch.response_mask.sum(dim=1)
         return {
             **metrics,
             **self.timer.pop(),
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(trained.attention_mask.sum()) / elapsed,
+            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
             "response/chosen_length_mean": lengths[0::2].float().mean().item(),
             "response/rejected_length_mean": lengths[1::2].float().mean().item(),
         }
@@ -73,7 +78,7 @@ class PairController(Controller):
         self.indices.load_state_dict(state["indices"])
 
 
-class RewardModelController(PairController):
+class RewardModelController(PairController[RewardModelTrainer]):
     """Stage "rm": Bradley–Terry updates of the reward model (role actor)."""
 
     def step(self, step: int) -> dict[str, float]:
@@ -81,7 +86,7 @@ class RewardModelController(PairController):
         with self.timer("data"):
             batch = self.encode([self.train_pairs[i] for i in self.indices.next_batch()])
         with self.timer("update"):
-            metrics = self.roles.actor.call("update", batch)
+            metrics = self.roles.actor.call(RewardModelTrainer.update, batch)
         return self.finish(start, batch, metrics)
 
     def evaluate(self) -> dict[str, float]:
@@ -91,7 +96,9 @@ class RewardModelController(PairController):
             return {}
         scores = torch.cat(
             [
-                self.roles.actor.call("score", self.encode(self.eval_pairs[s : s + EVAL_CHUNK]))
+                self.roles.actor.call(
+                    RewardModelTrainer.score, self.encode(self.eval_pairs[s : s + EVAL_CHUNK])
+                )
                 for s in range(0, len(self.eval_pairs), EVAL_CHUNK)
             ]
         )
@@ -99,14 +106,16 @@ class RewardModelController(PairController):
         return {f"eval/{k}": v for k, v in out.metrics.items()}
 
 
-class DPOController(PairController):
+class DPOController(PairController[DPOWorker]):
     """Stage "dpo": DPO-family updates of the policy against the frozen reference.
 
     Reference log-probs of the held-out pairs are computed once; those of the training pairs too
     when spec.precompute_ref_logps (then cached per pair and the reference model is released),
     otherwise at every step."""
 
-    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
+    def __init__(
+        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[DPOWorker], data: Datasets
+    ):
         super().__init__(cfg, spec, roles, data)
         self.ref_cache: dict[int, torch.Tensor] = {}  # pair index → ref_logprobs [2, R_pair]
         if spec.precompute_ref_logps:
@@ -122,18 +131,21 @@ class DPOController(PairController):
         assert reference is not None
         for s in range(0, len(pairs), EVAL_CHUNK):
             chunk = self.encode(pairs[s : s + EVAL_CHUNK])
-            batch = reference.call("compute_ref_logprobs", chunk, pairs=True)
-            scored = batch.view(ReferenceBatch)
-            width = int(scored.response_mask.sum(dim=1).max())
+            batch = reference.call(ReferenceWorker.compute_ref_logprobs, chunk, pairs=True)
+            assert batch.response_mask is not None and batch.ref_logprobs is not None
+            width = int(batch.response_mask.sum(dim=1).max())
             for j in range(len(batch) // 2):
-                cache[s + j] = scored.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
+                cache[s + j] = batch.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
         return cache
 
     def _with_reference(self, batch: Batch, ids: list[int], cache: dict[int, torch.Tensor]):
         if not cache:
             assert self.roles.reference is not None
-            return self.roles.reference.call("compute_ref_logprobs", batch, pairs=True)
-        ref = torch.zeros_like(batch.view(SequenceBatch).response_mask)
+            return self.roles.reference.call(
+                ReferenceWorker.compute_ref_logprobs, batch, pairs=True
+            )
+        assert batch.response_mask is not None
+        ref = torch.zeros_like(batch.response_mask)
         for j, i in enumerate(ids):
             rows = cache[i][:, : ref.shape[1]]
             ref[2 * j : 2 * j + 2, : rows.shape[1]] = rows
@@ -147,7 +159,7 @@ class DPOController(PairController):
         with self.timer("ref_logprobs"):
             batch = self._with_reference(batch, ids, self.ref_cache)
         with self.timer("update"):
-            metrics = self.roles.actor.call("update_pairs", batch, spec=self.spec)
+            metrics = self.roles.actor.call(DPOWorker.update_pairs, batch, spec=self.spec)
         return self.finish(start, batch, metrics)
 
     def evaluate(self) -> dict[str, float]:
@@ -159,10 +171,10 @@ class DPOController(PairController):
             ids = list(range(s, min(s + EVAL_CHUNK, len(self.eval_pairs))))
             batch = self.encode([self.eval_pairs[i] for i in ids])
             batch = self._with_reference(batch, ids, self.eval_ref)
-            policy.append(self.roles.actor.call("sequence_logps", batch))
-            scored = batch.view(ReferenceBatch)
-            ref.append(sequence_logps(scored.ref_logprobs, scored.response_mask))
-            lengths.append(scored.response_mask.sum(dim=1))
+            policy.append(self.roles.actor.call(DPOWorker.sequence_logps, batch))
+            assert batch.response_mask is not None and batch.ref_logprobs is not None
+            ref.append(sequence_logps(batch.ref_logprobs, batch.response_mask))
+            lengths.append(batch.response_mask.sum(dim=1))
         p, r, n = torch.cat(policy), torch.cat(ref), torch.cat(lengths)
         assert self.spec.preference_loss is not None
         out = dpo_loss(

@@ -37,25 +37,20 @@ from keel.envs.episodes import drop_failed_groups, episode_metrics, failure_warn
 from keel.monitor import StageTimer
 from keel.recipes.correction import with_correction_preset
 from keel.rollout import SamplingParams
-from keel.types import (
-    AdvantageBatch,
-    Batch,
-    BatchMeta,
-    GroupedBatch,
-    LogprobBatch,
-    ReferenceBatch,
-    ScoredBatch,
-    SequenceBatch,
-    TokenBatch,
-    VersionedBatch,
-)
-from keel.workers.rollout import oldest_version
+from keel.types import Batch, BatchMeta
+from keel.workers.actor import ActorWorker
+from keel.workers.critic import CriticWorker
+from keel.workers.reference import ReferenceWorker
+from keel.workers.roles import RewardRole, TeacherRole
+from keel.workers.rollout import RolloutWorker, oldest_version
 
 
 class RLController(Controller):
     skips_batches = True  # the batches generated ahead, then the prompt stream's
 
-    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles, data: Datasets):
+    def __init__(
+        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[ActorWorker], data: Datasets
+    ):
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
@@ -173,16 +168,16 @@ class RLController(Controller):
             if self.bypass:
                 batch = batch.replace(old_logprobs=engine_logprobs(batch))
             elif not (self.on_policy_shortcut and len(batch) <= self.mini_batch_rows):
-                batch = roles.actor.call("compute_logprobs", batch)
+                batch = roles.actor.call(ActorWorker.compute_logprobs, batch)
         if roles.reference is not None:
             with t("ref_logprobs"):
-                batch = roles.reference.call("compute_ref_logprobs", batch)
+                batch = roles.reference.call(ReferenceWorker.compute_ref_logprobs, batch)
         if roles.teacher is not None:  # on-policy distillation: the teacher scores the tokens
             with t("teacher_logprobs"):
-                batch = roles.teacher.call("compute_teacher_logprobs", batch)
+                batch = roles.teacher.call(TeacherRole.compute_teacher_logprobs, batch)
         if roles.critic is not None:
             with t("values"):
-                batch = roles.critic.call("compute_values", batch)
+                batch = roles.critic.call(CriticWorker.compute_values, batch)
         sampled = batch.response_mask  # before rollout correction's rejection
         with t("advantage"):
             batch, kl_metrics = self.compute_advantages(batch)
@@ -193,10 +188,8 @@ class RLController(Controller):
         metrics = {**batch_metrics(measured, drift=drift), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
         if self.cfg.rollout.interruptible:  # rows generated across a weight push
-            versioned = batch.view(VersionedBatch)
-            metrics.update(
-                version_metrics(versioned.token_weight_versions, versioned.response_mask)
-            )
+            assert batch.token_weight_versions is not None and batch.response_mask is not None
+            metrics.update(version_metrics(batch.token_weight_versions, batch.response_mask))
         if self.flat_groups is not None and (
             flat := self.flat_groups.check(
                 step, metrics["reward/all_equal_frac"], metrics["reward/mean"]
@@ -207,25 +200,25 @@ class RLController(Controller):
             batch, metrics["response/truncated_masked"] = mask_truncated(batch)
         if roles.critic is not None:
             with t("critic_update"):
-                metrics.update(roles.critic.call("update", batch, spec=spec))
+                metrics.update(roles.critic.call(CriticWorker.update, batch, spec=spec))
         if step > spec.critic_warmup_steps:
             with t("update"):
                 metrics.update(
                     roles.actor.call(
-                        "update", batch, spec=spec, kl_coef=self.kl_coef * self.kl_scale
+                        ActorWorker.update, batch, spec=spec, kl_coef=self.kl_coef * self.kl_scale
                     )
                 )
             self.weight_version += 1
             metrics.update(self.rollouts.push(roles.push_weights))
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
-        tokens = batch.view(TokenBatch).attention_mask.sum()
+        assert batch.attention_mask is not None
         return {
             **metrics,
             **self.timer.pop(),
             "actor/kl_coef": self.kl_coef * self.kl_scale,
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(tokens) / elapsed,
+            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
         }
 
     def produce(self) -> tuple[Batch, dict[str, float]]:
@@ -249,7 +242,10 @@ class RLController(Controller):
         assert rollout is not None and reward is not None, "RL needs the rollout and reward roles"
         with timer("rollout"):
             batch = rollout.call(
-                "generate", examples, sampling=self.sampling, group_offset=self.groups_seen
+                RolloutWorker.generate,
+                examples,
+                sampling=self.sampling,
+                group_offset=self.groups_seen,
             )
         self.groups_seen += len(examples)
         if (message := failure_warning(batch)) is not None:  # before their rows are dropped
@@ -259,7 +255,7 @@ class RLController(Controller):
             if failures is not None:
                 failures[key] = failures.get(key, 0.0) + value
         with timer("reward"):
-            batch = reward.call("score", batch)
+            batch = reward.call(RewardRole.score, batch)
         for rule, message in batch.meta.pop("reward_warnings", ()):
             self.warn(rule, message)
         return batch
@@ -287,14 +283,14 @@ class RLController(Controller):
         """Soft overlong punishment added to the scores (when spec.overlong_buffer_len > 0)."""
         if not self.spec.overlong_buffer_len:
             return batch, {}
-        scored = batch.view(ScoredBatch)
+        assert batch.response_mask is not None and batch.scores is not None
         penalty = overlong_penalty(
-            scored.response_mask.sum(dim=1),  # the policy's tokens (an episode's: every turn's)
+            batch.response_mask.sum(dim=1),  # the policy's tokens (an episode's: every turn's)
             max_length=self.cfg.rollout.response_budget(),
             buffer_length=self.spec.overlong_buffer_len,
             penalty_factor=self.spec.overlong_penalty_factor,
         )
-        shaped = batch.replace(scores=scored.scores + penalty)
+        shaped = batch.replace(scores=batch.scores + penalty)
         return shaped, {"reward/overlong_penalty_mean": penalty.mean().item()}
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -303,22 +299,23 @@ class RLController(Controller):
         batch, the response mask narrowed to m' = m ⊙ keep), then the spec's advantage
         estimator on m' (each row's score still the one summed under m). β is read before the
         KL controller's update."""
-        scored, metrics = batch.view(ScoredBatch), {}
-        mask, groups = scored.response_mask, batch.view(GroupedBatch).group_ids
+        mask, metrics = batch.response_mask, {}
+        assert mask is not None and batch.scores is not None and batch.group_ids is not None
         assert self.spec.advantage is not None, f"{self.spec.name!r} has no advantage estimator"
         kl, beta = None, 0.0
         if self.kl_ctrl is not None:  # built when spec.kl_penalty is set
-            old = batch.view(LogprobBatch).old_logprobs
-            ref = batch.view(ReferenceBatch).ref_logprobs
+            assert batch.old_logprobs is not None and batch.ref_logprobs is not None
             assert self.spec.kl_penalty is not None
-            kl = kl_penalty(old, ref, self.spec.kl_penalty)
+            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_penalty)
             beta, current = self.kl_ctrl.value * self.kl_scale, batch_mean_kl(kl, mask)
             self.kl_ctrl.update(current, n_steps=len(batch))
             metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}
-        rewards = token_level_rewards(scored.scores, mask, kl, beta)
+        rewards = token_level_rewards(batch.scores, mask, kl, beta)
+        groups = batch.group_ids
         batch, corrected = self.correct_rollout(batch)
         metrics.update(corrected)
-        kept = batch.view(ScoredBatch).response_mask  # m' = m ⊙ keep (m without a rejection)
+        kept = batch.response_mask  # m' = m ⊙ keep (m without a rejection)
+        assert kept is not None
         estimator = ADVANTAGE_ESTIMATORS[self.spec.advantage]
         advantages, returns = estimator(
             token_rewards=rewards,
@@ -342,11 +339,9 @@ class RLController(Controller):
         settings = self.spec.rollout_correction
         if settings is None or settings.bypass:
             return batch, {}
+        assert batch.old_logprobs is not None and batch.response_mask is not None
         out = decoupled_correction(
-            batch.view(LogprobBatch).old_logprobs,
-            engine_logprobs(batch),
-            batch.view(ScoredBatch).response_mask,
-            settings,
+            batch.old_logprobs, engine_logprobs(batch), batch.response_mask, settings
         )
         batch = batch.replace(response_mask=out.response_mask, rollout_is_weights=out.weights)
         return batch, {key: value.item() for key, value in out.metrics.items()}
@@ -373,7 +368,7 @@ class RLController(Controller):
         None in this process, whose random state the checkpoint holds anyway."""
         group = self.roles.rollout
         assert group is not None
-        return None if group.in_process else group.call_all("rng_state")
+        return None if group.in_process else group.call_all(RolloutWorker.rng_state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
@@ -392,7 +387,7 @@ class RLController(Controller):
         assert rollout is not None
         # resumed on another number of rollout ranks: each keeps its own seed's stream
         if states is not None and not rollout.in_process and len(states) == rollout.world_size:
-            rollout.call("load_rng_state", states)
+            rollout.call(RolloutWorker.load_rng_state, states)
 
 
 def batch_eos_ids(meta: BatchMeta) -> list[int]:
@@ -411,9 +406,9 @@ def truncated_rows(batch: Batch) -> torch.Tensor:
     eos = batch_eos_ids(batch.meta)
     if not eos:
         return torch.zeros(len(batch), dtype=torch.bool)
-    rollout = batch.view(SequenceBatch)
-    last_index = last_valid_index(rollout.response_mask)  # the policy's last token (holes: an
-    last = rollout.input_ids[:, -batch.response_length :].gather(  # episode's last turn)
+    assert batch.response_mask is not None and batch.input_ids is not None
+    last_index = last_valid_index(batch.response_mask)  # the policy's last token (holes: an
+    last = batch.input_ids[:, -batch.response_length :].gather(  # episode's last turn)
         1, last_index.clamp(min=0)[:, None]
     )
     return ~torch.isin(last.squeeze(1), torch.tensor(eos, dtype=last.dtype, device=last.device))
@@ -422,7 +417,8 @@ def truncated_rows(batch: Batch) -> torch.Tensor:
 def mask_truncated(batch: Batch) -> tuple[Batch, float]:
     """Overlong filtering: truncated rows get response mask 0; (batch, fraction masked)."""
     cut = truncated_rows(batch)
-    mask = torch.where(cut[:, None], torch.zeros(()), batch.view(SequenceBatch).response_mask)
+    assert batch.response_mask is not None
+    mask = torch.where(cut[:, None], torch.zeros(()), batch.response_mask)
     return batch.replace(response_mask=mask), cut.float().mean().item()
 
 
@@ -439,12 +435,12 @@ def engine_logprobs(batch: Batch) -> torch.Tensor:
 def batch_metrics(batch: Batch, drift: bool = True) -> dict[str, float]:
     """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch (the
     drift with `drift` and both log-probs in the batch)."""
-    scored = batch.view(ScoredBatch)
-    scores, mask = scored.scores, scored.response_mask
-    advantages = batch.view(AdvantageBatch).advantages
+    scores, mask, advantages = batch.scores, batch.response_mask, batch.advantages
+    assert scores is not None and mask is not None and advantages is not None
+    assert batch.group_ids is not None
     lengths = mask.sum(dim=1)
     truncated = truncated_rows(batch).float()
-    _, group_std, group_size = group_statistics(scores, batch.view(GroupedBatch).group_ids)
+    _, group_std, group_size = group_statistics(scores, batch.group_ids)
     all_equal = ((group_std == 0) & (group_size > 1)).float()
     metrics = {
         "reward/mean": scores.mean().item(),

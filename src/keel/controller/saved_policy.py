@@ -45,6 +45,8 @@ from keel.types import Tokenizer
 from keel.workers import LocalWorkerGroup
 from keel.workers.build import reward_worker, rollout_worker
 from keel.workers.group import WorkerGroup
+from keel.workers.roles import RewardRole
+from keel.workers.rollout import RolloutWorker
 
 RUN_CONFIG = "config.yaml"
 DEFAULTS = "<defaults>"  # the source name of a plain HF folder's config in error messages
@@ -121,7 +123,9 @@ def policy_tokenizer(cfg: KeelConfig) -> Tokenizer:
     return tokenizer
 
 
-def build_rollout(cfg: KeelConfig, tokenizer: Tokenizer | None = None) -> WorkerGroup:
+def build_rollout(
+    cfg: KeelConfig, tokenizer: Tokenizer | None = None
+) -> WorkerGroup[RolloutWorker]:
     """A rollout worker group on the engine rollout.engine names, with its own frozen copy of
     models.actor on resources.device (in models.dtype) and the data section's prompt options
     (chat template, max_prompt_length, truncation)."""
@@ -146,8 +150,8 @@ class EvalJob:
 
     cfg: KeelConfig
     examples: list[Example]
-    rollout: WorkerGroup
-    reward: WorkerGroup
+    rollout: WorkerGroup[RolloutWorker]
+    reward: WorkerGroup[RewardRole]
     bad_rows: list[str]
     dropped: int = 0
     truncated: int = 0
@@ -162,7 +166,7 @@ class EvalJob:
 
     def close(self) -> None:
         """Release the rollout engine."""
-        self.rollout.call_all("close")
+        self.rollout.call_all(RolloutWorker.close)
 
 
 def prepare_eval(cfg: KeelConfig, limit: int | None = None) -> EvalJob:

@@ -25,14 +25,7 @@ from keel.engine.distributed import (
 from keel.engine.forward import micro_batched_logprobs, position_ids_from_mask, response_forward
 from keel.engine.logits_budget import LogitsChunk
 from keel.engine.update import GradientStep
-from keel.types import (
-    AdvantageBatch,
-    Batch,
-    ReferenceBatch,
-    SequenceBatch,
-    TokenBatch,
-    Tokenizer,
-)
+from keel.types import Batch, Tokenizer
 from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
 from keel.workers.weight_sync import BucketChannel, ChannelSpec, WeightTag
 
@@ -107,8 +100,8 @@ class ActorWorker(TrainableWorker):
         self.extremes = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                mask = mini.view(SequenceBatch).response_mask
-                num_tokens, num_seqs = global_denominators(mask)
+                assert mini.response_mask is not None, "the batch has no response_mask"
+                num_tokens, num_seqs = global_denominators(mini.response_mask)
                 loss_fn = partial(
                     self._policy_loss,
                     spec=spec,
@@ -132,8 +125,8 @@ class ActorWorker(TrainableWorker):
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
         denominators (docs/algorithms.md §3 'Full verl actor loss'). The entropy has no autograd
         graph when c_H is 0 (it is only a diagnostic then). Metrics stay on the device."""
-        trained = micro.view(AdvantageBatch)
-        mask = trained.response_mask
+        mask = micro.response_mask
+        assert mask is not None and micro.advantages is not None, "no response_mask/advantages"
         assert spec.policy_loss is not None, f"algorithm {spec.name!r} has no policy loss"
         logprobs, entropy = response_forward(
             self.model,
@@ -159,7 +152,7 @@ class ActorWorker(TrainableWorker):
         pg = POLICY_LOSSES[spec.policy_loss](
             logprobs,
             old,
-            trained.advantages,
+            micro.advantages,
             mask,
             agg_mode=spec.loss_agg_mode,
             num_tokens=num_tokens,
@@ -181,8 +174,8 @@ class ActorWorker(TrainableWorker):
             **{key: value.detach() * share for key, value in pg.metrics.items()},
         }
         if spec.kl_loss_coef > 0:  # a reference model exists
-            ref_logprobs = micro.view(ReferenceBatch).ref_logprobs
-            kl = agg(kl_penalty(logprobs, ref_logprobs, spec.kl_loss_type), mask)
+            assert micro.ref_logprobs is not None, "kl_loss_coef > 0 needs ref_logprobs"
+            kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
             loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
         if spec.distillation is not None:  # on-policy distillation (keel.algo.distillation)
@@ -212,13 +205,13 @@ class ActorWorker(TrainableWorker):
     def _response_logits(self, micro: Batch) -> torch.Tensor:
         """The student's logits [B, R, V] (float32, divided by the temperature, with grad) that
         predict the R response tokens: the top-k forward KL's second forward pass."""
-        tokens = micro.view(TokenBatch)
+        assert micro.input_ids is not None and micro.attention_mask is not None
         r = micro.response_length
         device = model_device(self.model)
-        attention = tokens.attention_mask.to(device)
+        attention = micro.attention_mask.to(device)
         with autocast(device, self.dtype):
             logits = self.model(
-                input_ids=tokens.input_ids.to(device),
+                input_ids=micro.input_ids.to(device),
                 attention_mask=attention,
                 position_ids=position_ids_from_mask(attention),
                 use_cache=False,
@@ -231,10 +224,11 @@ class ActorWorker(TrainableWorker):
         width = self.budget_width(batch)
         history = []
         for mini in batch.split(self.mini_batch_size):
-            num_tokens, num_seqs = global_denominators(mini.view(SequenceBatch).response_mask)
+            assert mini.response_mask is not None, "the batch has no response_mask"
+            num_tokens, num_seqs = global_denominators(mini.response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
-                mask = micro.view(SequenceBatch).response_mask
+                assert micro.response_mask is not None
                 logprobs, _ = response_forward(
                     self.model,
                     micro,
@@ -244,14 +238,14 @@ class ActorWorker(TrainableWorker):
                 )
                 loss = sft_loss(
                     logprobs,
-                    mask,
+                    micro.response_mask,
                     agg_mode=spec.loss_agg_mode,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                     scale_factor=width,
                 )
-                share = mask.bool().sum() / max(num_tokens, 1)
-                nll = masked_mean(-logprobs.detach(), mask) * share
+                share = micro.response_mask.bool().sum() / max(num_tokens, 1)
+                nll = masked_mean(-logprobs.detach(), micro.response_mask) * share
                 return loss, {"sft_loss": loss.detach(), "nll_per_token": nll}
 
             history.append(self.step.apply(self.micro_batches(mini), loss_fn))

@@ -1,4 +1,12 @@
-"""WorkerGroup: `group.call("method", rows, **kw)` splits rows across ranks, runs, gathers.
+"""WorkerGroup: `group.call(ActorWorker.compute_logprobs, rows, **kw)` splits rows across ranks,
+runs that method on each rank's worker, gathers.
+
+A call names the worker method by reference, not by string: `WorkerGroup[W]` is generic in its
+workers' type and `call`/`call_all` take a method of W (`Callable[Concatenate[W, P], R]`), so
+pyright checks the arguments against the method's signature and types the result as the
+method's return type. Underneath the group dispatches by the method's `__name__`
+(`method_name`): that name is what a Ray rank receives, and each rank's worker runs its own
+method of that name (a subclass's override included).
 
 `LocalWorkerGroup` runs its workers in this process. `RayWorkerGroup` (keel.workers.ray_group)
 implements the same interface with one Ray actor per rank; the controller cannot tell them apart.
@@ -24,7 +32,7 @@ a row.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -36,6 +44,39 @@ from keel.workers.weight_sync import ObjectStoreSync, weight_push
 WeightPush = ObjectStoreSync
 __all__ = ["WeightPush", "weight_push"]  # re-exported: older imports keep working
 
+W = TypeVar("W")  # a group's workers
+W_co = TypeVar("W_co", covariant=True)
+P = ParamSpec("P")  # the called method's parameters after `self`
+# What a call's results gather into (`_gather`): a Batch, a per-row tensor, a metrics dict, a
+# list, or nothing; a method that returns anything else cannot be a data-parallel call.
+R = TypeVar("R", bound="Batch | torch.Tensor | Mapping[str, float] | list[Any] | None")
+T = TypeVar("T")  # what a call_all or apply_all returns on each rank
+
+
+def method_name(method: Callable[..., Any]) -> str:
+    """The name a group dispatches `method` by (`ActorWorker.compute_logprobs` →
+    "compute_logprobs"); a string, a lambda or a callable without a name is refused."""
+    name = getattr(method, "__name__", None)
+    if isinstance(method, str) or not callable(method) or not isinstance(name, str):
+        raise TypeError(
+            f"a worker group calls a worker method by reference (ActorWorker.compute_logprobs), "
+            f"not {method!r}"
+        )
+    if not name.isidentifier():
+        raise TypeError(f"a worker group calls a worker method by reference, not {name!r}")
+    return name
+
+
+def one_positional(method: str, args: tuple[Any, ...]) -> Any:
+    """The one positional argument a call takes after the method (the rows to shard; for
+    call_all, an argument every rank gets), None without one."""
+    if len(args) > 1:
+        raise TypeError(
+            f"{method}: a worker group passes one positional argument (the rows); "
+            f"name the others ({len(args)} given)"
+        )
+    return args[0] if args else None
+
 
 class WorkerLostError(RuntimeError):
     """A worker of a group died (its process or node is gone); the group is unusable.
@@ -45,16 +86,17 @@ class WorkerLostError(RuntimeError):
 
 
 @runtime_checkable
-class WorkerGroup(Protocol):
+class WorkerGroup(Protocol[W_co]):
     """The ranks of one role, as the controller sees them (`LocalWorkerGroup` in this process,
-    `keel.workers.ray_group.RayWorkerGroup` over Ray actors).
+    `keel.workers.ray_group.RayWorkerGroup` over Ray actors); W_co: its workers' type (a class,
+    or a Protocol where a role's class depends on the stage: keel.workers.roles).
 
     role: the role's name; world_size: its number of ranks; in_process: the workers run in
     this process (their random state is this process's).
-    call(method, rows, **kw): `rows` (a Batch or a list) sharded over the ranks, the results
-    gathered (module docstring); call_all: every rank with the same arguments, one result per
-    rank; apply_all(fn, **kw): fn(worker, **kw) on every rank (a module-level function). A
-    worker that died raises `WorkerLostError`."""
+    call(W.method, rows, **kw): `rows` (a Batch or a list) sharded over the ranks, the results
+    gathered (module docstring); call_all(W.method, **kw): every rank with the same arguments,
+    one result per rank; apply_all(fn, **kw): fn(worker, **kw) on every rank (a module-level
+    function). A worker that died raises `WorkerLostError`."""
 
     @property
     def role(self) -> str: ...
@@ -63,9 +105,13 @@ class WorkerGroup(Protocol):
     @property
     def in_process(self) -> bool: ...
 
-    def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any: ...
-    def call_all(self, method: str, /, **kwargs: Any) -> list[Any]: ...
-    def apply_all(self, fn: Callable[..., Any], /, **kwargs: Any) -> list[Any]: ...
+    def call(
+        self, method: Callable[Concatenate[W_co, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R: ...
+    def call_all(
+        self, method: Callable[Concatenate[W_co, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[T]: ...
+    def apply_all(self, fn: Callable[..., T], /, **kwargs: Any) -> list[T]: ...
 
 
 def dispatch(
@@ -144,13 +190,13 @@ def shard_index(
     return index
 
 
-class LocalWorkerGroup:
+class LocalWorkerGroup(Generic[W]):
     """In-process workers, one per rank. With one worker a call is a plain method call."""
 
     in_process = True
 
     def __init__(
-        self, role: str, workers: Sequence[Any], row_block: int | None = None, row_unit: int = 1
+        self, role: str, workers: Sequence[W], row_block: int | None = None, row_unit: int = 1
     ):
         if not workers:
             raise ValueError(f"worker group {role!r} needs at least one worker")
@@ -162,26 +208,36 @@ class LocalWorkerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any:
-        """Data-parallel call: `rows` (a Batch or a list) is split by rows across ranks and the
-        results are gathered (Batches and per-row tensors concatenated in row order, metric
-        dicts averaged, lists joined)."""
+    def call(
+        self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """Data-parallel call of the workers' `method` (by its name): `rows` (the one positional
+        argument, a Batch or a list) is split by rows across ranks and the results are gathered
+        (Batches and per-row tensors concatenated in row order, metric dicts averaged, lists
+        joined)."""
+        name = method_name(method)
+        rows = one_positional(name, args)
         if rows is not None and self.world_size == 1:
-            return getattr(self.workers[0], method)(rows, **kwargs)
+            return getattr(self.workers[0], name)(rows, **kwargs)
 
         def invoke_all(calls: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
             return [
-                getattr(w, method)(*_args(shard), **kw)
+                getattr(w, name)(*_args(shard), **kw)
                 for w, (shard, kw) in zip(self.workers, calls, strict=True)
             ]
 
         return dispatch(invoke_all, self.world_size, rows, kwargs, self.row_block, self.row_unit)
 
-    def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
-        """Run `method` on every rank with the same arguments; one result per rank."""
-        return [getattr(w, method)(**kwargs) for w in self.workers]
+    def call_all(
+        self, method: Callable[Concatenate[W, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[T]:
+        """Run the workers' `method` (by its name) on every rank with the same arguments; one
+        result per rank."""
+        name = method_name(method)
+        arg = _args(one_positional(name, args))
+        return [getattr(w, name)(*arg, **kwargs) for w in self.workers]
 
-    def apply_all(self, fn: Callable[..., Any], /, **kwargs: Any) -> list[Any]:
+    def apply_all(self, fn: Callable[..., T], /, **kwargs: Any) -> list[T]:
         """`fn(worker, **kwargs)` on every rank (a module-level function); one result per rank."""
         return [fn(w, **kwargs) for w in self.workers]
 

@@ -13,10 +13,10 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, Concatenate, Generic
 
 import ray
 import torch
@@ -41,7 +41,17 @@ from keel.monitor.devices import DeviceReading, read_device
 from keel.plan.inputs import WorkerInputs, worker_inputs
 from keel.rewards.build import reward_scorer
 from keel.workers.build import build_workers
-from keel.workers.group import LocalWorkerGroup, WorkerLostError, dispatch
+from keel.workers.group import (
+    LocalWorkerGroup,
+    P,
+    R,
+    T,
+    W,
+    WorkerLostError,
+    dispatch,
+    method_name,
+    one_positional,
+)
 from keel.workers.roles import Roles, roles_from_groups
 from keel.workers.weight_sync import NoSync, WeightSync, weight_sync
 
@@ -127,6 +137,7 @@ class RoleHost:
         return sorted(self.workers)
 
     def run(self, role: str, method: str, rows: Any, kwargs: dict[str, Any]) -> Any:
+        """The worker method named `method` (the wire carries its name, never the function)."""
         args = () if rows is None else (rows,)
         return getattr(self.workers[role], method)(*args, **kwargs)
 
@@ -151,8 +162,9 @@ class RoleHost:
         self.workers = {}
 
 
-class RayWorkerGroup:
-    """The WorkerGroup interface over the Ray actors hosting `role` (one per rank)."""
+class RayWorkerGroup(Generic[W]):
+    """The WorkerGroup interface over the Ray actors hosting `role` (one per rank); a call
+    sends the method's name (`method_name`) to `RoleHost.run` on every rank."""
 
     in_process = False
 
@@ -173,11 +185,16 @@ class RayWorkerGroup:
     def world_size(self) -> int:
         return len(self.hosts)
 
-    def call(self, method: str, rows: Any = None, /, **kwargs: Any) -> Any:
+    def call(
+        self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        name = method_name(method)
+        rows = one_positional(name, args)
+
         def invoke_all(calls: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
             return self._get(
                 [
-                    h.run.remote(self.role, method, shard, kw)
+                    h.run.remote(self.role, name, shard, kw)
                     for h, (shard, kw) in zip(self.hosts, calls, strict=True)
                 ]
             )
@@ -192,12 +209,17 @@ class RayWorkerGroup:
             self.balance_unit,
         )
 
-    def call_all(self, method: str, /, **kwargs: Any) -> list[Any]:
+    def call_all(
+        self, method: Callable[Concatenate[W, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[T]:
         """Same arguments on every rank; they are put in Ray's object store once."""
+        name = method_name(method)
+        arg = one_positional(name, args)
         ref = ray.put(kwargs)
-        return self._get([h.run.remote(self.role, method, None, ref) for h in self.hosts])
+        arg_ref = None if arg is None else ray.put(arg)
+        return self._get([h.run.remote(self.role, name, arg_ref, ref) for h in self.hosts])
 
-    def apply_all(self, fn: Any, /, **kwargs: Any) -> list[Any]:
+    def apply_all(self, fn: Callable[..., T], /, **kwargs: Any) -> list[T]:
         """`fn(worker, **kwargs)` on every rank; `fn` must be importable there (module-level)."""
         ref = ray.put(kwargs)
         return self._get([h.apply.remote(self.role, fn, ref) for h in self.hosts])
