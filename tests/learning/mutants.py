@@ -78,8 +78,8 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation(
             "advantage_sign",
             "workers/actor.py",
-            "            micro.advantages,\n",
-            "            -micro.advantages,\n",
+            "            trained.advantages,\n",
+            "            -trained.advantages,\n",
             "the advantage's sign flipped in the actor's policy loss",
             ("grpo", "rloo", "ppo"),
         ),
@@ -118,8 +118,8 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation(
             "reward_ignored",
             "controller/rl.py",
-            "rewards = token_level_rewards(batch.scores, mask, kl, beta)",
-            "rewards = token_level_rewards(torch.zeros_like(batch.scores), mask, kl, beta)",
+            "rewards = token_level_rewards(scored.scores, mask, kl, beta)",
+            "rewards = token_level_rewards(torch.zeros_like(scored.scores), mask, kl, beta)",
             "the reward ignored by training (a constant score; evaluation still scores)",
             ("grpo", "ppo"),
         ),
@@ -256,7 +256,7 @@ MUTATIONS: dict[str, Mutation] = {
             "an interruptible rollout's rows continue under new weights over the KV cache the "
             "old ones computed: their tokens' log-probs are no version's",
             tests=(
-                "tests/rollout/decode/test_decoder.py::"
+                "tests/rollout/decode/test_rollout_loop.py::"
                 "test_a_weight_swap_at_step_k_continues_the_rows_under_the_new_weights",
             ),
         ),
