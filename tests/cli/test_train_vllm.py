@@ -1,6 +1,7 @@
 """GRPO with `rollout.engine: vllm` through the real `keel train`, in the vLLM environment (marker
-vllm): a run that trains, one that crashes and one that gets SIGTERM (with asynchronous
-rollout, rollout.max_staleness 1), started together (each is
+vllm): a run that trains, one that crashes, one that gets SIGTERM (with asynchronous
+rollout, rollout.max_staleness 1) and one that trains a LoRA adapter (pushed as an adapter),
+started together (each is
 mostly one busy core waiting on imports and the engine's start). Each run's process tree is
 watched with psutil while it runs: the engine lives in the trainer's process, so no vLLM engine
 process (`VLLM::EngineCore`, `VLLM::Worker`) ever appears, and none of the run's descendants
@@ -111,6 +112,8 @@ def runs(tmp_path_factory):
         "sigterm": WatchedRun(root / "sigterm", [*base, f"{reward}:digit_fraction",
                                                  "train.steps=200", "rollout.max_staleness=1"],
                               cache),
+        "lora": WatchedRun(root / "lora", [*base, f"{reward}:digit_fraction", "train.steps=2",
+                                           "models.lora={r: 4, alpha: 8}"], cache),
     }  # fmt: skip
     term = started["sigterm"]
     deadline = time.monotonic() + 240
@@ -153,14 +156,30 @@ def test_grpo_trains_with_the_vllm_engine(runs):
     assert torch.get_num_threads() >= 1
 
 
-@pytest.mark.parametrize("name", ["trains", "crashes", "sigterm"])
+def test_a_lora_run_pushes_its_adapter_into_the_vllm_engine(runs):
+    """models.lora with the vLLM engine (rollout.vllm.lora_adapters: auto): each push is the
+    adapter alone (rank 4 on the 14 linear layers: 11,776 float32 numbers, 47,104 bytes;
+    the merged weights are 10 times that and more), and the engine's log-probs after each
+    push are the LoRA policy's."""
+    code, out = runs["results"]["lora"]
+    assert code == 0, out[-3000:]
+    rows = [r for r in runs["runs"]["lora"].metrics() if r["step"] >= 1]
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0]
+    assert all(r["weight_sync/bytes"] == 47104 for r in rows)
+    assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows)
+    merged = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(
+        runs["model"]).parameters())  # fmt: skip
+    assert merged / 10 > 47104
+
+
+@pytest.mark.parametrize("name", ["trains", "crashes", "sigterm", "lora"])
 def test_no_engine_process_outlives_a_run(runs, name):
     """The engine runs in the trainer's process: no engine process while the run lives, and no
     process left once it has ended, crashed (an exception out of the run) or been stopped by
     SIGTERM (checkpoint, exit 75)."""
     code, out = runs["results"][name]
     run = runs["runs"][name]
-    expected = {"trains": 0, "crashes": 2, "sigterm": 75}[name]
+    expected = {"trains": 0, "crashes": 2, "sigterm": 75, "lora": 0}[name]
     assert code == expected, out[-3000:]
     engines = [t for t in run.names.values() if t.startswith("VLLM::")]
     assert engines == [], engines

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3MoeConfig,
 
 from keel.models import ModelLoadError, load_causal_lm, load_tokenizer
 from keel.models.lora import (
+    adapted_module_names,
+    adapter_config,
     adapter_disabled,
     adapter_state_dict,
     base_model_eval,
@@ -19,6 +21,7 @@ from keel.models.lora import (
     load_adapter_state_dict,
     merged_from_state,
     merged_state_dict,
+    peft_saved_names,
     save_adapter,
     save_merged,
     wrap_lora,
@@ -203,3 +206,23 @@ def test_the_adapter_folder_of_fused_moe_experts_reloads_with_peft(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(folder).eval()
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     torch.testing.assert_close(logits(reloaded), logits(model), **MERGED)
+
+
+def test_the_pushed_adapter_is_a_peft_folder_that_computes_the_lora_model(tiny_dir, tmp_path):
+    """What an adapter push carries (peft_saved_names of the adapter's tensors, adapter_config)
+    written as vLLM's load_adapter writes it: the names are peft's own saved names, and the
+    folder loads with PeftModel.from_pretrained onto the base and computes the live model."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model = trained(tiny_dir, target_modules=["q_proj", "v_proj", "down_proj"])
+    tensors = peft_saved_names(adapter_state_dict(model))
+    assert set(tensors) == set(get_peft_model_state_dict(model, save_embedding_layers=False))
+    config = adapter_config(model)
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert adapted_module_names(config) == {"q_proj", "v_proj", "down_proj"}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    loaded = PeftModel.from_pretrained(load_causal_lm(tiny_dir), tmp_path).eval()
+    torch.testing.assert_close(logits(loaded), logits(model), atol=0, rtol=0)
+    assert not torch.allclose(logits(loaded), logits(load_causal_lm(tiny_dir)), atol=1e-3)

@@ -6,6 +6,7 @@ rollout group that trains the same over both transports.
 One Ray session serves the module's Ray tests (starting Ray takes ~5 s)."""
 
 import json
+import logging
 import socket
 import threading
 
@@ -316,5 +317,36 @@ def test_a_rollout_worker_takes_a_rollbacks_push_and_refuses_the_old_lineage(tin
         with pytest.raises(StaleWeightsError):
             rollout.load_weights(state, version=6, lineage=0)
         assert rollout.weight_tag == WeightTag(1, 4)  # nothing loaded
+    finally:
+        roles.close()
+
+
+def test_a_lora_actor_pushes_merged_weights_where_the_engine_takes_no_adapter(tiny_dir, caplog):
+    """models.lora with the HF engine holding its own copy (asynchronous rollout): the choice
+    between the adapter push and the merged one (weight_sync.adapter_sync) falls on the merged
+    weights, logged once with the reason, and the copy then computes the LoRA policy."""
+    from keel.controller.assembly import build_reward, build_roles
+    from keel.recipes import build_spec
+
+    cfg = validate({"models": {"actor": str(tiny_dir), "lora": {"r": 4}},
+                    "algorithm": {"name": "grpo"}, "rollout": {"max_staleness": 1}})  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="keel.workers.weight_sync"):
+        roles = build_roles(cfg, build_spec(cfg), build_reward(cfg))
+    try:
+        notes = [r.getMessage() for r in caplog.records if r.name == "keel.workers.weight_sync"]
+        assert len(notes) == 1 and "merged weights" in notes[0], notes
+        assert "HFRolloutEngine" in notes[0] and "full weights only" in notes[0]
+        actor, rollout = roles.actor.workers[0], roles.rollout.workers[0]
+        with torch.no_grad():
+            for p in actor.model.parameters():
+                if p.requires_grad:  # the adapter: B leaves zero
+                    p.add_(0.1 * torch.randn_like(p))
+        actor.weight_version = 1
+        metrics = roles.push_weights()
+        assert metrics["rollout/weight_version"] == 1
+        ids = torch.tensor([[3, 4, 5, 6]])
+        with torch.no_grad():
+            torch.testing.assert_close(rollout.engine.model(ids).logits,
+                                       actor.model(ids).logits)  # fmt: skip
     finally:
         roles.close()

@@ -350,6 +350,12 @@ class VLLMConfig(Section):
         gt=0,
         description="KV-cache memory on CPU, in GiB (vLLM's kv_cache_memory_bytes)",
     )
+    lora_adapters: Literal["auto", "off"] = Field(
+        default="auto",
+        description="with models.lora: auto, the engine is built with LoRA and each push sends "
+        "the adapter only (megabytes), where vLLM can apply it (else the merged weights, the "
+        "reason logged once); off: the merged weights, always",
+    )
 
 
 class EnvConfig(Section):

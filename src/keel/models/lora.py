@@ -330,3 +330,63 @@ def base_model_eval(model: Any) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+# ------------------------------------------------------------------ the adapter as peft saves it
+# The fields of a LoRA config that an adapter folder's adapter_config.json carries for a reader
+# that applies the adapter (vLLM's, peft's): the rest of peft's LoraConfig is about training.
+ADAPTER_CONFIG_FIELDS = (
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "bias",
+    "fan_in_fan_out",
+    "use_rslora",
+    "use_dora",
+    "lora_bias",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_parameters",
+)
+
+
+def adapter_config(model: Any) -> dict[str, Any]:
+    """The adapter_config.json of `model`'s adapter as plain JSON values: peft_type LORA,
+    task_type CAUSAL_LM and ADAPTER_CONFIG_FIELDS, target_modules as peft resolved them
+    (the full module names, sorted)."""
+    config = model.peft_config[ADAPTER]
+    out: dict[str, Any] = {"peft_type": "LORA", "task_type": "CAUSAL_LM"}
+    for key in ADAPTER_CONFIG_FIELDS:
+        value = getattr(config, key, None)
+        if isinstance(value, (set, frozenset, list, tuple)):
+            value = sorted(value)
+        elif isinstance(value, dict):
+            value = dict(value)
+        out[key] = value
+    return out
+
+
+def peft_saved_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors named as in the model (`…q_proj.lora_A.default.weight`) renamed as peft
+    saves them in adapter_model.safetensors (`…q_proj.lora_A.weight`: the adapter's name
+    after a `lora_*` part dropped); the tensors themselves are not copied."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        kept = [
+            p for i, p in enumerate(parts)
+            if not (p == ADAPTER and i and parts[i - 1].startswith("lora_"))
+        ]  # fmt: skip
+        out[".".join(kept)] = value
+    return out
+
+
+def adapted_module_names(config: dict[str, Any]) -> set[str]:
+    """The last part of each name in an adapter config's target_modules (`q_proj` for
+    `model.layers.0.self_attn.q_proj`); a single string (a regular expression, "all-linear")
+    is returned as it is."""
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        return {targets}
+    return {name.rsplit(".", 1)[-1] for name in targets}

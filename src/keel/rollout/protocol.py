@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -192,6 +192,32 @@ class StreamedWeightsEngine(Protocol):
     def finish_weight_update(self, version: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA adapter as a peft folder holds it: `tensors`, the A and B factors by the names of
+    adapter_model.safetensors (keel.models.lora.peft_saved_names), and `config`, the
+    adapter_config.json (keel.models.lora.adapter_config: rank, alpha, target modules)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    config: Mapping[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """A `RolloutEngine` that applies a LoRA adapter over the base weights it loaded from the
+    policy's folder (vLLM built with LoRA): a LoRA actor pushes its adapter, not its merged
+    weights. `adapter_refusal(config)`: why the engine cannot apply an adapter of that
+    adapter_config.json (None: it can); `load_adapter(adapter, version)`: every later request
+    generates with it, and the engine's weight version is `version`."""
+
+    def adapter_refusal(self, config: Mapping[str, Any]) -> str | None: ...
+    def load_adapter(self, adapter: AdapterWeights, version: int) -> None: ...
+
+
 @runtime_checkable
 class DecodingEngine(Protocol):
     """A `RolloutEngine` that can also be driven step by step: `decoder()` opens a `Decoder`
@@ -225,3 +251,6 @@ class EngineInputs:
     synced: bool = False  # FSDP2: every rank decodes until all are done
     # stop on the chat template's turn end (keel.data.encoding.turn_end_id); None: when chat
     stop_on_turn_end: bool | None = None
+    # models.lora.r of a LoRA actor: an engine that applies adapters (AdapterEngine) reserves
+    # this rank; None: the actor is not LoRA
+    lora_rank: int | None = None

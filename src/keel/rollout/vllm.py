@@ -24,6 +24,14 @@ engine's tensors once its weights are in, so the receiving side never holds a fu
 `finish_weight_update`; `update_weights` is the same with one bucket. The prefix cache is then
 reset: KV blocks of a prompt computed under the old weights would otherwise be reused
 (measured: log-prob error 3.3 on a 200-token prompt).
+
+A LoRA actor (models.lora) pushes its adapter instead (`load_adapter`, rollout.vllm.lora_adapters:
+auto): the engine is built with vLLM's LoRA (max_lora_rank the actor's rank rounded up to a
+rank vLLM accepts), keeps the base weights it loaded from the policy's folder, and each push
+writes the adapter as a peft folder in a private temporary folder (megabytes), loads it as
+vLLM's LoRARequest `keel-v{version}-{id}` and drops the previous one from the engine and the
+disk; every later request carries the current one. Where vLLM cannot apply the adapter
+(`lora_refusal`, `adapter_refusal`) the merged weights are pushed as before.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import itertools
 import json
 import os
 import random
+import shutil
+import tempfile
 import weakref
 from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
@@ -49,7 +59,15 @@ from keel.data.encoding import stop_ids
 from keel.data.examples import Example
 from keel.models.eos import eos_token_ids
 from keel.models.loading import ModelLoadError
-from keel.rollout.protocol import Completions, RowRequest, RowToken, SamplingParams, StepHook
+from keel.models.lora import adapted_module_names
+from keel.rollout.protocol import (
+    AdapterWeights,
+    Completions,
+    RowRequest,
+    RowToken,
+    SamplingParams,
+    StepHook,
+)
 from keel.rollout.responses import cut_completions, generate_examples, pad_token_id
 from keel.types import Batch, Tokenizer
 
@@ -200,6 +218,93 @@ def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
     return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
 
 
+# the max_lora_rank values vLLM 0.32 accepts (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# config.json keys of a mixture-of-experts model (fused experts: peft adapts them as 3-D
+# ParamWrappers, whose adapter vLLM's CPU MoE kernel does not apply)
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# adapter_config.json fields a plain adapter leaves unset, which `load_adapter` does not apply
+PLAIN_ADAPTER_UNSET = (
+    "use_dora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+    "target_parameters",
+)
+
+
+def lora_rank_reserved(r: int) -> int:
+    """vLLM's max_lora_rank for an adapter of rank `r`: the smallest rank vLLM accepts that
+    holds it (ValueError past the largest)."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"models.lora.r {r} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def lora_refusal(rollout: RolloutConfig, model_path: Path, rank: int | None) -> str | None:
+    """Why the engine for the policy at `model_path` is not built to apply a LoRA adapter of
+    `rank` (None: it is), from the config alone: no LoRA actor, rollout.vllm.lora_adapters
+    off, a rank vLLM cannot hold, a mixture-of-experts model."""
+    if rank is None:
+        return "the actor has no LoRA adapter (models.lora)"
+    if rollout.vllm.lora_adapters == "off":
+        return "rollout.vllm.lora_adapters is off"
+    if rank > VLLM_LORA_RANKS[-1]:
+        return f"models.lora.r {rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}"
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    if any(config.get(key) for key in MOE_KEYS):
+        return (
+            "the model has mixture-of-experts layers (vLLM's CPU kernel applies no adapter there)"
+        )
+    return None
+
+
+def architecture_lora_refusal(model_path: Path) -> str | None:
+    """Why vLLM cannot apply LoRA to the architecture of the model at `model_path` (None: it
+    can): one vLLM has no implementation of, or one whose implementation has no LoRA. vLLM
+    must be importable."""
+    from vllm.model_executor.models import (  # pyright: ignore[reportMissingImports]
+        ModelRegistry,
+    )
+    from vllm.model_executor.models.interfaces import (  # pyright: ignore[reportMissingImports]
+        supports_lora,
+    )
+
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    for arch in config.get("architectures") or []:
+        if arch in ModelRegistry.models:
+            if supports_lora(ModelRegistry.models[arch].load_model_cls()):
+                return None
+            return f"vLLM's {arch} has no LoRA support"
+    return f"vLLM has no implementation of {config.get('architectures')} with LoRA support"
+
+
+def adapter_config_refusal(
+    config: Mapping[str, Any], modules: Iterable[str], max_rank: int
+) -> str | None:
+    """Why an engine built with LoRA (`modules`: the module names its model adapts,
+    `max_rank`: its max_lora_rank) cannot apply an adapter of `config` (its
+    adapter_config.json), None when it can: a rank above max_rank, a module the model does not
+    adapt (embeddings, the output layer, fused experts), a peft option beyond a plain adapter
+    (DoRA, biases, per-module ranks, modules saved whole)."""
+    rank = int(config.get("r", 0))
+    if rank > max_rank:
+        return f"the adapter's rank {rank} is above the engine's max_lora_rank {max_rank}"
+    unsupported = sorted(adapted_module_names(dict(config)) - set(modules))
+    if unsupported:
+        return f"vLLM does not apply an adapter on {unsupported} of this model"
+    for key in PLAIN_ADAPTER_UNSET:
+        if config.get(key):
+            return f"the adapter sets {key} (vLLM applies plain LoRA adapters here)"
+    if config.get("bias", "none") != "none":
+        return f"the adapter's bias is {config.get('bias')!r} (vLLM applies none)"
+    return None
+
+
 def engine_env() -> dict[str, str]:
     """The variables vLLM reads while it starts (and caches then): its engine core in this
     process, and its V1 model runner, whose sampler `install_row_logprobs` wraps (vLLM's CPU
@@ -207,8 +312,11 @@ def engine_env() -> dict[str, str]:
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
-def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for `rollout.vllm` and the policy at inputs.model_path."""
+def engine_args(
+    rollout: RolloutConfig, inputs: EngineInputs, *, lora: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for `rollout.vllm` and the policy at inputs.model_path;
+    `lora`: with vLLM's LoRA, one adapter of inputs.lora_rank at a time (`load_adapter`)."""
     cfg = rollout.vllm
     args: dict[str, Any] = {
         "model": str(inputs.model_path),
@@ -223,6 +331,14 @@ def engine_args(rollout: RolloutConfig, inputs: EngineInputs) -> dict[str, Any]:
         args["max_model_len"] = cfg.max_model_len
     if inputs.device.type == "cpu":  # vLLM's CPU backend does not size its KV cache itself
         args["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gb * 2**30)
+    if lora:
+        assert inputs.lora_rank is not None
+        args.update(
+            enable_lora=True,
+            max_lora_rank=lora_rank_reserved(inputs.lora_rank),
+            max_loras=1,  # one adapter in a batch: the current version's
+            max_cpu_loras=2,  # the new version's loaded while the old one is still there
+        )
     return args
 
 
@@ -247,6 +363,9 @@ class VLLMRolloutEngine:
         max_model_len: int | None = None,
         on_gpu: bool = False,
         eager: bool = True,
+        lora_modules: Iterable[str] | None = None,
+        lora_max_rank: int = 0,
+        lora_refusal: str | None = None,
     ):
         self.llm = llm
         self.on_gpu = on_gpu  # sleep/wake free memory on GPUs only
@@ -263,6 +382,13 @@ class VLLMRolloutEngine:
         self._decoders: weakref.WeakSet[VLLMDecoder] = weakref.WeakSet()
         self.step_hook: StepHook | None = None  # an interruptible rollout's (protocol.py)
         self._stepping: VLLMDecoder | None = None  # the stepped generate's, during its hook
+        # vLLM built with LoRA: the module names an adapter may adapt; else why not
+        self.lora_modules = frozenset(lora_modules) if lora_modules is not None else None
+        self.lora_max_rank = lora_max_rank  # vLLM's max_lora_rank (0: built without LoRA)
+        self.lora_refusal = lora_refusal
+        self._adapter: Any = None  # the current adapter's LoRARequest (load_adapter)
+        self._adapter_ids = itertools.count(1)
+        self._adapter_root: Path | None = None  # the private folder of the adapters' files
         # the engine is shut down by close(), or at interpreter exit (a crash, a signal that
         # ends the run) when nothing closed it
         self._finalizer = weakref.finalize(self, _shutdown_quietly, llm)
@@ -275,8 +401,12 @@ class VLLMRolloutEngine:
         with preserved_process_state(), transformers_classes_kept(inputs.model_path):
             vllm = import_vllm()
             os.environ.update(engine_env())
-            llm = vllm.LLM(**engine_args(rollout, inputs))
+            refusal = lora_refusal(rollout, inputs.model_path, inputs.lora_rank)
+            if refusal is None:
+                refusal = architecture_lora_refusal(inputs.model_path)
+            llm = vllm.LLM(**engine_args(rollout, inputs, lora=refusal is None))
             llm.collective_rpc(install_row_logprobs)
+            modules = llm.collective_rpc(worker_lora_modules)[0] if refusal is None else None
         model_len = llm.llm_engine.model_config.max_model_len
         generation = SimpleGenerationConfig.from_folder(inputs.model_path)
         return cls(
@@ -293,6 +423,9 @@ class VLLMRolloutEngine:
             max_model_len=model_len,
             on_gpu=inputs.device.type == "cuda",
             eager=rollout.compile is not True,
+            lora_modules=modules,
+            lora_max_rank=0 if refusal is not None else lora_rank_reserved(inputs.lora_rank or 1),
+            lora_refusal=refusal,
         )
 
     def generate(
@@ -323,7 +456,7 @@ class VLLMRolloutEngine:
         params = [self._sampling_params(sampling, greedy, seed + i) for i in range(len(rows))]
         prompts = [{"prompt_token_ids": ids} for ids in rows]
         with eager_helpers(self.eager):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter)
         responses = [list(out.outputs[0].token_ids) for out in outputs]
         logps = [
             chosen_logprobs(out.outputs[0].logprobs, r)
@@ -420,6 +553,58 @@ class VLLMRolloutEngine:
         llm.reset_prefix_cache()
         self.weight_version = int(version)
 
+    def adapter_refusal(self, config: Mapping[str, Any]) -> str | None:
+        """Why this engine cannot apply a LoRA adapter of `config` (its adapter_config.json,
+        keel.models.lora.adapter_config), None when it can: an engine built without LoRA
+        (`lora_refusal` says why), else `adapter_config_refusal`."""
+        if self.lora_modules is None:
+            return self.lora_refusal or "the engine was built without LoRA"
+        return adapter_config_refusal(config, self.lora_modules, self.lora_max_rank)
+
+    def load_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Generate with `adapter` over the base weights from now on: written as a peft
+        folder in this engine's private temporary folder, loaded as LoRARequest
+        `keel-v{version}-{id}`, then the previous adapter removed from vLLM and its folder
+        deleted, and the prefix cache dropped (its blocks were computed under the old
+        adapter). From the step hook of a stepped `generate_ids`, its live rows' requests
+        are aborted first (as `begin_weight_update`). ValueError (nothing changed) when the
+        engine refuses the adapter (`adapter_refusal`)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
+
+        llm = self._engine()
+        reason = self.adapter_refusal(adapter.config)
+        if reason is not None:
+            raise ValueError(f"the vLLM engine cannot apply this LoRA adapter: {reason}")
+        if self._stepping is not None:
+            self._stepping.leave(list(self._stepping._rows))
+        self._check_idle("load_adapter")
+        if self._adapter_root is None:
+            self._adapter_root = Path(tempfile.mkdtemp(prefix="keel-lora-"))
+        lora_id = next(self._adapter_ids)
+        folder = self._adapter_root / f"v{version}-{lora_id}"
+        folder.mkdir()
+        tensors = {k: t.detach().cpu().contiguous() for k, t in adapter.tensors.items()}
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(dict(adapter.config)))
+        request = LoRARequest(f"keel-v{int(version)}-{lora_id}", lora_id, str(folder))
+        try:
+            if not llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter {request.lora_name}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        old, self._adapter = self._adapter, request
+        if old is not None:
+            llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        llm.reset_prefix_cache()
+        self.weight_version = int(version)
+
+    def adapters(self) -> set[int]:
+        """The ids of the adapters vLLM holds (the current one's after a push; none before)."""
+        return set(self._engine().llm_engine.list_loras())
+
     def decoder(self) -> VLLMDecoder:
         """A `Decoder` on this engine's vLLM engine and current weights (`VLLMDecoder`)."""
         decoder = VLLMDecoder(self)
@@ -444,6 +629,9 @@ class VLLMRolloutEngine:
         self.llm = None
         self._finalizer()
         gc.collect()
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root, self._adapter = None, None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -561,7 +749,9 @@ class VLLMDecoder:
                 )
                 request_id = f"keel-row-{next(ROW_REQUEST_IDS)}"
                 prompt = {"prompt_token_ids": list(row.prompt_ids)}
-                llm_engine.add_request(request_id, prompt, params)
+                llm_engine.add_request(
+                    request_id, prompt, params, lora_request=self._owner._adapter
+                )
                 added.append(request_id)
                 self._rows[row.key] = _Row(request_id)
                 self._keys[request_id] = row.key
@@ -710,6 +900,17 @@ def finish_worker_reload(worker: Any) -> None:
     runner.reset_lora_state()
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
+
+
+def worker_lora_modules(worker: Any) -> list[str]:
+    """The module names (as in an HF model: q_proj, …) an adapter may adapt in the worker's
+    model: vLLM's LoRA modules, its packed ones (qkv_proj, gate_up_proj) as their parts."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    packed = manager.packed_modules_mapping
+    names: list[str] = []
+    for module in manager.supported_lora_modules:
+        names.extend(packed.get(module, [module]))
+    return sorted(set(names) - {"embed_tokens", "lm_head"})  # not by this push (tied layers)
 
 
 def prepack_cpu_experts(model: torch.nn.Module) -> None:

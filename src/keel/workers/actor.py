@@ -25,8 +25,17 @@ from keel.engine.distributed import (
 from keel.engine.forward import micro_batched_logprobs, position_ids_from_mask, response_forward
 from keel.engine.logits_budget import LogitsChunk
 from keel.engine.update import GradientStep
-from keel.types import Batch, Tokenizer
-from keel.workers.trainable import TrainableWorker, mean_prefixed, merged_weights
+from keel.models.lora import adapter_config, peft_saved_names
+from keel.rollout.protocol import AdapterWeights
+from keel.types import (
+    AdvantageBatch,
+    Batch,
+    ReferenceBatch,
+    SequenceBatch,
+    TokenBatch,
+    Tokenizer,
+)
+from keel.workers.trainable import TrainableWorker, adapter_weights, mean_prefixed, merged_weights
 from keel.workers.weight_sync import BucketChannel, ChannelSpec, WeightTag
 
 
@@ -259,6 +268,25 @@ class ActorWorker(TrainableWorker):
         model the rollout holds."""
         state = merged_weights(self.model) if self.adapter_only else full_state_dict(self.model)
         return (state if rank() == 0 else None), self.weight_version, self.weight_lineage
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A LoRA model's adapter_config.json (keel.models.lora.adapter_config: rank, alpha,
+        target modules); None for a plain model."""
+        return adapter_config(self.model) if self.adapter_only else None
+
+    def export_adapter(self) -> tuple[AdapterWeights | None, int, int]:
+        """(a LoRA model's adapter on rank 0, None elsewhere; the weight version; the lineage):
+        what a rollout engine that applies adapters is pushed instead of the merged weights
+        (keel.workers.weight_sync.AdapterSync). Every rank calls it (FSDP2 gathers)."""
+        if not self.adapter_only:
+            raise TypeError("export_adapter: the actor's model has no LoRA adapter")
+        tensors = adapter_weights(self.model)
+        adapter = (
+            AdapterWeights(peft_saved_names(tensors), adapter_config(self.model))
+            if rank() == 0
+            else None
+        )
+        return adapter, self.weight_version, self.weight_lineage
 
     def weight_device(self) -> str:
         """The device type the weights are trained on (cuda: the sync may use NCCL)."""

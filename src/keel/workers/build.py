@@ -232,6 +232,7 @@ def rollout_worker(
         autocast=mp.compute,
         load_copy=lambda: _causal_lm(mp.actor, mp, None),
         synced=module is not None and is_sharded(module),
+        lora_rank=mp.lora.r if mp.lora is not None else None,
     )
     engine = build_rollout_engine(rollout, inputs)
     episodes = episode_runner(rollout, data, engine, mp.tokenizer)

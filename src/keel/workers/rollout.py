@@ -15,6 +15,8 @@ from keel.engine.distributed import rank
 from keel.envs.agents import AgentRunner
 from keel.envs.episodes import EpisodeRunner
 from keel.rollout.protocol import (
+    AdapterEngine,
+    AdapterWeights,
     InterruptibleEngine,
     RolloutEngine,
     SamplingParams,
@@ -60,7 +62,8 @@ class RolloutWorker:
         self._target: int | None = None  # the job the next push is for
         self._running: int | None = None  # the job generating on the pipeline's thread
         self._ended = -1  # the newest job that has ended (jobs run in order)
-        self._deferred: tuple[dict[str, torch.Tensor], WeightTag] | None = None
+        # a push held for an interruptible job: full weights or a LoRA adapter, and its tag
+        self._deferred: tuple[dict[str, torch.Tensor] | AdapterWeights, WeightTag] | None = None
         self._received = WeightTag(0, 0)  # the newest tag received (deferred or loaded)
         self._closed = False  # close() lets a job waiting for a push go
 
@@ -138,11 +141,18 @@ class RolloutWorker:
         """Load the push held for the target job, if any (under the lock); the target is
         served either way."""
         if self._deferred is not None:
-            state, tag = self._deferred
+            weights, tag = self._deferred
             self._deferred = None
-            self.engine.update_weights(state, tag.version)
-            self._version, self._lineage = tag.version, tag.lineage
+            self._apply(weights, tag)
         self._target = None
+
+    def _apply(self, weights: dict[str, torch.Tensor] | AdapterWeights, tag: WeightTag) -> None:
+        """Load full weights or a LoRA adapter into the engine; the worker then holds `tag`."""
+        if isinstance(weights, AdapterWeights):
+            self._adapter_engine().load_adapter(weights, tag.version)
+        else:
+            self.engine.update_weights(weights, tag.version)
+        self._version, self._lineage = tag.version, tag.lineage
 
     def load_weights(
         self, state: dict[str, torch.Tensor] | None, version: int, lineage: int = 0
@@ -152,17 +162,42 @@ class RolloutWorker:
         ones held."""
         if state is None:
             raise ValueError("load_weights got no weights (the actor's rank 0 exports them)")
-        tag = WeightTag(int(lineage), int(version))
+        self._receive(state, WeightTag(int(lineage), int(version)))
+
+    def load_adapter(self, adapter: AdapterWeights | None, version: int, lineage: int = 0) -> None:
+        """A LoRA actor's new adapter (the engine keeps its base weights: an `AdapterEngine`),
+        with the same version, lineage and interruptible-rollout rules as `load_weights`."""
+        if adapter is None:
+            raise ValueError("load_adapter got no adapter (the actor's rank 0 exports it)")
+        self._adapter_engine()
+        self._receive(adapter, WeightTag(int(lineage), int(version)))
+
+    def _receive(self, weights: dict[str, torch.Tensor] | AdapterWeights, tag: WeightTag) -> None:
+        """A push's weights: StaleWeightsError when older than what is held or received, held
+        for the addressed job of an interruptible rollout, else loaded now."""
         check_order(max(self.weight_tag, self._received), tag, f"rollout rank {rank()}")
         self._received = tag
         with self._swap:
             if self._target is not None and self._target > self._ended:
                 # interruptible: the addressed job takes it at its swap step or at its end
-                self._deferred = (state, tag)
+                self._deferred = (weights, tag)
                 self._swap.notify_all()
                 return
-        self.engine.update_weights(state, tag.version)
-        self._version, self._lineage = tag.version, tag.lineage
+        self._apply(weights, tag)
+
+    def adapter_refusal(self, config: dict[str, Any]) -> str | None:
+        """Why this worker's engine cannot take a LoRA adapter of `config` (its
+        adapter_config.json) as a push, None when it can (an `AdapterEngine` that accepts
+        it): the weight sync then pushes adapters (keel.workers.weight_sync)."""
+        if not isinstance(self.engine, AdapterEngine):
+            return f"the rollout engine ({type(self.engine).__name__}) takes full weights only"
+        return self.engine.adapter_refusal(config)
+
+    def _adapter_engine(self) -> AdapterEngine:
+        engine = self.engine
+        if not isinstance(engine, AdapterEngine):
+            raise TypeError(f"the rollout engine {type(engine).__name__} takes no LoRA adapter")
+        return engine
 
     @property
     def weight_tag(self) -> WeightTag:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +50,8 @@ from torch.distributed.distributed_c10d import PrefixStore
 
 if TYPE_CHECKING:
     from keel.workers.group import WorkerGroup
+
+log = logging.getLogger(__name__)
 
 Transport = Literal["auto", "collective", "object_store"]
 ALIGN_BYTES = 16  # every tensor starts at a multiple of this in the stream (any dtype's size)
@@ -332,32 +335,6 @@ def engine_target(engine: Any) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------- the driver's side
-class WeightEnd(Protocol):
-    """Either end of a collective sync: joins its channel, leaves it."""
-
-    def open_weight_sync(self, spec: ChannelSpec) -> None: ...
-    def close_weight_sync(self) -> None: ...
-
-
-class WeightSender(WeightEnd, Protocol):
-    """What a sync calls on the actor's ranks (`keel.workers.actor.ActorWorker`)."""
-
-    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int, int]: ...
-    def weight_device(self) -> str: ...
-    def send_weights(self, dtype: str, bucket_bytes: int) -> dict[str, float]: ...
-
-
-class WeightReceiver(WeightEnd, Protocol):
-    """What a sync calls on the rollout's ranks (`keel.workers.rollout.RolloutWorker`)."""
-
-    def needs_weights(self) -> bool: ...
-    def load_weights(
-        self, state: dict[str, torch.Tensor] | None, version: int, lineage: int = 0
-    ) -> None: ...
-    def weight_target(self) -> tuple[str, str]: ...
-    def receive_weights(self) -> int: ...
-
-
 class WeightSync(Protocol):
     """The driver's side of a weight sync: `push()` after each update (metrics), `close()`."""
 
@@ -374,17 +351,14 @@ class ObjectStoreSync:
 
     transport = "object_store"
 
-    def __init__(self, actor: WorkerGroup[WeightSender], rollout: WorkerGroup[WeightReceiver]):
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup):
         self.actor = actor
         self.rollout = rollout
 
     def push(self) -> dict[str, float]:
         start = time.perf_counter()
-        state, version, lineage = self.actor.call_all(WeightSender.export_weights)[0]
-        self.rollout.call_all(
-            WeightReceiver.load_weights, state=state, version=version, lineage=lineage
-        )
-        assert state is not None  # rank 0's, the one kept
+        state, version, lineage = self.actor.call_all("export_weights")[0]
+        self.rollout.call_all("load_weights", state=state, version=version, lineage=lineage)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return {
             "timing/weight_push_s": time.perf_counter() - start,
@@ -407,8 +381,8 @@ class CollectiveSync:
 
     def __init__(
         self,
-        actor: WorkerGroup[WeightSender],
-        rollout: WorkerGroup[WeightReceiver],
+        actor: WorkerGroup,
+        rollout: WorkerGroup,
         rendezvous: tuple[str, int],
         *,
         bucket_bytes: int,
@@ -418,11 +392,11 @@ class CollectiveSync:
         self.actor, self.rollout = actor, rollout
         self.bucket_bytes = bucket_bytes
         buckets(0, bucket_bytes)  # the size is checked here
-        targets = {tuple(t) for t in rollout.call_all(WeightReceiver.weight_target)}
+        targets = {tuple(t) for t in rollout.call_all("weight_target")}
         if len(targets) != 1:
             raise ValueError(f"the rollout ranks hold their weights differently: {sorted(targets)}")
         ((self.dtype, device),) = targets
-        on_gpu = device == "cuda" and actor.call_all(WeightSender.weight_device)[0] == "cuda"
+        on_gpu = device == "cuda" and actor.call_all("weight_device")[0] == "cuda"
         address, port = rendezvous
         self.spec = ChannelSpec(
             address, port, 1 + rollout.world_size, name, "nccl" if on_gpu else "gloo", timeout_s
@@ -431,8 +405,8 @@ class CollectiveSync:
         self.broken = False  # a push failed other than by a refusal
         try:
             self._both(
-                lambda: actor.call_all(WeightEnd.open_weight_sync, spec=self.spec),
-                lambda: rollout.call_all(WeightEnd.open_weight_sync, spec=self.spec),
+                lambda: actor.call_all("open_weight_sync", spec=self.spec),
+                lambda: rollout.call_all("open_weight_sync", spec=self.spec),
             )
         except BaseException:
             self.executor.shutdown(wait=False, cancel_futures=True)
@@ -456,9 +430,9 @@ class CollectiveSync:
         try:
             sent, received = self._both(
                 lambda: self.actor.call_all(
-                    WeightSender.send_weights, dtype=self.dtype, bucket_bytes=self.bucket_bytes
+                    "send_weights", dtype=self.dtype, bucket_bytes=self.bucket_bytes
                 ),
-                lambda: self.rollout.call_all(WeightReceiver.receive_weights),
+                lambda: self.rollout.call_all("receive_weights"),
             )
         except StaleWeightsError:
             raise  # refused by every rank together: both sides are back in step
@@ -483,9 +457,9 @@ class CollectiveSync:
             self.executor.shutdown(wait=False, cancel_futures=True)
             return
 
-        def close_side(group: WorkerGroup[WeightEnd]) -> None:
+        def close_side(group: WorkerGroup) -> None:
             with contextlib.suppress(Exception):  # a dead worker: its end went with it
-                group.call_all(WeightEnd.close_weight_sync)
+                group.call_all("close_weight_sync")
 
         sides = [
             threading.Thread(target=close_side, args=(g,), daemon=True)
@@ -497,6 +471,58 @@ class CollectiveSync:
         for side in sides:
             side.join(max(0.0, deadline - time.monotonic()))
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class AdapterSync:
+    """A LoRA actor's adapter only (A and B factors and its config: megabytes), through the
+    driver as the object store's push, into rollout engines that apply it over the base
+    weights they loaded from the policy's folder (`AdapterEngine`: vLLM built with LoRA); the
+    base weights are never pushed. Versions and refusals as every push (`load_adapter`)."""
+
+    transport = "adapter"
+
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup):
+        self.actor = actor
+        self.rollout = rollout
+
+    def push(self) -> dict[str, float]:
+        start = time.perf_counter()
+        adapter, version, lineage = self.actor.call_all("export_adapter")[0]
+        self.rollout.call_all("load_adapter", adapter=adapter, version=version, lineage=lineage)
+        assert adapter is not None  # rank 0's, the one kept
+        return {
+            "timing/weight_push_s": time.perf_counter() - start,
+            "rollout/weight_version": float(version),
+            "weight_sync/bytes": float(adapter.nbytes),
+        }
+
+    __call__ = push
+
+    def close(self) -> None:
+        """Nothing to release (each engine deletes its adapters' files when it closes)."""
+
+
+def adapter_sync(actor: WorkerGroup, rollout: WorkerGroup) -> AdapterSync | None:
+    """The one place that chooses between a LoRA actor's adapter push and its merged weights:
+    an AdapterSync when the actor is LoRA and every rollout rank's engine applies its adapter
+    (logged once), else None (the merged push; for a LoRA actor the reason is logged once)."""
+    config = actor.call_all("adapter_config")[0]
+    if config is None:  # not a LoRA actor: full weights, nothing to say
+        return None
+    refusals = [r for r in rollout.call_all("adapter_refusal", config=config) if r]
+    if refusals:
+        log.warning(
+            "models.lora: each weight push sends the merged weights, not the adapter: %s",
+            refusals[0],
+        )
+        return None
+    log.info(
+        "models.lora: each weight push sends the LoRA adapter only (rank %s, %d modules); "
+        "the rollout engine keeps its base weights",
+        config.get("r"),
+        len(config.get("target_modules") or []),
+    )
+    return AdapterSync(actor, rollout)
 
 
 class NoSync:
@@ -514,8 +540,8 @@ class NoSync:
 
 
 def weight_sync(
-    actor: WorkerGroup[WeightSender],
-    rollout: WorkerGroup[WeightReceiver] | None,
+    actor: WorkerGroup,
+    rollout: WorkerGroup | None,
     transport: Transport = "object_store",
     *,
     bucket_bytes: int = 256 * 2**20,
@@ -523,10 +549,15 @@ def weight_sync(
     name: str = "0",
 ) -> WeightSync:
     """The WeightSync of `resources.weight_sync`: NoSync when no rollout rank needs weights
-    (the engine generates with the actor's module); `auto` is collective when both groups run
-    in processes of their own (Ray) and `rendezvous` is given, else the object store."""
-    if rollout is None or not any(rollout.call_all(WeightReceiver.needs_weights)):
+    (the engine generates with the actor's module); a LoRA actor's adapter alone when the
+    rollout engines apply adapters (`adapter_sync`: any transport; the adapter is megabytes);
+    `auto` is collective when both groups run in processes of their own (Ray) and
+    `rendezvous` is given, else the object store."""
+    if rollout is None or not any(rollout.call_all("needs_weights")):
         return NoSync()
+    adapters = adapter_sync(actor, rollout)
+    if adapters is not None:
+        return adapters
     apart = not actor.in_process and not rollout.in_process and rendezvous is not None
     if transport == "collective" and not apart:
         raise ValueError(
@@ -539,9 +570,7 @@ def weight_sync(
     return CollectiveSync(actor, rollout, rendezvous(), bucket_bytes=bucket_bytes, name=name)
 
 
-def weight_push(
-    actor: WorkerGroup[WeightSender], rollout: WorkerGroup[WeightReceiver] | None
-) -> WeightSync:
+def weight_push(actor: WorkerGroup, rollout: WorkerGroup | None) -> WeightSync:
     """The object-store WeightSync when the rollout workers hold their own copy of the policy
     (a separate group, an engine such as vLLM, asynchronous rollout), else NoSync."""
     return weight_sync(actor, rollout, "object_store")
