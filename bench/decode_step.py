@@ -6,7 +6,7 @@ of its floor).
         [--rows 128] [--prompts 16] [--prompt-length 4] [--lengths 32,128] [--repeats 5]
         [--compile]
 
-For each loop (`rollout.decode_loop` keel, static and generate; static runs eagerly off CUDA,
+For each loop (`rollout.decode` keel, keel-static and generate; keel-static runs eagerly off CUDA,
 at padded buckets over a static cache's masked columns) and each response length R it times
 `HFRolloutEngine.generate_ids` of rows = prompts × n (the rollout's call, shared prefill on, a
 model whose EOS is never sampled so every row runs R tokens; median of `repeats` calls after a

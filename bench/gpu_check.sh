@@ -26,7 +26,7 @@
 #   step:  python -m bench.gpu_step: one GRPO step of a 0.5B model, Keel then TRL when trl is
 #          importable (a few minutes on an H100-class GPU);
 #   chunk: bench.gpu_step, Keel only, with train.logits_chunk_tokens 8192 (peak memory);
-#   decode: bench.gpu_step, Keel only, once per rollout.decode_loop (generate, keel, static:
+#   decode: bench.gpu_step, Keel only, once per rollout.decode (generate, keel, keel-static:
 #          the CUDA-graph decode step), for their rollout tokens/s;
 #   smoke: the same checks' logic on the CPU (KEEL_GPU_TEST_DEVICE=cpu, gpu_step --smoke), for a
 #          machine without a GPU (under a minute).
@@ -98,8 +98,8 @@ if [[ $what == chunk ]]; then
     run gpu_step_chunk.log "$python" -m bench.gpu_step --no-trl --logits-chunk 8192 || status=1
 fi
 if [[ $what == decode ]]; then
-    for loop in generate keel static; do
-        run "gpu_step_$loop.log" "$python" -m bench.gpu_step --no-trl --decode-loop "$loop" \
+    for loop in generate keel keel-static; do
+        run "gpu_step_$loop.log" "$python" -m bench.gpu_step --no-trl --decode "$loop" \
             || status=1
     done
 fi

@@ -211,7 +211,7 @@ def run_keel(args: argparse.Namespace, model_dir: Path, params: int, work: Path)
         prompt_length=args.prompt_length,
         extra_config={
             "train.logits_chunk_tokens": args.logits_chunk,
-            **({"rollout.decode_loop": args.decode_loop} if args.decode_loop else {}),
+            **({"rollout.decode": args.decode} if args.decode else {}),
         },
     )
     try:
@@ -382,10 +382,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "LM-head matmul per token); default: off",
     )
     p.add_argument(
-        "--decode-loop",
-        choices=["keel", "static", "generate"],
+        "--decode",
+        choices=["keel", "keel-static", "generate", "generate-static", "generate-reserved"],
         default=None,
-        help="Keel's rollout.decode_loop (static: the decode step at padded buckets on a "
+        help="Keel's rollout.decode (keel-static: the decode step at padded buckets on a "
         "static cache, a CUDA graph each); default: the config's (on CUDA, HF generate on "
         "transformers' static cache, compiled)",
     )

@@ -309,7 +309,7 @@ class PhaseClock:
         import keel.workers.actor
 
         self._patch(transformers.GenerationMixin, "generate", timed("generate"))
-        # Keel's own decode loop (rollout.decode_loop keel / static) does not call generate
+        # Keel's own decode loop (rollout.decode keel / keel-static) does not call generate
         self._patch(keel.rollout.decode.RolloutDecoder, "decode", timed("generate"))
         # the training pass (the actor's loss) and the no-grad passes (old and reference
         # log-probs, through keel.engine.forward.micro_batched_logprobs)
@@ -384,8 +384,9 @@ class KeelSide:
         prompts: list[str] | None = None,
     ):
         from keel.config import validate
-        from keel.controller.assembly import build_reward, build_roles, load_datasets
+        from keel.controller.assembly import build_reward, load_datasets, local_roles
         from keel.controller.rl import RLController
+        from keel.plan.run import resolve_run
         from keel.recipes import build_spec
 
         w = workload
@@ -426,8 +427,9 @@ class KeelSide:
         # Keel loaded the reward from this file by path, as a module of its own: point that
         # module's clock at ours.
         scorer.fn.__globals__["_REWARD_CLOCK"] = clock
-        self.roles = build_roles(self.cfg, spec, scorer)
-        self.controller = RLController(self.cfg, spec, self.roles, load_datasets(self.cfg, spec))
+        run = resolve_run(self.cfg, spec)
+        self.roles = local_roles(run.workers, scorer)
+        self.controller = RLController(run, self.roles, load_datasets(self.cfg, spec))
         self.clock = clock
         if self.roles.reference is not None:
             for worker in getattr(self.roles.reference, "workers", []):

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from keel.types import Batch, merge_meta
+from keel.types import (
+    AdvantageBatch,
+    Batch,
+    BatchView,
+    RolloutBatch,
+    ScoredBatch,
+    TokenBatch,
+    merge_meta,
+)
 
 
 def make_batch(rows: int = 4, width: int = 3, start: int = 0) -> Batch:
@@ -119,3 +127,33 @@ def test_from_state_reads_states_written_with_the_removed_logprobs_field():
     state = {**make_batch(2).to_state(), "logprobs": None}
     assert Batch.from_state(state).prompts == ["p0", "p1"]
     assert not hasattr(Batch(), "logprobs")
+
+
+def test_a_view_is_the_batch_itself_with_its_fields_present():
+    batch = make_batch(3)
+    scored = batch.view(ScoredBatch)
+    assert scored is batch and type(scored) is Batch  # nothing built, nothing copied
+    assert torch.equal(scored.scores, batch.scores)
+    assert ScoredBatch.fields == ("response_mask", "scores")
+    # a view's fields are its own and its bases', in Batch's order
+    assert AdvantageBatch.fields == ("input_ids", "attention_mask", "response_mask", "advantages")
+
+
+def test_a_view_names_the_field_the_batch_lacks():
+    batch = make_batch(2)  # no attention_mask, no group_ids
+    with pytest.raises(ValueError, match=r"no attention_mask \(TokenBatch needs input_ids, "):
+        batch.view(TokenBatch)
+    full = batch.replace(attention_mask=torch.ones(2, 5), group_ids=torch.arange(2))
+    with pytest.raises(ValueError, match="no responses"):  # prompts are there
+        full.view(RolloutBatch)
+    with pytest.raises(ValueError, match=r"no response_mask \(Batch.response_length reads it"):
+        _ = Batch(input_ids=torch.ones(1, 2)).prompt_length
+
+
+def test_a_view_is_never_built_and_declares_only_batch_fields():
+    with pytest.raises(TypeError, match=r"use batch.view\(ScoredBatch\)"):
+        ScoredBatch()
+    with pytest.raises(TypeError, match=r"\['score'\], no field of Batch"):
+
+        class Misspelt(BatchView):
+            score: torch.Tensor

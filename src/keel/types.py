@@ -3,14 +3,19 @@
 Shapes: B rows (sequences), P prompt tokens (left-padded), R response tokens (right-padded),
 T = P + R. Every tensor field is optional; a role fills the fields it computes. A batch splits and
 concatenates by rows, which is how worker groups dispatch work.
+
+A stage that reads fields asks for them with a view: `batch.view(ScoredBatch)` is the batch
+itself, typed with those fields present (not Optional), or a ValueError naming the missing one.
+The views (`BatchView` subclasses, below `Batch`) are types only: never built, never sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypedDict, TypeVar, cast
 
 import torch
 
@@ -22,6 +27,8 @@ Prompt = str | list[dict[str, Any]]
 # The tokenizer Keel's code holds: an HF tokenizer (keel.models.load_tokenizer's; the built-in
 # character tokenizer is one too). Named by its string, so that importing it imports nothing.
 Tokenizer: TypeAlias = "PreTrainedTokenizerBase"
+# a view of a Batch (Batch.view)
+View = TypeVar("View", bound="BatchView")
 
 
 class BatchMeta(TypedDict, total=False):
@@ -116,14 +123,30 @@ class Batch:
     @property
     def response_length(self) -> int:
         """R, the padded number of response tokens."""
-        assert self.response_mask is not None, "batch has no response_mask"
-        return self.response_mask.shape[1]
+        return self._present("response_mask", self.response_mask, "response_length").shape[1]
 
     @property
     def prompt_length(self) -> int:
         """P, the padded number of prompt tokens."""
-        assert self.input_ids is not None
-        return self.input_ids.shape[1] - self.response_length
+        ids = self._present("input_ids", self.input_ids, "prompt_length")
+        return ids.shape[1] - self.response_length
+
+    # ------------------------------------------------------------------ views
+    def view(self, kind: type[View]) -> View:
+        """This batch typed as `kind`, whose fields are present (not None) here; a ValueError
+        names the first missing one. The same object: nothing is copied or checked again."""
+        for name in kind.fields:
+            if getattr(self, name) is None:
+                raise ValueError(
+                    f"the batch has no {name} ({kind.__name__} needs {', '.join(kind.fields)})"
+                )
+        return cast(View, self)
+
+    @staticmethod
+    def _present(name: str, value: torch.Tensor | None, reader: str) -> torch.Tensor:
+        if value is None:
+            raise ValueError(f"the batch has no {name} (Batch.{reader} reads it)")
+        return value
 
     # ------------------------------------------------------------ row algebra
     def select(self, index: Sequence[int] | torch.Tensor) -> Batch:
@@ -175,10 +198,10 @@ class Batch:
         """(prompt, response) lengths [B] of each row without its padding: the prompt from its
         first real token to column P, the response up to its last real token (real: attention
         or response mask set)."""
-        assert self.input_ids is not None and self.attention_mask is not None
+        attention = self.view(TokenBatch).attention_mask
         p, r = self.prompt_length, self.response_length
-        prompt = self.attention_mask[:, :p] != 0
-        response = self.attention_mask[:, p:] != 0
+        prompt = attention[:, :p] != 0
+        response = attention[:, p:] != 0
         if self.response_mask is not None:
             response = response | (self.response_mask != 0)
         # prompt column j is p - j columns from the prompt's end; response column j is j + 1
@@ -234,6 +257,103 @@ class Batch:
         return self.replace(**changes)
 
 
+class BatchView(Batch):
+    """A `Batch` with some fields present, the type `Batch.view` returns. A subclass declares
+    those fields with their non-Optional types (its bases' count too); it is never built, and
+    the batch it types stays a `Batch` (the wire format, `replace`, `select` and `concat`)."""
+
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        names = {
+            name
+            for c in cls.__mro__
+            if issubclass(c, BatchView) and c is not BatchView
+            for name in inspect.get_annotations(c)
+        }
+        order = [f.name for f in dataclasses.fields(Batch)]
+        if unknown := names - set(order):
+            raise TypeError(f"{cls.__name__} declares {sorted(unknown)}, no field of Batch")
+        cls.fields = tuple(name for name in order if name in names)  # in Batch's order
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> BatchView:
+        raise TypeError(f"{cls.__name__} is a view, never built: use batch.view({cls.__name__})")
+
+
+# The views, by the stage that fills their fields (docs/architecture.md#batch-keeltypesbatch).
+class TokenBatch(BatchView):
+    """Tokens a forward pass reads: the encoders', the rollout engine's."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+class SequenceBatch(TokenBatch):
+    """The prompt + response layout with the policy's tokens marked: what the log-prob
+    passes and the updates read (encode_sft, encode_pairs, the rollout engine)."""
+
+    response_mask: torch.Tensor
+
+
+class TextBatch(BatchView):
+    """The rows as text: what a reward function reads."""
+
+    prompts: list[Prompt]
+    responses: list[str]
+
+
+class GroupedBatch(BatchView):
+    """Rows of one prompt share a group id (the rollout engine)."""
+
+    group_ids: torch.Tensor
+
+
+class RolloutBatch(SequenceBatch, TextBatch, GroupedBatch):
+    """What `RolloutEngine.generate` returns."""
+
+    finish_reasons: list[str]
+
+
+class ScoredBatch(BatchView):
+    """After the reward worker: each row's score and the tokens it was given for."""
+
+    response_mask: torch.Tensor
+    scores: torch.Tensor
+
+
+class LogprobBatch(BatchView):
+    """After the actor's `compute_logprobs`: log π_old."""
+
+    old_logprobs: torch.Tensor
+
+
+class ReferenceBatch(SequenceBatch):
+    """After the reference: log π_ref (the KL terms, the preference losses)."""
+
+    ref_logprobs: torch.Tensor
+
+
+class VersionedBatch(BatchView):
+    """An interruptible rollout's: the weight version of each sampled token."""
+
+    response_mask: torch.Tensor
+    token_weight_versions: torch.Tensor
+
+
+class AdvantageBatch(SequenceBatch):
+    """After the advantages: what the actor's update reads."""
+
+    advantages: torch.Tensor
+
+
+class ValueBatch(SequenceBatch):
+    """After the advantages with a critic: what the critic's update reads."""
+
+    values: torch.Tensor
+    returns: torch.Tensor
+
+
 def concat_rollouts(batches: list[Batch]) -> Batch:
     """Rows of several rollout batches in one batch, keeping the layout: prompts left-padded to
     the widest prompt, responses right-padded to the longest response."""
@@ -242,11 +362,11 @@ def concat_rollouts(batches: list[Batch]) -> Batch:
     relaid = []
     for b in batches:
         pad = (p - b.prompt_length, r - b.response_length)
-        assert b.input_ids is not None and b.attention_mask is not None
+        tokens = b.view(TokenBatch)
         relaid.append(
             b.replace(
-                input_ids=torch.nn.functional.pad(b.input_ids, pad),
-                attention_mask=torch.nn.functional.pad(b.attention_mask, pad),
+                input_ids=torch.nn.functional.pad(tokens.input_ids, pad),
+                attention_mask=torch.nn.functional.pad(tokens.attention_mask, pad),
             )
         )
     return Batch.concat(relaid)

@@ -11,6 +11,7 @@ import pytest
 from keel.config import ConfigError, KeelConfig, load_config, validate
 from keel.config.legacy import MOVES, SHAPED, RenamedKeyWarning, upgrade
 from keel.config.loading import read_yaml
+from keel.config.schema import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = sorted((Path(__file__).parent / "legacy_examples").glob("*.yaml"))
@@ -192,6 +193,7 @@ def leaf_paths() -> set[str]:
 # (data-parallel ranks given even token loads), each a switch for a pass that is exact.
 # Issue 42 (quantized rollout) two: rollout.quantization (the engine's weights int8 or fp8) and
 # rollout.quantization_lm_head (its LM head too: faster, a larger gap); within the bound.
+# Issue 38 one fewer: rollout.decode_loop and rollout.static_cache merged into rollout.decode.
 MOST_LEAF_KEYS = 233
 
 
@@ -236,3 +238,50 @@ def test_docs_config_lists_every_renamed_key():
     table = text[text.index("## Renamed keys") :]
     for old, _ in (*MOVES, *SHAPED):
         assert f"| `{old.split(' ')[0]}`" in table, old
+
+
+# The old (rollout.decode_loop, rollout.static_cache) pairs and the rollout.decode they are;
+# tests/rollout/test_engines.py checks that the engine runs the same path for each.
+OLD_DECODE = [
+    ({"decode_loop": "keel"}, None),
+    ({"static_cache": False}, "keel"),
+    ({"decode_loop": "keel", "static_cache": True}, "generate-static"),
+    ({"decode_loop": "static", "static_cache": True}, "keel-static"),
+    ({"decode_loop": "generate"}, "generate"),
+    ({"decode_loop": "generate", "static_cache": True}, "generate-static"),
+    ({"decode_loop": "generate", "static_cache": False}, "generate-reserved"),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), OLD_DECODE)
+def test_the_old_decode_keys_are_rollout_decode(old, new):
+    match = r"rollout\.(decode_loop|static_cache) is now rollout\.decode"
+    with pytest.warns(RenamedKeyWarning, match=match):
+        assert validate({**BASE, "rollout": old}).rollout.decode == new
+    with pytest.warns(RenamedKeyWarning, match=match):  # a serve config's rollout section
+        assert RolloutConfig.model_validate(old).decode == new
+
+
+def test_the_old_decode_keys_beside_the_new_one_the_vllm_engine_and_compile():
+    with pytest.raises(ValueError, match=r"rollout.decode_loop \(the old key\) and rollout.decode"):
+        validate({**BASE, "rollout": {"decode_loop": "static", "decode": "keel"}})
+    vllm = {"engine": "vllm", "decode_loop": "static", "static_cache": True, "compile": True}
+    with pytest.warns(RenamedKeyWarning):
+        cfg = validate({**BASE, "rollout": vllm}).rollout  # they did nothing with vllm
+    assert (cfg.decode, cfg.compile) == (None, True)
+    with pytest.warns(RenamedKeyWarning, match="rollout.compile is now nothing with"):
+        cfg = validate({**BASE, "rollout": {"decode_loop": "static", "compile": True}}).rollout
+    assert (cfg.decode, cfg.compile) == ("keel-static", None)  # compile never applied to it
+
+
+def test_an_old_decode_key_on_the_command_line_changes_the_files_decode(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "models: {actor: builtin:tiny}\nalgorithm: {name: grpo}\nrollout: {decode: generate}\n"
+    )
+    with pytest.warns(RenamedKeyWarning, match="--set rollout.static_cache=false: rollout"):
+        cfg = load_config(path, ["rollout.static_cache=false"], environ={})
+    assert cfg.rollout.decode == "generate-reserved"
+    with pytest.warns(RenamedKeyWarning):
+        cfg = load_config(path, [], environ={"KEEL__ROLLOUT__DECODE_LOOP": "static"})
+    assert cfg.rollout.decode == "keel-static"

@@ -105,3 +105,22 @@ def test_an_interruptible_rollout_is_checked_naming_the_field(rollout, message):
         validate({**BASE, "rollout": rollout})
     ok = validate({**BASE, "rollout": {"interruptible": True, "max_staleness": 1}}).rollout
     assert ok.swap_step() == 8  # max_new_tokens 16 // 2
+
+
+@pytest.mark.parametrize(
+    ("rollout", "message"),
+    [
+        ({"engine": "vllm", "decode": "keel"},
+         r"rollout.decode \(keel\) chooses the hf engine's decode path; with rollout.engine vllm"),
+        ({"decode": "keel-static", "compile": True},
+         "rollout.compile: true does not apply to rollout.decode keel-static"),
+        ({"decode": "generate-reserved", "compile": True},
+         "rollout.compile: true does not apply to rollout.decode generate-reserved"),
+        ({"decode": "static"}, "decode"),
+    ],
+)  # fmt: skip
+def test_a_bad_decode_path_is_refused_naming_the_keys(rollout, message):
+    with pytest.raises((ValidationError, ValueError), match=message):
+        validate({**BASE, "rollout": rollout})
+    for ok in ({"decode": "keel", "compile": True}, {"decode": "generate-static", "compile": True}):
+        assert validate({**BASE, "rollout": ok}).rollout.decode == ok["decode"]

@@ -129,7 +129,7 @@ def test_the_example_yaml_trains_through_the_cli_on_the_gpu(tmp_path, tiny_dir):
 
 
 def test_the_graphed_decode_step_gives_the_dynamic_loops_tokens(tiny_dir):
-    """rollout.decode_loop static on the GPU: each (rows, columns) bucket's decode step is a
+    """rollout.decode keel-static on the GPU: each (rows, columns) bucket's decode step is a
     CUDA graph (captured once, replayed), in bfloat16 autocast too; greedy tokens equal the
     dynamic loop's, rows ending at different steps, and a second call replays the graphs."""
     from keel.models import load_causal_lm, load_tokenizer

@@ -73,8 +73,7 @@ def test_config_show_prints_only_what_applies_and_lists_the_rest(capsys):
         "top_p",
         "max_new_tokens",
         "batch_size",
-        "static_cache",
-        "decode_loop",
+        "decode",
         "compile",
         "env",  # evaluation plays episodes too when it is set
         "quantization",  # evaluation generates with the rollout engine, quantized or not

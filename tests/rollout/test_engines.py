@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from keel.config.legacy import decode_path
 from keel.config.loading import ConfigError
 from keel.config.schema import RolloutConfig
 from keel.models import (
@@ -15,7 +16,7 @@ from keel.models import (
     load_tokenizer,
 )
 from keel.rollout import RolloutEngine
-from keel.rollout.engines import ENGINE_BUILDERS, EngineInputs, build_rollout_engine
+from keel.rollout.engines import ENGINE_BUILDERS, EngineInputs, build_rollout_engine, hf_decode
 from tests.rollout.conformance import check_engine
 
 
@@ -46,6 +47,26 @@ def other_weights(tiny_dir):
 
 def test_every_configurable_engine_has_a_builder():
     assert set(ENGINE_BUILDERS) == set(RolloutConfig.model_fields["engine"].annotation.__args__)
+
+
+def decode_route(loop: str, static_cache: bool) -> str:
+    """The path HFRolloutEngine runs for its decode_loop and static_cache (a model the loop
+    runs, no FSDP2): the loop at fixed shapes, the dynamic loop, or generate on a cache."""
+    if loop == "static":
+        return "keel-static"
+    if loop == "keel" and not static_cache:
+        return "keel"
+    return "generate on the static cache" if static_cache else "generate on the reserved cache"
+
+
+@pytest.mark.parametrize("loop", ["keel", "static", "generate"])
+@pytest.mark.parametrize("static_cache", [None, True, False])
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_rollout_decode_runs_the_path_the_old_keys_ran(loop, static_cache, on_cuda):
+    """Each old (rollout.decode_loop, rollout.static_cache) pair, mapped to rollout.decode
+    (keel.config.legacy), gives the engine the path the old keys gave it, on either device."""
+    old = decode_route(loop, on_cuda if static_cache is None else static_cache)
+    assert decode_route(*hf_decode(decode_path(loop, static_cache), on_cuda)) == old
 
 
 def test_a_separate_hf_engine_passes_the_engine_checks(tiny_dir):

@@ -5,7 +5,8 @@ given to `KeelConfig.model_validate`) from the old keys to the new ones before v
 lists (old key, new key) for each old key it found; `warn_renamed` reports them, one
 RenamedKeyWarning per old key. `MOVES` is the table of plain moves (docs/config.md, "Renamed
 keys", lists every row); the keys whose value changes shape are mapped by the functions below
-(a `rollout.env` string, DAPO's dynamic sampling and overlong buffer, GSPO's importance level),
+(a `rollout.env` string, DAPO's dynamic sampling and overlong buffer, GSPO's importance level,
+the hf engine's decode loop and cache),
 the guard's threshold/action pairs by keel.config.legacy_guard. A key given in both its old and
 its new form is an error naming both.
 """
@@ -56,6 +57,11 @@ SHAPED: tuple[tuple[str, str], ...] = (
     ("algorithm.overlong_buffer_len", "algorithm.overlong_buffer.len (0: null)"),
     ("algorithm.overlong_penalty_factor", "algorithm.overlong_buffer.penalty_factor"),
     ("rollout.vllm.enforce_eager", "rollout.compile (its negation; with the vllm engine)"),
+    ("rollout.decode_loop", "rollout.decode (keel: keel, or generate-static with "
+     "static_cache true; static: keel-static; generate: generate, generate-static or "
+     "generate-reserved by static_cache)"),
+    ("rollout.static_cache", "rollout.decode (true: generate-static; false: keel, or "
+     "generate-reserved with decode_loop generate)"),
     ("rollout.tis_cap", "algorithm.rollout_correction (preset decoupled_token_is, "
      "rollout_is_threshold: the cap)"),
 )  # fmt: skip
@@ -82,6 +88,7 @@ def upgrade(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str
     if isinstance(rollout, dict):
         renamed += _rollout_env(rollout)
         renamed += _enforce_eager(rollout)
+        renamed += rollout_decode(rollout)
     algorithm = out.get("algorithm")
     if isinstance(algorithm, dict):
         renamed += _algorithm(algorithm)
@@ -122,6 +129,14 @@ def override(
         if _get(tree, "rollout.engine") != "vllm":
             return dotted, value, []  # nothing to set: upgrade leaves it out
         return "rollout.compile", not value, [(dotted, "rollout.compile")]
+    if dotted in _OLD_DECODE and _get(tree, "rollout.engine") in (_MISSING, None, "hf"):
+        current = _get(tree, "rollout.decode")
+        loop, cache = _DECODE_PAIR.get(None if current is _MISSING else current, ("keel", None))
+        if dotted == "rollout.decode_loop":
+            loop = value
+        else:
+            cache = value
+        return "rollout.decode", decode_path(loop, cache), [(dotted, "rollout.decode")]
     if dotted == "rollout.tis_cap" and _get(tree, "algorithm.name") not in _OFFLINE:
         return TIS_CAP, _token_is(value), [(dotted, TIS_CAP)]
     if dotted == "algorithm.importance_level":
@@ -217,6 +232,68 @@ def _enforce_eager(rollout: dict[str, Any]) -> list[tuple[str, str]]:
     if rollout.get("engine") == "vllm":
         rollout["compile"] = not eager  # rollout.compile did nothing with vllm before
     return [("rollout.vllm.enforce_eager", "rollout.compile")]
+
+
+_OLD_DECODE = ("rollout.decode_loop", "rollout.static_cache")
+# rollout.decode → the (decode_loop, static_cache) pair it was (null: the old defaults)
+_DECODE_PAIR: dict[str | None, tuple[str, bool | None]] = {
+    None: ("keel", None),
+    "keel": ("keel", False),
+    "keel-static": ("static", None),
+    "generate": ("generate", None),
+    "generate-static": ("generate", True),
+    "generate-reserved": ("generate", False),
+}
+# (decode_loop, static_cache) → rollout.decode; keel with the static cache was HF generate on it
+_FROM_OLD: dict[tuple[str, bool | None], str | None] = {
+    ("keel", None): None,
+    ("keel", False): "keel",
+    ("keel", True): "generate-static",
+    ("generate", None): "generate",
+    ("generate", True): "generate-static",
+    ("generate", False): "generate-reserved",
+}
+# the decode paths that compile nothing (rollout.compile did not apply to them)
+_UNCOMPILED = ("keel-static", "generate-reserved")
+
+
+def decode_path(loop: Any, static_cache: Any) -> str | None:
+    """rollout.decode for the old rollout.decode_loop and rollout.static_cache (null: on the
+    CPU keel, on CUDA generate, which the old defaults gave): the static loop whatever the
+    cache; with transformers' static cache (static_cache true, or null on CUDA) HF generate
+    on it, since the old keel loop gave way to generate there."""
+    if loop == "static":
+        return "keel-static"
+    if loop not in ("keel", "generate"):
+        raise ValueError(
+            f"rollout.decode_loop: {loop!r} is not keel, static or generate (its new form is "
+            "rollout.decode: keel, keel-static, generate, generate-static or generate-reserved)"
+        )
+    if static_cache not in (None, True, False):
+        raise ValueError(f"rollout.static_cache: {static_cache!r} is not true, false or null")
+    return _FROM_OLD[(loop, static_cache)]
+
+
+def rollout_decode(rollout: dict[str, Any]) -> list[tuple[str, str]]:
+    """rollout.decode_loop and rollout.static_cache → rollout.decode (`decode_path`), in place
+    in a raw rollout section; with the vllm engine they did nothing and are left out, and so
+    is a rollout.compile: true that did not apply to the path they chose."""
+    old = [k for k in ("decode_loop", "static_cache") if k in rollout]
+    if not old:
+        return []
+    loop, cache = rollout.pop("decode_loop", "keel"), rollout.pop("static_cache", None)
+    renamed = [(f"rollout.{k}", "rollout.decode") for k in old]
+    if rollout.get("engine", "hf") != "hf":
+        return renamed
+    new = decode_path(loop, cache)
+    if rollout.get("decode", new) != new:
+        raise ValueError(_both(f"rollout.{old[0]}", "rollout.decode"))
+    if new is not None:
+        rollout["decode"] = new
+    if rollout.get("compile") is True and new in _UNCOMPILED:
+        del rollout["compile"]
+        renamed.append(("rollout.compile", f"nothing with rollout.decode {new} (it never applied)"))
+    return renamed
 
 
 def _token_is(cap: Any) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from keel.config.schema import EvalConfig, KeelConfig, RolloutConfig
 from keel.data.examples import Example
 from keel.envs.episodes import episode_metrics
 from keel.rollout import SamplingParams
-from keel.types import Batch
+from keel.types import Batch, ScoredBatch, TextBatch
 from keel.workers.group import WorkerGroup
 from keel.workers.roles import RewardRole
 from keel.workers.rollout import RolloutWorker
@@ -99,13 +99,13 @@ def evaluate_examples(
         chunk = list(examples[start : start + eval_cfg.batch_size])
         batch = rollout.call(RolloutWorker.generate, chunk, sampling=sampling)
         batch = reward.call(RewardRole.score, batch, update_stats=False)  # eval never moves stats
-        scores.append(batch.scores)
+        scored = batch.view(ScoredBatch)
+        scores.append(scored.scores)
         errors += int(batch.meta.get("reward_errors", 0))
         for key, value in batch.meta.get("reward_metrics", {}).items():
             parts[key] = parts.get(key, 0.0) + float(value) * len(chunk)
         warnings.extend((rule, message) for rule, message in batch.meta.pop("reward_warnings", ()))
-        assert batch.response_mask is not None  # typed now that the call returns a Batch
-        lengths.append(batch.response_mask.sum(dim=1))
+        lengths.append(scored.response_mask.sum(dim=1))
         episodes.extend(batch.episodes or [])
         predictions.extend(_predictions(batch, chunk))
         if on_batch is not None:
@@ -124,9 +124,8 @@ def evaluate_examples(
 
 def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
     """The scored rows of `batch` (one per example, in order) as predictions."""
-    assert batch.scores is not None and batch.responses is not None
-    assert batch.response_mask is not None
-    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    scored, text = batch.view(ScoredBatch), batch.view(TextBatch)
+    lengths = scored.response_mask.sum(dim=1).long().tolist()
     reasons = batch.finish_reasons or [""] * len(batch)
     episodes = batch.episodes or [None] * len(batch)
     return [
@@ -142,8 +141,8 @@ def _predictions(batch: Batch, examples: Sequence[Example]) -> list[Prediction]:
         )
         for ex, response, score, length, reason, episode in zip(
             examples,
-            batch.responses,
-            batch.scores.tolist(),
+            text.responses,
+            scored.scores.tolist(),
             lengths,
             reasons,
             episodes,

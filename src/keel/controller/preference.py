@@ -22,7 +22,7 @@ from keel.controller.protocol import Controller
 from keel.data import BatchStream, Example
 from keel.data.preference import PreferencePair, encode_pairs
 from keel.monitor import StageTimer
-from keel.types import Batch
+from keel.types import Batch, ReferenceBatch, SequenceBatch
 from keel.workers.dpo import DPOWorker
 from keel.workers.reference import ReferenceWorker
 from keel.workers.reward_model import RewardModelTrainer
@@ -60,13 +60,13 @@ class PairController(Controller, Generic[A]):
 
     def finish(self, start: float, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         elapsed = time.perf_counter() - start
-        assert batch.attention_mask is not None and batch.response_mask is not None
-        lengths = batch.response_mask.sum(dim=1)
+        trained = batch.view(SequenceBatch)
+        lengths = trained.response_mask.sum(dim=1)
         return {
             **metrics,
             **self.timer.pop(),
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
+            "perf/tokens_per_second": float(trained.attention_mask.sum()) / elapsed,
             "response/chosen_length_mean": lengths[0::2].float().mean().item(),
             "response/rejected_length_mean": lengths[1::2].float().mean().item(),
         }
@@ -132,10 +132,10 @@ class DPOController(PairController[DPOWorker]):
         for s in range(0, len(pairs), EVAL_CHUNK):
             chunk = self.encode(pairs[s : s + EVAL_CHUNK])
             batch = reference.call(ReferenceWorker.compute_ref_logprobs, chunk, pairs=True)
-            assert batch.response_mask is not None and batch.ref_logprobs is not None
-            width = int(batch.response_mask.sum(dim=1).max())
+            scored = batch.view(ReferenceBatch)
+            width = int(scored.response_mask.sum(dim=1).max())
             for j in range(len(batch) // 2):
-                cache[s + j] = batch.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
+                cache[s + j] = scored.ref_logprobs[2 * j : 2 * j + 2, :width].clone()
         return cache
 
     def _with_reference(self, batch: Batch, ids: list[int], cache: dict[int, torch.Tensor]):
@@ -144,8 +144,7 @@ class DPOController(PairController[DPOWorker]):
             return self.roles.reference.call(
                 ReferenceWorker.compute_ref_logprobs, batch, pairs=True
             )
-        assert batch.response_mask is not None
-        ref = torch.zeros_like(batch.response_mask)
+        ref = torch.zeros_like(batch.view(SequenceBatch).response_mask)
         for j, i in enumerate(ids):
             rows = cache[i][:, : ref.shape[1]]
             ref[2 * j : 2 * j + 2, : rows.shape[1]] = rows
@@ -172,9 +171,9 @@ class DPOController(PairController[DPOWorker]):
             batch = self.encode([self.eval_pairs[i] for i in ids])
             batch = self._with_reference(batch, ids, self.eval_ref)
             policy.append(self.roles.actor.call(DPOWorker.sequence_logps, batch))
-            assert batch.response_mask is not None and batch.ref_logprobs is not None
-            ref.append(sequence_logps(batch.ref_logprobs, batch.response_mask))
-            lengths.append(batch.response_mask.sum(dim=1))
+            scored = batch.view(ReferenceBatch)
+            ref.append(sequence_logps(scored.ref_logprobs, scored.response_mask))
+            lengths.append(scored.response_mask.sum(dim=1))
         p, r, n = torch.cat(policy), torch.cat(ref), torch.cat(lengths)
         assert self.spec.preference_loss is not None
         out = dpo_loss(

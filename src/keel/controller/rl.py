@@ -37,7 +37,18 @@ from keel.envs.episodes import drop_failed_groups, episode_metrics, failure_warn
 from keel.monitor import StageTimer
 from keel.recipes.correction import with_correction_preset
 from keel.rollout import SamplingParams
-from keel.types import Batch, BatchMeta
+from keel.types import (
+    AdvantageBatch,
+    Batch,
+    BatchMeta,
+    GroupedBatch,
+    LogprobBatch,
+    ReferenceBatch,
+    ScoredBatch,
+    SequenceBatch,
+    TokenBatch,
+    VersionedBatch,
+)
 from keel.workers.actor import ActorWorker
 from keel.workers.critic import CriticWorker
 from keel.workers.reference import ReferenceWorker
@@ -188,8 +199,10 @@ class RLController(Controller):
         metrics = {**batch_metrics(measured, drift=drift), **extra, **shaping, **kl_metrics}
         metrics["rollout/weight_version_lag"] = float(batch.meta.get("weight_version_lag", 0))
         if self.cfg.rollout.interruptible:  # rows generated across a weight push
-            assert batch.token_weight_versions is not None and batch.response_mask is not None
-            metrics.update(version_metrics(batch.token_weight_versions, batch.response_mask))
+            versioned = batch.view(VersionedBatch)
+            metrics.update(
+                version_metrics(versioned.token_weight_versions, versioned.response_mask)
+            )
         if self.flat_groups is not None and (
             flat := self.flat_groups.check(
                 step, metrics["reward/all_equal_frac"], metrics["reward/mean"]
@@ -212,13 +225,13 @@ class RLController(Controller):
             metrics.update(self.rollouts.push(roles.push_weights))
         elapsed = time.perf_counter() - start
         self.last_batch = batch  # read by the samples log (keel.monitor.samples)
-        assert batch.attention_mask is not None
+        tokens = batch.view(TokenBatch).attention_mask.sum()
         return {
             **metrics,
             **self.timer.pop(),
             "actor/kl_coef": self.kl_coef * self.kl_scale,
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
+            "perf/tokens_per_second": float(tokens) / elapsed,
         }
 
     def produce(self) -> tuple[Batch, dict[str, float]]:
@@ -283,14 +296,14 @@ class RLController(Controller):
         """Soft overlong punishment added to the scores (when spec.overlong_buffer_len > 0)."""
         if not self.spec.overlong_buffer_len:
             return batch, {}
-        assert batch.response_mask is not None and batch.scores is not None
+        scored = batch.view(ScoredBatch)
         penalty = overlong_penalty(
-            batch.response_mask.sum(dim=1),  # the policy's tokens (an episode's: every turn's)
+            scored.response_mask.sum(dim=1),  # the policy's tokens (an episode's: every turn's)
             max_length=self.cfg.rollout.response_budget(),
             buffer_length=self.spec.overlong_buffer_len,
             penalty_factor=self.spec.overlong_penalty_factor,
         )
-        shaped = batch.replace(scores=batch.scores + penalty)
+        shaped = batch.replace(scores=scored.scores + penalty)
         return shaped, {"reward/overlong_penalty_mean": penalty.mean().item()}
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -299,23 +312,22 @@ class RLController(Controller):
         batch, the response mask narrowed to m' = m ⊙ keep), then the spec's advantage
         estimator on m' (each row's score still the one summed under m). β is read before the
         KL controller's update."""
-        mask, metrics = batch.response_mask, {}
-        assert mask is not None and batch.scores is not None and batch.group_ids is not None
+        scored, metrics = batch.view(ScoredBatch), {}
+        mask, groups = scored.response_mask, batch.view(GroupedBatch).group_ids
         assert self.spec.advantage is not None, f"{self.spec.name!r} has no advantage estimator"
         kl, beta = None, 0.0
         if self.kl_ctrl is not None:  # built when spec.kl_penalty is set
-            assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+            old = batch.view(LogprobBatch).old_logprobs
+            ref = batch.view(ReferenceBatch).ref_logprobs
             assert self.spec.kl_penalty is not None
-            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.spec.kl_penalty)
+            kl = kl_penalty(old, ref, self.spec.kl_penalty)
             beta, current = self.kl_ctrl.value * self.kl_scale, batch_mean_kl(kl, mask)
             self.kl_ctrl.update(current, n_steps=len(batch))
             metrics = {"kl_ctrl/coef": beta, "kl_ctrl/reward_kl": current}
-        rewards = token_level_rewards(batch.scores, mask, kl, beta)
-        groups = batch.group_ids
+        rewards = token_level_rewards(scored.scores, mask, kl, beta)
         batch, corrected = self.correct_rollout(batch)
         metrics.update(corrected)
-        kept = batch.response_mask  # m' = m ⊙ keep (m without a rejection)
-        assert kept is not None
+        kept = batch.view(ScoredBatch).response_mask  # m' = m ⊙ keep (m without a rejection)
         estimator = ADVANTAGE_ESTIMATORS[self.spec.advantage]
         advantages, returns = estimator(
             token_rewards=rewards,
@@ -339,9 +351,11 @@ class RLController(Controller):
         settings = self.spec.rollout_correction
         if settings is None or settings.bypass:
             return batch, {}
-        assert batch.old_logprobs is not None and batch.response_mask is not None
         out = decoupled_correction(
-            batch.old_logprobs, engine_logprobs(batch), batch.response_mask, settings
+            batch.view(LogprobBatch).old_logprobs,
+            engine_logprobs(batch),
+            batch.view(ScoredBatch).response_mask,
+            settings,
         )
         batch = batch.replace(response_mask=out.response_mask, rollout_is_weights=out.weights)
         return batch, {key: value.item() for key, value in out.metrics.items()}
@@ -406,9 +420,9 @@ def truncated_rows(batch: Batch) -> torch.Tensor:
     eos = batch_eos_ids(batch.meta)
     if not eos:
         return torch.zeros(len(batch), dtype=torch.bool)
-    assert batch.response_mask is not None and batch.input_ids is not None
-    last_index = last_valid_index(batch.response_mask)  # the policy's last token (holes: an
-    last = batch.input_ids[:, -batch.response_length :].gather(  # episode's last turn)
+    rollout = batch.view(SequenceBatch)
+    last_index = last_valid_index(rollout.response_mask)  # the policy's last token (holes: an
+    last = rollout.input_ids[:, -batch.response_length :].gather(  # episode's last turn)
         1, last_index.clamp(min=0)[:, None]
     )
     return ~torch.isin(last.squeeze(1), torch.tensor(eos, dtype=last.dtype, device=last.device))
@@ -417,8 +431,7 @@ def truncated_rows(batch: Batch) -> torch.Tensor:
 def mask_truncated(batch: Batch) -> tuple[Batch, float]:
     """Overlong filtering: truncated rows get response mask 0; (batch, fraction masked)."""
     cut = truncated_rows(batch)
-    assert batch.response_mask is not None
-    mask = torch.where(cut[:, None], torch.zeros(()), batch.response_mask)
+    mask = torch.where(cut[:, None], torch.zeros(()), batch.view(SequenceBatch).response_mask)
     return batch.replace(response_mask=mask), cut.float().mean().item()
 
 
@@ -435,12 +448,12 @@ def engine_logprobs(batch: Batch) -> torch.Tensor:
 def batch_metrics(batch: Batch, drift: bool = True) -> dict[str, float]:
     """reward/*, response/*, advantage and rollout-drift diagnostics of one step's batch (the
     drift with `drift` and both log-probs in the batch)."""
-    scores, mask, advantages = batch.scores, batch.response_mask, batch.advantages
-    assert scores is not None and mask is not None and advantages is not None
-    assert batch.group_ids is not None
+    scored = batch.view(ScoredBatch)
+    scores, mask = scored.scores, scored.response_mask
+    advantages = batch.view(AdvantageBatch).advantages
     lengths = mask.sum(dim=1)
     truncated = truncated_rows(batch).float()
-    _, group_std, group_size = group_statistics(scores, batch.group_ids)
+    _, group_std, group_size = group_statistics(scores, batch.view(GroupedBatch).group_ids)
     all_equal = ((group_std == 0) & (group_size > 1)).float()
     metrics = {
         "reward/mean": scores.mean().item(),

@@ -9,14 +9,14 @@ from typing import Any
 import torch
 
 from keel.algo import varied_groups
-from keel.types import Batch, concat_rollouts
+from keel.types import Batch, GroupedBatch, ScoredBatch, concat_rollouts
 
 
 def first_groups(batch: Batch, count: int) -> Batch:
     """The rows of the first `count` groups (by group id, which grows with generation order)."""
-    assert batch.group_ids is not None
-    keep_ids = torch.unique(batch.group_ids)[:count]
-    return batch.select(torch.nonzero(torch.isin(batch.group_ids, keep_ids)).squeeze(1))
+    group_ids = batch.view(GroupedBatch).group_ids
+    keep_ids = torch.unique(group_ids)[:count]
+    return batch.select(torch.nonzero(torch.isin(group_ids, keep_ids)).squeeze(1))
 
 
 # A step that keeps fewer than this fraction of train.batch_size groups is "short"; the run
@@ -46,12 +46,13 @@ class DynamicSampler:
         scores: list[torch.Tensor] = []
         while True:
             batch = generate()
-            assert batch.scores is not None and batch.group_ids is not None
+            batch_scores = batch.view(ScoredBatch).scores
+            group_ids = batch.view(GroupedBatch).group_ids
             rounds += 1
-            scores.append(batch.scores)
-            keep = varied_groups(batch.scores, batch.group_ids)
-            groups = int(torch.unique(batch.group_ids).numel())
-            kept_groups = int(torch.unique(batch.group_ids[keep]).numel())
+            scores.append(batch_scores)
+            keep = varied_groups(batch_scores, group_ids)
+            groups = int(torch.unique(group_ids).numel())
+            kept_groups = int(torch.unique(group_ids[keep]).numel())
             dropped += groups - kept_groups
             if kept_groups:
                 kept.append(batch.select(torch.nonzero(keep).squeeze(1)))

@@ -15,6 +15,7 @@ from keel.data.conversation import call_writer, encode_conversations, has_conver
 from keel.data.encoding import encode_sft
 from keel.data.tool_calls import tool_call_format_for
 from keel.monitor import StageTimer
+from keel.types import SequenceBatch
 from keel.workers.actor import ActorWorker
 
 
@@ -71,11 +72,11 @@ class SFTController(Controller):
         with self.timer("update"):
             metrics = self.roles.actor.call(ActorWorker.sft_update, batch, spec=self.spec)
         elapsed = time.perf_counter() - start
-        assert batch.attention_mask is not None and batch.response_mask is not None
+        trained = batch.view(SequenceBatch)
         return {
             **metrics,
             **self.timer.pop(),
             "timing/step_s": elapsed,
-            "perf/tokens_per_second": float(batch.attention_mask.sum()) / elapsed,
-            "response/length_mean": batch.response_mask.sum(dim=1).float().mean().item(),
+            "perf/tokens_per_second": float(trained.attention_mask.sum()) / elapsed,
+            "response/length_mean": trained.response_mask.sum(dim=1).float().mean().item(),
         }

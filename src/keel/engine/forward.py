@@ -13,7 +13,7 @@ from keel.engine.distributed import is_sharded
 from keel.engine.logits_budget import AUTO, LogitsChunk, chunk_tokens, resolve_chunk
 from keel.engine.micro import MicroBatches
 from keel.engine.packing import Packed, last_token_index, pack, row_groups
-from keel.types import Batch
+from keel.types import Batch, TokenBatch
 
 # The real tokens of one packed sequence under a block-diagonal mask (sdpa, eager: attention
 # costs the sequence's length squared); a longer micro-batch runs as several. 512 was the
@@ -61,7 +61,7 @@ def response_forward(
     head only where a response token is predicted; where prompts are shared, the shared pass
     runs instead. Columns without a real response token then hold 0 (masked by every loss).
     """
-    assert batch.input_ids is not None and batch.attention_mask is not None
+    tokens = batch.view(TokenBatch)
     r = batch.response_length
     device = model_device(model)
     groups = None
@@ -85,8 +85,8 @@ def response_forward(
         if with_entropy:
             entropy = _placed(len(batch), [(rows, e) for rows, (_, e) in parts if e is not None])
         return logprobs, entropy
-    input_ids = batch.input_ids.to(device)
-    attention = batch.attention_mask.to(device)
+    input_ids = tokens.input_ids.to(device)
+    attention = tokens.attention_mask.to(device)
     labels = input_ids[:, -r:]
     logits_chunk = pass_chunk(model, logits_chunk, len(batch) * r)
     states = logits_chunk is not None
@@ -134,11 +134,11 @@ def packed_groups(model: Any, batch: Batch) -> list[tuple[list[int], Packed]] | 
     than PACK_MIN_PADDING (the padded pass then). An FSDP2 model gets one group: every rank
     must run as many forward passes as the others, whatever its rows (one per micro-batch,
     packed or padded)."""
-    assert batch.attention_mask is not None
+    attention = batch.view(TokenBatch).attention_mask
     config = getattr(model, "config", None)
     varlen = "flash" in str(getattr(config, "_attn_implementation", ""))
     sharded = is_sharded(model)
-    real = batch.attention_mask != 0
+    real = attention != 0
     if float(real.float().mean()) > 1 - PACK_MIN_PADDING:
         return None
     lengths = real.sum(dim=1).tolist()
@@ -213,11 +213,11 @@ def packed_response_forward(
 def shares_prompts(model: Any, batch: Batch) -> bool:
     """Whether `shared_prompt_outputs` runs for `batch`: two of its rows have the same prompt
     and the model fills a cache (not gradient checkpointing in training)."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
+    tokens = batch.view(TokenBatch)
     if getattr(model, "is_gradient_checkpointing", False) and model.training:
         return False
-    p = batch.prompt_length if batch.response_mask is not None else batch.input_ids.shape[1]
-    prompts = torch.cat([batch.input_ids[:, :p], batch.attention_mask[:, :p]], dim=1)
+    p = batch.prompt_length if batch.response_mask is not None else tokens.input_ids.shape[1]
+    prompts = torch.cat([tokens.input_ids[:, :p], tokens.attention_mask[:, :p]], dim=1)
     return len(torch.unique(prompts, dim=0)) < len(prompts)
 
 
@@ -311,12 +311,12 @@ def head_forward(model: Any, batch: Batch, *, dtype: torch.dtype | None = None) 
     """The float32 logits of a model with a scalar head on its backbone: [B, T, 1] for a
     token-classification model (a critic), [B, 1] for a sequence-classification one (a reward
     model, read at each row's last non-pad token). dtype: autocast, as in response_forward."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
+    tokens = batch.view(TokenBatch)
     device = model_device(model)
-    attention = batch.attention_mask.to(device)
+    attention = tokens.attention_mask.to(device)
     with autocast(device, dtype):
         out = model(
-            input_ids=batch.input_ids.to(device),
+            input_ids=tokens.input_ids.to(device),
             attention_mask=attention,
             position_ids=position_ids_from_mask(attention),
             use_cache=False,
@@ -374,12 +374,12 @@ def value_forward(
     as for log-probs); equal values up to float rounding. packing: the rows run packed
     (`keel.engine.packing`) where prompts are not shared; 0 where no response token is."""
     r = batch.response_length
-    assert batch.input_ids is not None and batch.attention_mask is not None
+    tokens = batch.view(TokenBatch)
     device = model_device(model)
     if share_prompts:
         with autocast(device, dtype):
             values = shared_prompt_outputs(
-                model, batch.input_ids.to(device), batch.attention_mask.to(device), r
+                model, tokens.input_ids.to(device), tokens.attention_mask.to(device), r
             )
         if values is not None:
             return values.float()[..., 0]

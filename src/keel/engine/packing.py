@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from keel.types import Batch
+from keel.types import Batch, TokenBatch
 
 
 @dataclass
@@ -72,8 +72,8 @@ _TENSORS = ("input_ids", "position_ids", "lengths", "starts", "targets", "rows",
 def pack(batch: Batch) -> Packed | None:
     """`batch` in the packed layout, or None when a row's real tokens are not contiguous or a
     response token outside the attention mask is marked as trained (the padded pass then)."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
-    ids, real = batch.input_ids, batch.attention_mask != 0
+    tokens = batch.view(TokenBatch)
+    ids, real = tokens.input_ids, tokens.attention_mask != 0
     b, t = real.shape
     r = batch.response_length if batch.response_mask is not None else 0
     p = t - r
@@ -136,8 +136,8 @@ def last_token_index(batch: Batch, packed: Packed, pad_token_id: int | None) -> 
     """[B] the packed index of the token a sequence-classification head reads in each row:
     as transformers picks it, the rightmost token that is not `pad_token_id` (the last column
     without a pad id); None when that token is not a real one (the padded pass then)."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
-    ids, real = batch.input_ids, batch.attention_mask != 0
+    tokens = batch.view(TokenBatch)
+    ids, real = tokens.input_ids, tokens.attention_mask != 0
     b, t = ids.shape
     columns = torch.arange(t).expand(b, t)
     keep = ids != pad_token_id if pad_token_id is not None else torch.ones_like(real)

@@ -24,7 +24,7 @@ from keel.envs.protocol import TERMINATIONS, Environment, Message, Observation, 
 from keel.envs.remote import EnvServerError
 from keel.envs.rendering import ObservationEncoder
 from keel.rollout.protocol import Completions, RolloutEngine, SamplingParams
-from keel.types import Batch
+from keel.types import Batch, GroupedBatch
 
 
 class ResetError(ValueError):
@@ -462,10 +462,10 @@ def drop_failed_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
     every group holds one. ({} and the batch itself without episodes.)"""
     if batch.episodes is None:
         return batch, {}
-    assert batch.group_ids is not None
+    group_ids = batch.view(GroupedBatch).group_ids
     failed = [i for i, e in enumerate(batch.episodes) if e["termination"] == FAILED]
     failures = sum(int(e.get("failures", 0)) for e in batch.episodes)
-    dropped = torch.unique(batch.group_ids[failed]) if failed else batch.group_ids[:0]
+    dropped = torch.unique(group_ids[failed]) if failed else group_ids[:0]
     metrics = {
         "episode/failed": float(len(failed)),
         "episode/retried": float(failures - len(failed)),
@@ -473,7 +473,7 @@ def drop_failed_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
     }
     if not failed:
         return batch, metrics
-    keep = torch.nonzero(~torch.isin(batch.group_ids, dropped)).squeeze(1)
+    keep = torch.nonzero(~torch.isin(group_ids, dropped)).squeeze(1)
     if keep.numel() == 0:
         raise EpisodesFailedError(
             f"every group of the batch ({dropped.numel()}) had an episode that failed on every "

@@ -11,7 +11,14 @@ from keel.rollout.hf import HFRolloutEngine
 from keel.rollout.protocol import EngineInputs, RolloutEngine
 from keel.rollout.quantize import quantize_model, unsupported_reason
 
-__all__ = ["ENGINE_BUILDERS", "EngineInputs", "build_rollout_engine", "hf_engine", "vllm_engine"]
+__all__ = [
+    "ENGINE_BUILDERS",
+    "EngineInputs",
+    "build_rollout_engine",
+    "hf_decode",
+    "hf_engine",
+    "vllm_engine",
+]
 
 
 def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
@@ -30,6 +37,7 @@ def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
     if scheme is not None and model is not None:
         quantize_model(model, scheme, lm_head=rollout.quantization_lm_head)
     on_cuda = inputs.device.type == "cuda"
+    loop, static_cache = hf_decode(rollout.decode, on_cuda)
     return HFRolloutEngine(
         model,
         inputs.tokenizer,
@@ -41,12 +49,29 @@ def hf_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
         return_logprobs=rollout.return_logprobs,
         synced=inputs.synced and share,
         dtype=inputs.autocast if share else None,
-        static_cache=on_cuda if rollout.static_cache is None else rollout.static_cache,
+        static_cache=static_cache,
         compile=on_cuda if rollout.compile is None else rollout.compile,
         share_prefill=rollout.share_prompt_prefill,
         shares_module=share,
-        decode_loop=rollout.decode_loop,
+        decode_loop=loop,
     )
+
+
+def hf_decode(decode: str | None, on_cuda: bool) -> tuple[str, bool]:
+    """The HF engine's (decode_loop, static_cache) for `rollout.decode`: Keel's loop, dynamic
+    ("keel") or at fixed shapes ("static"), or HF generate; transformers' static cache or Keel's
+    reserved one for generate, and for the loop's fallback to generate (a model it does not
+    run). null: the loop on the CPU, generate on CUDA's static cache (the loop gives way to
+    generate when the static cache is on)."""
+    if decode is None:
+        return "keel", on_cuda
+    return {
+        "keel": ("keel", False),
+        "keel-static": ("static", on_cuda),
+        "generate": ("generate", on_cuda),
+        "generate-static": ("generate", True),
+        "generate-reserved": ("generate", False),
+    }[decode]
 
 
 def vllm_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:

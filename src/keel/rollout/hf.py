@@ -41,9 +41,11 @@ class HFRolloutEngine:
     same tokens and log-probs as `generate` for the same seed, a forward over the live rows
     only), unless static_cache is on or the model has other than full-attention layers;
     "static": the same loop with its decode steps at padded (rows, columns) buckets on a
-    static cache, each captured in a CUDA graph on CUDA (`keel.rollout.decode.graphs`; static_cache
-    and compile do not apply to it, nor does it run with FSDP2: synced falls back to "keel");
-    "generate": HF `generate`. `decoder()` opens the loop's step API (serving)."""
+    static cache, each captured in a CUDA graph on CUDA (`keel.rollout.decode.graphs`;
+    static_cache and compile do not apply to it, nor does it run with FSDP2: synced falls back
+    to "keel"); "generate": HF `generate`. The config's one key, `rollout.decode`, sets
+    decode_loop and static_cache (`keel.rollout.engines.hf_decode`). `decoder()` opens the
+    loop's step API (serving)."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from keel.chatapi.responses import Generation
 from keel.data.encoding import encode_prompts
 from keel.data.examples import Example
 from keel.rollout.protocol import RolloutEngine, SamplingParams
-from keel.types import Batch
+from keel.types import Batch, RolloutBatch
 
 
 class GenerationRunner:
@@ -61,11 +61,10 @@ class GenerationRunner:
 
 def generations(batch: Batch, step: int | None) -> list[Generation]:
     """One `Generation` per row of an engine's batch (layout of `RolloutEngine.generate`)."""
-    assert batch.input_ids is not None and batch.response_mask is not None
-    assert batch.responses is not None and batch.finish_reasons is not None
-    width = batch.response_mask.shape[1]
-    responses = batch.input_ids[:, -width:].tolist()
-    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    rollout = batch.view(RolloutBatch)
+    width = rollout.response_mask.shape[1]
+    responses = rollout.input_ids[:, -width:].tolist()
+    lengths = rollout.response_mask.sum(dim=1).long().tolist()
     logps = batch.rollout_logprobs.tolist() if batch.rollout_logprobs is not None else None
     eos = set(batch.meta.get("eos_token_ids", ()))
     out = []
@@ -75,10 +74,10 @@ def generations(batch: Batch, step: int | None) -> list[Generation]:
         out.append(
             Generation(
                 token_ids=kept[:visible],
-                text=batch.responses[i],
+                text=rollout.responses[i],
                 logprobs=logps[i][:visible] if logps is not None else None,
                 tokens=n,
-                finish_reason=batch.finish_reasons[i],
+                finish_reason=rollout.finish_reasons[i],
                 step=step,
             )
         )

@@ -26,11 +26,12 @@ from keel.serve.config import ServeFileConfig
 from keel.serve.continuous import ContinuousScheduler, OnDelta
 from keel.serve.generation import Generation, GenerationRunner
 from keel.serve.served import Served
+from keel.types import Tokenizer
 
 Prompt = str | list[dict[str, Any]]  # text, or chat messages (through the chat template)
 
 
-def load_frozen_model(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> torch.nn.Module:
+def load_frozen_model(folder: Path, cfg: ServeFileConfig, tokenizer: Tokenizer) -> torch.nn.Module:
     """The policy at `folder` for inference: models.dtype, eval mode, no gradients, on the
     resources.device."""
     model = load_causal_lm(
@@ -41,7 +42,7 @@ def load_frozen_model(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> tor
     return place(model, resolve_device(cfg.resources.device))
 
 
-def build_engine(folder: Path, cfg: ServeFileConfig, tokenizer: Any) -> RolloutEngine:
+def build_engine(folder: Path, cfg: ServeFileConfig, tokenizer: Tokenizer) -> RolloutEngine:
     """The engine `rollout.engine` names, holding its own frozen copy of the policy, with the
     sampled tokens' log-probs on (for `logprobs`) and prompts limited to serve.max_prompt_tokens."""
     rollout = serving_rollout(cfg)
@@ -87,17 +88,18 @@ def serving_rollout(cfg: ServeFileConfig) -> RolloutConfig:
     new-token budget serve.max_new_tokens (engines that size their context by it), and the
     HF static KV cache and compiled decode step off unless set: their CUDA default suits
     training's fixed batch shapes, while every served batch has its own size and prompt length
-    (each new shape would compile again, on the request path)."""
+    (each new shape would compile again, on the request path): rollout.decode null is keel,
+    generate is generate-reserved."""
     r = cfg.rollout
-    return r.model_copy(
-        update={
-            "return_logprobs": True,
-            "max_staleness": 0,
-            "max_new_tokens": cfg.serve.max_new_tokens,
-            "static_cache": bool(r.static_cache),
-            "compile": bool(r.compile),
-        }
-    )
+    update = {
+        "return_logprobs": True,
+        "max_staleness": 0,
+        "max_new_tokens": cfg.serve.max_new_tokens,
+        "compile": bool(r.compile),
+    }
+    if r.engine == "hf":
+        update["decode"] = {None: "keel", "generate": "generate-reserved"}.get(r.decode, r.decode)
+    return r.model_copy(update=update)
 
 
 def continuous_batching(cfg: ServeFileConfig, engine: RolloutEngine) -> bool:

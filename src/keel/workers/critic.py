@@ -10,7 +10,7 @@ from keel.algo import clipped_value_loss, masked_mean
 from keel.algo.spec import AlgorithmSpec
 from keel.engine.distributed import global_denominators
 from keel.engine.forward import value_forward
-from keel.types import Batch
+from keel.types import Batch, SequenceBatch, ValueBatch
 from keel.workers.trainable import TrainableWorker, mean_prefixed
 
 
@@ -47,8 +47,8 @@ class CriticWorker(TrainableWorker):
         history = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                assert mini.response_mask is not None, "the batch has no response_mask"
-                num_tokens, num_seqs = global_denominators(mini.response_mask)
+                mask = mini.view(SequenceBatch).response_mask
+                num_tokens, num_seqs = global_denominators(mask)
 
                 def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
                     return self._value_loss(micro, spec, num_tokens, num_seqs)
@@ -59,10 +59,8 @@ class CriticWorker(TrainableWorker):
     def _value_loss(
         self, micro: Batch, spec: AlgorithmSpec, num_tokens: int, num_seqs: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = micro.response_mask
-        assert mask is not None and micro.values is not None and micro.returns is not None, (
-            "the critic's batch needs response_mask, values (old) and returns"
-        )
+        trained = micro.view(ValueBatch)
+        mask = trained.response_mask
         values = value_forward(
             self.model,
             micro,
@@ -72,8 +70,8 @@ class CriticWorker(TrainableWorker):
         )
         loss, clipfrac = clipped_value_loss(
             values,
-            micro.values,
-            micro.returns,
+            trained.values,
+            trained.returns,
             mask,
             cliprange_value=spec.cliprange_value,
             agg_mode=spec.loss_agg_mode,

@@ -8,7 +8,7 @@ from keel.algo.preference import dpo_loss, sequence_logps
 from keel.algo.spec import AlgorithmSpec
 from keel.engine.distributed import global_count
 from keel.engine.forward import response_forward
-from keel.types import Batch
+from keel.types import Batch, ReferenceBatch, SequenceBatch
 from keel.workers.actor import ActorWorker
 
 
@@ -27,8 +27,8 @@ class DPOWorker(ActorWorker):
             num_pairs = global_count(len(mini) // 2)  # over every rank
 
             def loss_fn(micro: Batch, num_pairs: int = num_pairs):
-                mask, ref_logprobs = micro.response_mask, micro.ref_logprobs
-                assert mask is not None and ref_logprobs is not None, "pairs need ref_logprobs"
+                pairs = micro.view(ReferenceBatch)
+                mask, ref_logprobs = pairs.response_mask, pairs.ref_logprobs
                 assert spec.preference_loss is not None, f"{spec.name!r} has no preference loss"
                 logps = self._policy_sequence_logps(micro, mask)
                 ref = sequence_logps(ref_logprobs, mask)
@@ -54,8 +54,8 @@ class DPOWorker(ActorWorker):
         micros = self.micro_batches(batch, pairs=True)
         parts = []
         for micro in micros:
-            assert micro.response_mask is not None
-            parts.append(self._policy_sequence_logps(micro, micro.response_mask).cpu())
+            mask = micro.view(SequenceBatch).response_mask
+            parts.append(self._policy_sequence_logps(micro, mask).cpu())
         return micros.merge(parts)
 
     def _policy_sequence_logps(self, micro: Batch, mask: torch.Tensor) -> torch.Tensor:

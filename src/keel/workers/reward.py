@@ -6,7 +6,7 @@ import torch
 
 from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import Scorer
-from keel.types import Batch
+from keel.types import Batch, TextBatch
 
 
 class RewardWorker:
@@ -20,9 +20,9 @@ class RewardWorker:
         requests), for the run's events.jsonl; `meta["reward_metrics"]`: with reward.fns, each
         function's mean as `reward/<name>`.
         `update_stats` is accepted for symmetry with ModelRewardWorker (a rule has no state)."""
-        assert batch.responses is not None and batch.prompts is not None
+        text = batch.view(TextBatch)
         answers = batch.answers or [None] * len(batch)
-        scores, errors, parts = self.scorer.score_parts(batch.prompts, batch.responses, answers)
+        scores, errors, parts = self.scorer.score_parts(text.prompts, text.responses, answers)
         out = batch.replace(
             scores=with_episode_returns(torch.tensor(scores, dtype=torch.float32), batch)
         )

@@ -18,7 +18,7 @@ from keel.engine.distributed import global_count
 from keel.engine.forward import score_forward
 from keel.envs.episodes import with_episode_returns
 from keel.rewards.scoring import Scorer
-from keel.types import Batch, Tokenizer
+from keel.types import Batch, TextBatch, Tokenizer
 from keel.workers.trainable import TrainableWorker
 
 
@@ -116,8 +116,8 @@ class ModelRewardWorker:
 
     def score(self, batch: Batch, *, update_stats: bool = True) -> Batch:
         """Fills `scores` [B]; meta["reward_metrics"] holds reward/model_* diagnostics."""
-        assert batch.responses is not None and batch.prompts is not None
-        raw = self.model_scores(list(batch.prompts), list(batch.responses))
+        text = batch.view(TextBatch)
+        raw = self.model_scores(list(text.prompts), list(text.responses))
         shaped = raw
         if self.normalizer is not None:
             shaped = self.normalizer.normalize(raw, update=update_stats)
@@ -132,7 +132,7 @@ class ModelRewardWorker:
         errors = 0
         if self.rule is not None and self.fn_weight != 0:
             answers = batch.answers or [None] * len(batch)
-            rule, errors, parts = self.rule.score_parts(batch.prompts, batch.responses, answers)
+            rule, errors, parts = self.rule.score_parts(text.prompts, text.responses, answers)
             rule_t = torch.tensor(rule, dtype=torch.float32)
             total = total + self.fn_weight * rule_t
             metrics["reward/fn_mean"] = rule_t.mean().item()  # reward.fns: their weighted sum

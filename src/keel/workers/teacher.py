@@ -30,7 +30,7 @@ from keel.engine.devices import autocast, model_device
 from keel.engine.forward import position_ids_from_mask
 from keel.models.tokenizer_match import TokenizerFingerprint, check_fingerprint
 from keel.rewards.remote import RETRIED_STATUS
-from keel.types import Batch
+from keel.types import Batch, TokenBatch
 
 
 @dataclass
@@ -102,10 +102,10 @@ def sequence_logprobs(
 
 def compact_rows(batch: Batch) -> list[list[int]]:
     """Each row's real tokens (prompt and response, where the attention mask is 1), in order."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
+    tokens = batch.view(TokenBatch)
     return [
         row[mask.bool()].tolist()
-        for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
+        for row, mask in zip(tokens.input_ids, tokens.attention_mask, strict=True)
     ]
 
 
@@ -117,9 +117,8 @@ def response_values(
     `sequence_logprobs`: the response token in column P + c of row b is real token j of the row
     (j = the number of real tokens before it), and its teacher value is rows[b].logprobs[j] =
     log π_T(y | everything before it). Columns without a real token get 0 (ids 0)."""
-    assert batch.input_ids is not None and batch.attention_mask is not None
+    real = batch.view(TokenBatch).attention_mask.bool()
     p, r = batch.prompt_length, batch.response_length
-    real = batch.attention_mask.bool()
     index = real.long().cumsum(dim=1) - 1  # [B, T]: a real token's place in its compacted row
     b = len(batch)
     values = torch.zeros(b, r)

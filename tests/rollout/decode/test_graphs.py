@@ -1,7 +1,7 @@
 """The decode step at fixed shapes (`keel.rollout.decode.graphs`): padded buckets on a static
 cache give the dynamic loop's tokens, a cache outgrown mid-generation moves to a larger
 bucket, and an engine keeps a bounded set of steps. (On CUDA each step is a CUDA graph:
-bench/gpu_step.py --decode-loop static and tests/gpu measure and check it there.)"""
+bench/gpu_step.py --decode keel-static and tests/gpu measure and check it there.)"""
 
 import pytest
 import torch

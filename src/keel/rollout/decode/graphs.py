@@ -1,5 +1,5 @@
 """The decode step at fixed shapes: a padded batch bucket on a static KV cache, which on CUDA
-is captured once in a CUDA graph and replayed every step (`rollout.decode_loop: static`).
+is captured once in a CUDA graph and replayed every step (`rollout.decode: keel-static`).
 
 Keel's decode loop (`keel.rollout.decode.decoder.HFDecoder`) runs one forward per step over the
 live rows, with a cache as wide as the filled columns: every step has new shapes, and on a GPU
