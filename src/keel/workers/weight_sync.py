@@ -49,6 +49,7 @@ from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsa
 from torch.distributed.distributed_c10d import PrefixStore
 
 if TYPE_CHECKING:
+    from keel.rollout.protocol import AdapterWeights
     from keel.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -335,6 +336,38 @@ def engine_target(engine: Any) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------- the driver's side
+class WeightEnd(Protocol):
+    """Either end of a collective sync: joins its channel, leaves it."""
+
+    def open_weight_sync(self, spec: ChannelSpec) -> None: ...
+    def close_weight_sync(self) -> None: ...
+
+
+class WeightSender(WeightEnd, Protocol):
+    """What a sync calls on the actor's ranks (`keel.workers.actor.ActorWorker`)."""
+
+    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, int, int]: ...
+    def adapter_config(self) -> dict[str, Any] | None: ...
+    def export_adapter(self) -> tuple[AdapterWeights | None, int, int]: ...
+    def weight_device(self) -> str: ...
+    def send_weights(self, dtype: str, bucket_bytes: int) -> dict[str, float]: ...
+
+
+class WeightReceiver(WeightEnd, Protocol):
+    """What a sync calls on the rollout's ranks (`keel.workers.rollout.RolloutWorker`)."""
+
+    def needs_weights(self) -> bool: ...
+    def load_weights(
+        self, state: dict[str, torch.Tensor] | None, version: int, lineage: int = 0
+    ) -> None: ...
+    def adapter_refusal(self, config: dict[str, Any]) -> str | None: ...
+    def load_adapter(
+        self, adapter: AdapterWeights | None, version: int, lineage: int = 0
+    ) -> None: ...
+    def weight_target(self) -> tuple[str, str]: ...
+    def receive_weights(self) -> int: ...
+
+
 class WeightSync(Protocol):
     """The driver's side of a weight sync: `push()` after each update (metrics), `close()`."""
 
@@ -351,14 +384,17 @@ class ObjectStoreSync:
 
     transport = "object_store"
 
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup):
+    def __init__(self, actor: WorkerGroup[WeightSender], rollout: WorkerGroup[WeightReceiver]):
         self.actor = actor
         self.rollout = rollout
 
     def push(self) -> dict[str, float]:
         start = time.perf_counter()
-        state, version, lineage = self.actor.call_all("export_weights")[0]
-        self.rollout.call_all("load_weights", state=state, version=version, lineage=lineage)
+        state, version, lineage = self.actor.call_all(WeightSender.export_weights)[0]
+        self.rollout.call_all(
+            WeightReceiver.load_weights, state=state, version=version, lineage=lineage
+        )
+        assert state is not None  # rank 0's, the one kept
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return {
             "timing/weight_push_s": time.perf_counter() - start,
@@ -381,8 +417,8 @@ class CollectiveSync:
 
     def __init__(
         self,
-        actor: WorkerGroup,
-        rollout: WorkerGroup,
+        actor: WorkerGroup[WeightSender],
+        rollout: WorkerGroup[WeightReceiver],
         rendezvous: tuple[str, int],
         *,
         bucket_bytes: int,
@@ -392,11 +428,11 @@ class CollectiveSync:
         self.actor, self.rollout = actor, rollout
         self.bucket_bytes = bucket_bytes
         buckets(0, bucket_bytes)  # the size is checked here
-        targets = {tuple(t) for t in rollout.call_all("weight_target")}
+        targets = {tuple(t) for t in rollout.call_all(WeightReceiver.weight_target)}
         if len(targets) != 1:
             raise ValueError(f"the rollout ranks hold their weights differently: {sorted(targets)}")
         ((self.dtype, device),) = targets
-        on_gpu = device == "cuda" and actor.call_all("weight_device")[0] == "cuda"
+        on_gpu = device == "cuda" and actor.call_all(WeightSender.weight_device)[0] == "cuda"
         address, port = rendezvous
         self.spec = ChannelSpec(
             address, port, 1 + rollout.world_size, name, "nccl" if on_gpu else "gloo", timeout_s
@@ -405,8 +441,8 @@ class CollectiveSync:
         self.broken = False  # a push failed other than by a refusal
         try:
             self._both(
-                lambda: actor.call_all("open_weight_sync", spec=self.spec),
-                lambda: rollout.call_all("open_weight_sync", spec=self.spec),
+                lambda: actor.call_all(WeightEnd.open_weight_sync, spec=self.spec),
+                lambda: rollout.call_all(WeightEnd.open_weight_sync, spec=self.spec),
             )
         except BaseException:
             self.executor.shutdown(wait=False, cancel_futures=True)
@@ -430,9 +466,9 @@ class CollectiveSync:
         try:
             sent, received = self._both(
                 lambda: self.actor.call_all(
-                    "send_weights", dtype=self.dtype, bucket_bytes=self.bucket_bytes
+                    WeightSender.send_weights, dtype=self.dtype, bucket_bytes=self.bucket_bytes
                 ),
-                lambda: self.rollout.call_all("receive_weights"),
+                lambda: self.rollout.call_all(WeightReceiver.receive_weights),
             )
         except StaleWeightsError:
             raise  # refused by every rank together: both sides are back in step
@@ -457,9 +493,9 @@ class CollectiveSync:
             self.executor.shutdown(wait=False, cancel_futures=True)
             return
 
-        def close_side(group: WorkerGroup) -> None:
+        def close_side(group: WorkerGroup[WeightEnd]) -> None:
             with contextlib.suppress(Exception):  # a dead worker: its end went with it
-                group.call_all("close_weight_sync")
+                group.call_all(WeightEnd.close_weight_sync)
 
         sides = [
             threading.Thread(target=close_side, args=(g,), daemon=True)
@@ -481,14 +517,16 @@ class AdapterSync:
 
     transport = "adapter"
 
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup):
+    def __init__(self, actor: WorkerGroup[WeightSender], rollout: WorkerGroup[WeightReceiver]):
         self.actor = actor
         self.rollout = rollout
 
     def push(self) -> dict[str, float]:
         start = time.perf_counter()
-        adapter, version, lineage = self.actor.call_all("export_adapter")[0]
-        self.rollout.call_all("load_adapter", adapter=adapter, version=version, lineage=lineage)
+        adapter, version, lineage = self.actor.call_all(WeightSender.export_adapter)[0]
+        self.rollout.call_all(
+            WeightReceiver.load_adapter, adapter=adapter, version=version, lineage=lineage
+        )
         assert adapter is not None  # rank 0's, the one kept
         return {
             "timing/weight_push_s": time.perf_counter() - start,
@@ -502,14 +540,16 @@ class AdapterSync:
         """Nothing to release (each engine deletes its adapters' files when it closes)."""
 
 
-def adapter_sync(actor: WorkerGroup, rollout: WorkerGroup) -> AdapterSync | None:
+def adapter_sync(
+    actor: WorkerGroup[WeightSender], rollout: WorkerGroup[WeightReceiver]
+) -> AdapterSync | None:
     """The one place that chooses between a LoRA actor's adapter push and its merged weights:
     an AdapterSync when the actor is LoRA and every rollout rank's engine applies its adapter
     (logged once), else None (the merged push; for a LoRA actor the reason is logged once)."""
-    config = actor.call_all("adapter_config")[0]
+    config = actor.call_all(WeightSender.adapter_config)[0]
     if config is None:  # not a LoRA actor: full weights, nothing to say
         return None
-    refusals = [r for r in rollout.call_all("adapter_refusal", config=config) if r]
+    refusals = [r for r in rollout.call_all(WeightReceiver.adapter_refusal, config=config) if r]
     if refusals:
         log.warning(
             "models.lora: each weight push sends the merged weights, not the adapter: %s",
@@ -540,8 +580,8 @@ class NoSync:
 
 
 def weight_sync(
-    actor: WorkerGroup,
-    rollout: WorkerGroup | None,
+    actor: WorkerGroup[WeightSender],
+    rollout: WorkerGroup[WeightReceiver] | None,
     transport: Transport = "object_store",
     *,
     bucket_bytes: int = 256 * 2**20,
@@ -553,7 +593,7 @@ def weight_sync(
     rollout engines apply adapters (`adapter_sync`: any transport; the adapter is megabytes);
     `auto` is collective when both groups run in processes of their own (Ray) and
     `rendezvous` is given, else the object store."""
-    if rollout is None or not any(rollout.call_all("needs_weights")):
+    if rollout is None or not any(rollout.call_all(WeightReceiver.needs_weights)):
         return NoSync()
     adapters = adapter_sync(actor, rollout)
     if adapters is not None:
@@ -570,7 +610,9 @@ def weight_sync(
     return CollectiveSync(actor, rollout, rendezvous(), bucket_bytes=bucket_bytes, name=name)
 
 
-def weight_push(actor: WorkerGroup, rollout: WorkerGroup | None) -> WeightSync:
+def weight_push(
+    actor: WorkerGroup[WeightSender], rollout: WorkerGroup[WeightReceiver] | None
+) -> WeightSync:
     """The object-store WeightSync when the rollout workers hold their own copy of the policy
     (a separate group, an engine such as vLLM, asynchronous rollout), else NoSync."""
     return weight_sync(actor, rollout, "object_store")
