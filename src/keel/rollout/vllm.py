@@ -581,6 +581,8 @@ class VLLMRolloutEngine:
         self._check_idle("load_adapter")
         if self._adapter_root is None:
             self._adapter_root = Path(tempfile.mkdtemp(prefix="keel-lora-"))
+            # deleted by close(), or at interpreter exit when nothing closed the engine
+            weakref.finalize(self, shutil.rmtree, self._adapter_root, True)
         lora_id = next(self._adapter_ids)
         folder = self._adapter_root / f"v{version}-{lora_id}"
         folder.mkdir()
