@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from keel.config.algorithms import Algorithm, CorrectionPreset
 from keel.config.derived import check_batch_algebra, check_lora
-from keel.config.legacy import upgrade, warn_renamed
+from keel.config.legacy import rollout_decode, upgrade, warn_renamed
 from keel.config.section import FiniteMapping, Section, Seed
 
 
@@ -456,6 +456,11 @@ class EnvConfig(Section):
         return self
 
 
+# The hf engine's decode paths (rollout.decode; docs/rollout.md): Keel's loop, dynamic or at
+# fixed shapes, or HF generate on the device's cache, the static one or Keel's reserved one.
+DecodePath = Literal["keel", "keel-static", "generate", "generate-static", "generate-reserved"]
+
+
 class RolloutConfig(Section):
     """Sampling: n responses per prompt (the group), temperature, nucleus, length; the engine
     that generates and how far behind the trainer it may run."""
@@ -515,26 +520,23 @@ class RolloutConfig(Section):
         description="the n responses of a prompt share one prefill pass of it (a KV cache "
         "repeated n times), with the reserved or the static KV cache",
     )
-    decode_loop: Literal["keel", "static", "generate"] = Field(
-        default="keel",
-        description="hf: keel, Keel's own decode loop on the reserved KV cache (a forward over "
-        "the live rows per step, finished rows dropped; models with sliding-window or other "
-        "non-full-attention layers fall back to generate); static: the same loop, its decode "
-        "steps at padded batch buckets on a static cache, on CUDA each captured once in a CUDA "
-        "graph (not with FSDP2, which keeps keel); generate: HF generate (always with "
-        "static_cache)",
-    )
-    static_cache: bool | None = Field(
+    decode: DecodePath | None = Field(
         default=None,
-        description="HF generate with transformers' static KV cache (what compiled decoding "
-        "needs) instead of Keel's reserved one; null: on CUDA only",
+        description="the hf engine's decode path: keel, Keel's own decode loop on the reserved "
+        "KV cache (a forward over the live rows per step, finished rows dropped); keel-static: "
+        "the same loop, its decode steps at padded batch buckets on a static cache, on CUDA "
+        "each captured once in a CUDA graph (FSDP2 runs it as keel); generate: HF generate on "
+        "the device's cache (transformers' static cache on CUDA, Keel's reserved one "
+        "elsewhere); generate-static, generate-reserved: HF generate on that cache. A model "
+        "with sliding-window or other non-full-attention layers decodes with generate. null: "
+        "keel on the CPU, generate on CUDA",
     )
     compile: bool | None = Field(
         default=None,
-        description="compiled decoding: hf torch.compiles the model for Keel's decode loop "
-        "(dynamic shapes) or, with static_cache, transformers' decode step; "
-        "vllm uses CUDA graphs and torch.compile (vLLM's enforce_eager off: slower start-up, "
-        "faster decoding); null: hf on CUDA, vllm off",
+        description="compiled decoding: hf torch.compiles the model for rollout.decode keel "
+        "(dynamic shapes) or has transformers compile the decode step of generate on the "
+        "static cache (CUDA); vllm uses CUDA graphs and torch.compile (vLLM's enforce_eager "
+        "off: slower start-up, faster decoding); null: hf on CUDA, vllm off",
     )
     env: EnvConfig | None = Field(
         default=None,
@@ -551,6 +553,36 @@ class RolloutConfig(Section):
                 "rollout.quantization quantizes the hf engine's weights; with rollout.engine "
                 "vllm it is not wired (vLLM's own quantization would have to be re-applied at "
                 "each weight push): set rollout.quantization: null"
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_decode_keys(cls, data: Any) -> Any:
+        """rollout.decode_loop and static_cache in their new place, rollout.decode, where no
+        whole config was upgraded first (a serve config's rollout section), reported once."""
+        if isinstance(data, dict) and ("decode_loop" in data or "static_cache" in data):
+            data = dict(data)
+            warn_renamed(rollout_decode(data))
+        return data
+
+    @model_validator(mode="after")
+    def _decode_on_hf(self) -> RolloutConfig:
+        if self.decode is not None and self.engine != "hf":
+            raise ValueError(
+                f"rollout.decode ({self.decode}) chooses the hf engine's decode path; with "
+                f"rollout.engine {self.engine} drop it (compiled decoding: rollout.compile)"
+            )
+        if self.compile and self.decode in ("keel-static", "generate-reserved"):
+            why = (
+                "its decode steps are CUDA graphs, not compiled"
+                if self.decode == "keel-static"
+                else "transformers compiles generate's step on the static cache only"
+            )
+            raise ValueError(
+                f"rollout.compile: true does not apply to rollout.decode {self.decode} ({why}): "
+                "set rollout.compile to false or null, or rollout.decode to keel or "
+                "generate-static"
             )
         return self
 

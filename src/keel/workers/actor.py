@@ -109,8 +109,8 @@ class ActorWorker(TrainableWorker):
         self.extremes = []
         for _ in range(spec.ppo_epochs):
             for mini in batch.split(self.mini_batch_size):
-                assert mini.response_mask is not None, "the batch has no response_mask"
-                num_tokens, num_seqs = global_denominators(mini.response_mask)
+                mask = mini.view(SequenceBatch).response_mask
+                num_tokens, num_seqs = global_denominators(mask)
                 loss_fn = partial(
                     self._policy_loss,
                     spec=spec,
@@ -134,8 +134,8 @@ class ActorWorker(TrainableWorker):
         """pg_loss − c_H·entropy + β_kl·kl_loss, each aggregated with the mini-batch's global
         denominators (docs/algorithms.md §3 'Full verl actor loss'). The entropy has no autograd
         graph when c_H is 0 (it is only a diagnostic then). Metrics stay on the device."""
-        mask = micro.response_mask
-        assert mask is not None and micro.advantages is not None, "no response_mask/advantages"
+        trained = micro.view(AdvantageBatch)
+        mask = trained.response_mask
         assert spec.policy_loss is not None, f"algorithm {spec.name!r} has no policy loss"
         logprobs, entropy = response_forward(
             self.model,
@@ -161,7 +161,7 @@ class ActorWorker(TrainableWorker):
         pg = POLICY_LOSSES[spec.policy_loss](
             logprobs,
             old,
-            micro.advantages,
+            trained.advantages,
             mask,
             agg_mode=spec.loss_agg_mode,
             num_tokens=num_tokens,
@@ -183,8 +183,8 @@ class ActorWorker(TrainableWorker):
             **{key: value.detach() * share for key, value in pg.metrics.items()},
         }
         if spec.kl_loss_coef > 0:  # a reference model exists
-            assert micro.ref_logprobs is not None, "kl_loss_coef > 0 needs ref_logprobs"
-            kl = agg(kl_penalty(logprobs, micro.ref_logprobs, spec.kl_loss_type), mask)
+            ref_logprobs = micro.view(ReferenceBatch).ref_logprobs
+            kl = agg(kl_penalty(logprobs, ref_logprobs, spec.kl_loss_type), mask)
             loss = loss + kl_coef * kl
             metrics["kl"] = kl.detach()
         if spec.distillation is not None:  # on-policy distillation (keel.algo.distillation)
@@ -214,13 +214,13 @@ class ActorWorker(TrainableWorker):
     def _response_logits(self, micro: Batch) -> torch.Tensor:
         """The student's logits [B, R, V] (float32, divided by the temperature, with grad) that
         predict the R response tokens: the top-k forward KL's second forward pass."""
-        assert micro.input_ids is not None and micro.attention_mask is not None
+        tokens = micro.view(TokenBatch)
         r = micro.response_length
         device = model_device(self.model)
-        attention = micro.attention_mask.to(device)
+        attention = tokens.attention_mask.to(device)
         with autocast(device, self.dtype):
             logits = self.model(
-                input_ids=micro.input_ids.to(device),
+                input_ids=tokens.input_ids.to(device),
                 attention_mask=attention,
                 position_ids=position_ids_from_mask(attention),
                 use_cache=False,
@@ -233,11 +233,10 @@ class ActorWorker(TrainableWorker):
         width = self.budget_width(batch)
         history = []
         for mini in batch.split(self.mini_batch_size):
-            assert mini.response_mask is not None, "the batch has no response_mask"
-            num_tokens, num_seqs = global_denominators(mini.response_mask)
+            num_tokens, num_seqs = global_denominators(mini.view(SequenceBatch).response_mask)
 
             def loss_fn(micro: Batch, num_tokens=num_tokens, num_seqs=num_seqs):
-                assert micro.response_mask is not None
+                mask = micro.view(SequenceBatch).response_mask
                 logprobs, _ = response_forward(
                     self.model,
                     micro,
@@ -247,14 +246,14 @@ class ActorWorker(TrainableWorker):
                 )
                 loss = sft_loss(
                     logprobs,
-                    micro.response_mask,
+                    mask,
                     agg_mode=spec.loss_agg_mode,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                     scale_factor=width,
                 )
-                share = micro.response_mask.bool().sum() / max(num_tokens, 1)
-                nll = masked_mean(-logprobs.detach(), micro.response_mask) * share
+                share = mask.bool().sum() / max(num_tokens, 1)
+                nll = masked_mean(-logprobs.detach(), mask) * share
                 return loss, {"sft_loss": loss.detach(), "nll_per_token": nll}
 
             history.append(self.step.apply(self.micro_batches(mini), loss_fn))
