@@ -61,9 +61,10 @@ def step_seconds(
 ):
     cfg = config(model_dir, groups, steps + warmup)
     spec = build_spec(cfg)
-    roles = assemble_roles(resolve_run(cfg, spec), build_reward(cfg))
+    run = resolve_run(cfg, spec)
+    roles = assemble_roles(run, build_reward(cfg))
     try:
-        ctl = RLController(cfg, spec, roles, load_datasets(cfg, spec))
+        ctl = RLController(run, roles, load_datasets(cfg, spec))
         times = timed_steps(ctl, steps, warmup)
         pushes = []
         if groups is RAY_2:

@@ -26,11 +26,12 @@ import torch
 
 from keel.checkpoint import load_checkpoint, save_checkpoint, validate_checkpoint
 from keel.config import validate
-from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.assembly import build_reward, load_datasets, local_roles
 from keel.controller.rl import RLController
 from keel.controller.runner import trainable_roles
 from keel.guard import Guard
 from keel.models import create_tiny_model
+from keel.plan.run import resolve_run
 from keel.recipes import build_spec
 
 
@@ -46,8 +47,9 @@ def tiny_run(model_dir: Path, steps: int = 12) -> tuple[object, RLController, ob
         }
     )
     spec = build_spec(cfg)
-    roles = build_roles(cfg, spec, build_reward(cfg))
-    return cfg, RLController(cfg, spec, roles, load_datasets(cfg, spec)), roles
+    run = resolve_run(cfg, spec)
+    roles = local_roles(run.workers, build_reward(cfg))
+    return cfg, RLController(run, roles, load_datasets(cfg, spec)), roles
 
 
 def checkpoint_costs(model_dir: Path, root: Path, repeats: int = 5) -> dict:

@@ -21,9 +21,10 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch
 
 from keel.config import validate
-from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.assembly import build_reward, load_datasets, local_roles
 from keel.controller.rl import RLController
 from keel.models import create_tiny_model
+from keel.plan.run import resolve_run
 from keel.recipes import build_spec
 
 CASES = {
@@ -46,8 +47,9 @@ def step_seconds(model_dir: Path, case: dict, steps: int = 30, warmup: int = 5) 
     )
     spec = build_spec(cfg)
     data = load_datasets(cfg, spec)
-    roles = build_roles(cfg, spec, build_reward(cfg))
-    return statistics.median(timed_steps(RLController(cfg, spec, roles, data), steps, warmup))
+    run = resolve_run(cfg, spec)
+    roles = local_roles(run.workers, build_reward(cfg))
+    return statistics.median(timed_steps(RLController(run, roles, data), steps, warmup))
 
 
 def timed_steps(controller, steps: int, warmup: int) -> list[float]:

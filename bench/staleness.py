@@ -34,8 +34,9 @@ def run(
     model: Path, data: Path, work: Path, args: argparse.Namespace, staleness: int
 ) -> list[dict]:
     from keel.config import validate
-    from keel.controller.assembly import build_reward, build_roles, load_datasets
+    from keel.controller.assembly import build_reward, load_datasets, local_roles
     from keel.controller.rl import RLController
+    from keel.plan.run import resolve_run
     from keel.recipes import build_spec
 
     total = args.warmup + args.steps
@@ -53,8 +54,9 @@ def run(
         }
     )
     spec = build_spec(cfg)
-    roles = build_roles(cfg, spec, build_reward(cfg))
-    controller = RLController(cfg, spec, roles, load_datasets(cfg, spec))
+    run = resolve_run(cfg, spec)
+    roles = local_roles(run.workers, build_reward(cfg))
+    controller = RLController(run, roles, load_datasets(cfg, spec))
     rows = []
     for step in range(1, total + 1):
         start = time.perf_counter()

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from keel.config.loading import validate
-from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.assembly import build_reward, load_datasets, local_roles
 from keel.controller.preference import DPOController, RewardModelController
 from keel.data import DataError
+from keel.plan.run import resolve_run
 from keel.recipes import build_spec
 from keel.workers.dpo import DPOWorker
 from keel.workers.reference import ReferenceWorker
@@ -30,11 +31,11 @@ def config(tiny_dir, tmp_path, **algorithm):
 
 
 def controller(cfg, tmp_path):
-    spec = build_spec(cfg)
-    data = load_datasets(cfg, spec)
-    roles = build_roles(cfg, spec, build_reward(cfg))
-    cls = {"rm": RewardModelController, "dpo": DPOController}[spec.stage]
-    return cls(cfg, spec, roles, data)
+    run = resolve_run(cfg, build_spec(cfg))
+    data = load_datasets(cfg, run.spec)
+    roles = local_roles(run.workers, build_reward(cfg))
+    cls = {"rm": RewardModelController, "dpo": DPOController}[run.spec.stage]
+    return cls(run, roles, data)
 
 
 def test_rm_steps_and_evaluates_pairwise(tiny_dir, tmp_path):

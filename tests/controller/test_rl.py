@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from keel.config import validate
-from keel.controller.assembly import build_reward, build_roles, load_datasets
+from keel.controller.assembly import build_reward, load_datasets, local_roles
 from keel.controller.rl import (
     RLController,
     batch_eos_ids,
@@ -17,6 +17,7 @@ from keel.controller.rl import (
     mask_truncated,
     truncated_rows,
 )
+from keel.plan.run import resolve_run
 from keel.recipes import build_spec
 from keel.types import Batch
 from keel.workers.actor import ActorWorker
@@ -30,9 +31,9 @@ def controller(tiny_dir, algorithm, **sections):
         "rollout": {"n": 2, "max_new_tokens": 4},
         "train": {"batch_size": 4, "lr": 1e-3, "steps": 4}, **sections,
     })  # fmt: skip
-    spec = build_spec(cfg)
-    roles = build_roles(cfg, spec, build_reward(cfg))
-    return RLController(cfg, spec, roles, load_datasets(cfg, spec))
+    run = resolve_run(cfg, build_spec(cfg))
+    roles = local_roles(run.workers, build_reward(cfg))
+    return RLController(run, roles, load_datasets(cfg, run.spec))
 
 
 def params(group):

@@ -14,14 +14,13 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from keel.algo.preference import bradley_terry_loss, dpo_loss, sequence_logps
-from keel.algo.spec import AlgorithmSpec
-from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.protocol import Controller
 from keel.data import BatchStream, Example
 from keel.data.preference import PreferencePair, encode_pairs
 from keel.monitor import StageTimer
+from keel.plan.run import ResolvedRun
 from keel.types import Batch, ReferenceBatch, SequenceBatch
 from keel.workers.dpo import DPOWorker
 from keel.workers.reference import ReferenceWorker
@@ -35,7 +34,8 @@ A = TypeVar("A", bound=TrainableWorker)  # the actor role's workers
 class PairController(Controller, Generic[A]):
     """What the rm and dpo stages share: the pair stream, encoding, timing, state."""
 
-    def __init__(self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[A], data: Datasets):
+    def __init__(self, run: ResolvedRun, roles: Roles[A], data: Datasets):
+        cfg, spec = run.config, run.spec
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
@@ -113,10 +113,9 @@ class DPOController(PairController[DPOWorker]):
     when spec.precompute_ref_logps (then cached per pair and the reference model is released),
     otherwise at every step."""
 
-    def __init__(
-        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[DPOWorker], data: Datasets
-    ):
-        super().__init__(cfg, spec, roles, data)
+    def __init__(self, run: ResolvedRun, roles: Roles[DPOWorker], data: Datasets):
+        super().__init__(run, roles, data)
+        spec = run.spec
         self.ref_cache: dict[int, torch.Tensor] = {}  # pair index → ref_logprobs [2, R_pair]
         if spec.precompute_ref_logps:
             self.ref_cache = self._reference_rows(self.train_pairs)

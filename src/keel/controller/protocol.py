@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
-from keel.algo.spec import AlgorithmSpec
-from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
+from keel.plan.run import ResolvedRun
 from keel.types import Batch
 
 __all__ = ["Controller", "ControllerFactory"]
@@ -63,4 +62,4 @@ class Controller(Protocol):
 
 
 # How the loop builds a stage's controller (keel.controller.runner.CONTROLLERS).
-ControllerFactory = Callable[[KeelConfig, AlgorithmSpec, Roles, Datasets], Controller]
+ControllerFactory = Callable[[ResolvedRun, Roles, Datasets], Controller]

@@ -23,9 +23,6 @@ from keel.algo.advantages import group_statistics, last_valid_index
 from keel.algo.correction import decoupled_correction
 from keel.algo.drift import logprob_drift
 from keel.algo.kl import batch_mean_kl
-from keel.algo.spec import AlgorithmSpec
-from keel.config.derived import batch_plan
-from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.pipeline import RolloutGate, RolloutPipeline, version_metrics
@@ -35,6 +32,7 @@ from keel.data import BatchStream
 from keel.envs.builtin import sandbox_warnings
 from keel.envs.episodes import drop_failed_groups, episode_metrics, failure_warning
 from keel.monitor import StageTimer
+from keel.plan.run import ResolvedRun
 from keel.recipes.correction import with_correction_preset
 from keel.rollout import SamplingParams
 from keel.types import (
@@ -59,9 +57,8 @@ from keel.workers.rollout import RolloutWorker, oldest_version
 class RLController(Controller):
     skips_batches = True  # the batches generated ahead, then the prompt stream's
 
-    def __init__(
-        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[ActorWorker], data: Datasets
-    ):
+    def __init__(self, run: ResolvedRun, roles: Roles[ActorWorker], data: Datasets):
+        cfg, spec = run.config, run.spec
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
@@ -112,7 +109,7 @@ class RLController(Controller):
         # detached in the loss (as verl and TRL do): no separate old-log-prob forward. Not
         # when something reads old_logprobs before the update (KL in the reward, the rollout
         # drift metric).
-        self.mini_batch_rows = batch_plan(cfg).mini_batch_size
+        self.mini_batch_rows = run.batch.mini_batch_size
         self.on_policy_shortcut = (
             spec.ppo_epochs == 1 and self.kl_ctrl is None and not r.return_logprobs
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from keel.algo.spec import AlgorithmSpec
 from keel.checkpoint.export import write_text_atomically
 from keel.config.loading import dump_config
 from keel.config.paths import resolve_input_paths
@@ -44,7 +43,7 @@ from keel.engine.seeding import seed_everything
 from keel.guard import EventLog, Guard
 from keel.jsonlines import set_aside_bad_lines
 from keel.monitor.build import build_monitor, check_monitor_config
-from keel.plan.run import resolve_run
+from keel.plan.run import ResolvedRun, resolve_run
 from keel.recipes import build_spec
 from keel.rewards import RewardError
 from keel.workers.group import WorkerLostError
@@ -92,14 +91,14 @@ def run_training(
     check_context_length(cfg, spec)
     seed_everything(cfg.seed)
     data = load_datasets(cfg, spec)
-    run_plan = resolve_run(cfg, spec)  # model folders, the tokenizer, device, batch numbers
-    data = fit_prompt_lengths(run_plan.tokenizer, data, cfg.data)
+    run = resolve_run(cfg, spec)  # model folders, the tokenizer, device, batch numbers
+    data = fit_prompt_lengths(run.tokenizer, data, cfg.data)
     scorer = build_reward(cfg)
     restarts, note = 0, None
     while True:
-        roles = assemble_roles(run_plan, scorer)
+        roles = assemble_roles(run, scorer)
         try:
-            return _run(cfg, spec, roles, data, plan, overwrite, title, stop_after, note)
+            return _run(run, roles, data, plan, overwrite, title, stop_after, note)
         except WorkerLostError as exc:
             if restarts >= cfg.resources.max_restarts:
                 raise
@@ -113,8 +112,7 @@ def run_training(
 
 
 def _run(
-    cfg: KeelConfig,
-    spec: AlgorithmSpec,
+    run: ResolvedRun,
     roles: Roles,
     data: Datasets,
     plan: ResumePlan | None,
@@ -123,9 +121,9 @@ def _run(
     stop_after: int | None,
     note: tuple[int, str] | None,
 ) -> RunResult:
-    """One attempt of the run on `roles`; `note`: (step, why) when it restarts the run."""
-    run_dir = Path(cfg.run_dir)
-    controller = CONTROLLERS[spec.stage](cfg, spec, roles, data)
+    """One attempt of `run` on `roles`; `note`: (step, why) when it restarts the run."""
+    cfg, run_dir = run.config, run.run_dir
+    controller = CONTROLLERS[run.spec.stage](run, roles, data)
 
     # The handlers hold from the first write to RUN_DIR until its files are closed: a signal
     # stops the run after the step-0 evaluation or the current step (keel.controller.preemption).

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from keel.algo.spec import AlgorithmSpec
-from keel.config.schema import KeelConfig
 from keel.controller.assembly import Datasets, Roles
 from keel.controller.evaluation import evaluate_policy
 from keel.controller.protocol import Controller
@@ -15,6 +13,7 @@ from keel.data.conversation import call_writer, encode_conversations, has_conver
 from keel.data.encoding import encode_sft
 from keel.data.tool_calls import tool_call_format_for
 from keel.monitor import StageTimer
+from keel.plan.run import ResolvedRun
 from keel.types import SequenceBatch
 from keel.workers.actor import ActorWorker
 
@@ -22,9 +21,8 @@ from keel.workers.actor import ActorWorker
 class SFTController(Controller):
     skips_batches = True
 
-    def __init__(
-        self, cfg: KeelConfig, spec: AlgorithmSpec, roles: Roles[ActorWorker], data: Datasets
-    ):
+    def __init__(self, run: ResolvedRun, roles: Roles[ActorWorker], data: Datasets):
+        cfg, spec = run.config, run.spec
         self.cfg = cfg
         self.spec = spec
         self.roles = roles
