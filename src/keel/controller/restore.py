@@ -1,4 +1,4 @@
-"""Restoring a run's loop from a checkpoint as a ResumePlan says (keel.controller.resume
+"""Restoring a run's loop from a checkpoint as a ResumeDecision says (keel.controller.resume
 decides where, before anything loads): load the first usable checkpoint, put back a lost
 metrics row, adopt the guard's recorded decisions, and record each step of it as an event."""
 
@@ -16,7 +16,7 @@ from keel.config.loading import dump_config
 from keel.config.schema import KeelConfig
 from keel.controller.guard_actions import GuardActions, resumed_lineage
 from keel.controller.keeping import Keeping
-from keel.controller.resume import ResumePlan, RunDirError, check_steps, config_changes
+from keel.controller.resume import ResumeDecision, RunDirError, check_steps, config_changes
 from keel.guard import (
     GUARD_STATE,
     EventLog,
@@ -32,7 +32,7 @@ __all__ = ["check_checkpoint_config", "note_restarts", "restore_run"]
 
 
 def restore_run(
-    plan: ResumePlan,
+    resume_from: ResumeDecision,
     notes: list[str],
     *,
     cfg: KeelConfig,
@@ -43,8 +43,8 @@ def restore_run(
     events: EventLog,
     push_weights: Callable[[], dict[str, float]],
 ) -> tuple[int, dict[str, float]]:
-    """Load the first usable checkpoint of `plan` and the guard's recorded decisions; returns
-    its step (0 for a restart of a run without a checkpoint) and the weight push's metrics.
+    """Load the first usable checkpoint `resume_from` names and the guard's recorded decisions;
+    returns its step (0 for a restart of a run without a checkpoint) and the weight push's metrics.
     `notes`: what was done to RUN_DIR's files before (lines set aside); each is a `restart`
     event stamped with the step the run resumes at, as are the leftovers cleaned (of a killed
     checkpoint under checkpoints/, of a killed export in RUN_DIR) and the checkpoints
@@ -53,20 +53,20 @@ def restore_run(
         *notes,
         *clean_leftovers(keeping.ckpt_dir),
         *clean_leftovers(run_dir),  # an export killed in publish_folder: .tmp-model-PID/
-        *(f"skipped a checkpoint: {line}" for line in plan.skipped),
+        *(f"skipped a checkpoint: {line}" for line in resume_from.skipped),
     ]
-    decisions = recorded_decisions(run_dir, plan.reset_guard)
-    if plan.restart:
+    decisions = recorded_decisions(run_dir, resume_from.reset_guard)
+    if resume_from.restart:
         note_restarts(events, 0, notes)
         applied = actions.adopt(decisions, 0)
         events.emit(
             0, "restart", f"{run_dir} holds no checkpoint yet: restarting the run at "
             f"step 0{applied}", reason="no_checkpoint",
         )  # fmt: skip
-        _note_reset(events, plan.reset_guard, 0)
+        _note_reset(events, resume_from.reset_guard, 0)
         return 0, {}
     try:
-        info = _load_first(plan, notes, cfg, keeping)
+        info = _load_first(resume_from, notes, cfg, keeping)
     except BaseException:
         note_restarts(events, 0, notes)
         raise
@@ -78,25 +78,25 @@ def restore_run(
     applied = actions.adopt(decisions, info.step, info)
     pushed = push_weights()  # separate rollout workers
     events.emit(info.step, "resume", f"resumed from {info.path}{applied}", path=str(info.path))
-    _note_reset(events, plan.reset_guard, info.step)
+    _note_reset(events, resume_from.reset_guard, info.step)
     return info.step, pushed
 
 
 def _load_first(
-    plan: ResumePlan, notes: list[str], cfg: KeelConfig, keeping: Keeping
+    resume_from: ResumeDecision, notes: list[str], cfg: KeelConfig, keeping: Keeping
 ) -> CheckpointInfo:
-    """Load the first checkpoint of `plan` that loads; each damaged one before it is warned
+    """Load the first checkpoint of `resume_from` that loads; each damaged one before it is warned
     about and added to `notes` (an explicit one is an error instead)."""
-    candidates = plan.candidates
-    if plan.url:
+    candidates = resume_from.candidates
+    if resume_from.url:
         sopts = dict(cfg.checkpoint.storage_options)
-        candidates = [download_checkpoint(plan.url, keeping.ckpt_dir, sopts)]
+        candidates = [download_checkpoint(resume_from.url, keeping.ckpt_dir, sopts)]
     for path in candidates:
         try:
             check_checkpoint_config(path, cfg)
             return keeping.load(path)
         except CheckpointError as exc:
-            if plan.explicit:
+            if resume_from.explicit:
                 raise RunDirError(str(exc)) from exc
             warnings.warn(f"{exc}; trying the checkpoint before it", stacklevel=1)
             notes.append(f"skipped a damaged checkpoint: {exc}")

@@ -41,7 +41,7 @@ class RunDirError(ValueError):
 
 
 @dataclass
-class ResumePlan:
+class ResumeDecision:
     """Checkpoints to try in order (the first that loads wins), or a URL to download first.
     restart: RUN_DIR holds a run of this config without any checkpoint yet: start it again at
     step 0 in place, appending to its files. skipped: why checkpoint folders were passed over
@@ -64,14 +64,14 @@ RUN_FILES = (
 )  # fmt: skip
 
 
-def plan_resume(
+def decide_resume(
     run_dir: Path, resume: str, overwrite: bool, cfg: KeelConfig, reset_guard: bool = False
-) -> ResumePlan | None:
+) -> ResumeDecision | None:
     """None for a fresh start (after checking RUN_DIR may be used), else what to resume from.
 
     Everything that refuses is decided here, before RUN_DIR is written: a config that changed
     in a key that may not change, a checkpoint past `train.steps`, a run the guard stopped
-    (unless `reset_guard`). So is a finished run (plan.finished), which is not refused: there is
+    (unless `reset_guard`). So is a finished run (decision.finished), which is not refused: there is
     nothing left to do."""
     if resume == "never" or (resume == "auto" and overwrite):
         check_run_dir(run_dir, overwrite)
@@ -86,7 +86,7 @@ def plan_resume(
             "scales), or --overwrite to start over"
         )
     if resume != "auto":
-        return _explicit_plan(resume, cfg, reset_guard)
+        return _explicit_decision(resume, cfg, reset_guard)
     skipped: list[str] = []
     found = resume_candidates(run_dir / "checkpoints", skipped)
     if decisions is not None:  # the trajectory a rollback abandoned, if a kill kept it
@@ -96,15 +96,15 @@ def plan_resume(
         check_steps(newest, steps, str(run_dir))
     done = finished_step(run_dir, newest)
     if done is not None and done >= steps:
-        return _finished_plan(run_dir, done, steps, config_text, found)
+        return _finished_decision(run_dir, done, steps, config_text, found)
     if not found:
-        return _restart_plan(run_dir, config_text, reset_guard, skipped)
+        return _restart_decision(run_dir, config_text, reset_guard, skipped)
     for c in found:  # the first checkpoint with a readable config decides
         saved = _read_text(c.path / "config.yaml")
         if saved is not None:
             check_config(saved, config_text, f"cannot resume from {c.path}")
             break
-    return ResumePlan([c.path for c in found], reset_guard=reset_guard, skipped=skipped)
+    return ResumeDecision([c.path for c in found], reset_guard=reset_guard, skipped=skipped)
 
 
 def finished_step(run_dir: Path, newest_checkpoint: int | None) -> int | None:
@@ -123,9 +123,9 @@ def finished_step(run_dir: Path, newest_checkpoint: int | None) -> int | None:
     return newest_checkpoint if step is None else step
 
 
-def _finished_plan(
+def _finished_decision(
     run_dir: Path, done: int, steps: int, config_text: str, found: list[CheckpointInfo]
-) -> ResumePlan:
+) -> ResumeDecision:
     """The run exported its policy at step `done` ≥ train.steps: nothing to do (the same config:
     a rerun of the same command, e.g. a Job's retry of a pod killed after the export), or
     refused (a config that changed in a key that may not change, or fewer steps)."""
@@ -143,10 +143,10 @@ def _finished_plan(
     if saved is None:
         raise _holds_a_run(run_dir, run_files(run_dir))
     check_config(saved, config_text, f"cannot rerun the finished run in {run_dir}")
-    return ResumePlan([], finished=done)
+    return ResumeDecision([], finished=done)
 
 
-def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePlan:
+def _explicit_decision(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumeDecision:
     """--resume PATH or URL: errors are not fallen back from."""
     steps, config_text = cfg.train.steps, dump_config(cfg)
     if "://" in resume:
@@ -158,7 +158,7 @@ def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePla
         )
         meta = json.loads(remote_file(resume, "meta.json", options))
         check_steps(int(meta["step"]), steps, resume)
-        return ResumePlan([], url=resume, explicit=True, reset_guard=reset_guard)
+        return ResumeDecision([], url=resume, explicit=True, reset_guard=reset_guard)
     path = Path(resume)
     if not path.is_dir():
         raise RunDirError(f"--resume {resume}: no such checkpoint folder")
@@ -171,12 +171,12 @@ def _explicit_plan(resume: str, cfg: KeelConfig, reset_guard: bool) -> ResumePla
     except (OSError, ValueError, KeyError, TypeError):
         step = 0  # unreadable: loading it fails with a CheckpointError naming the file
     check_steps(step, steps, str(path))
-    return ResumePlan([path], explicit=True, reset_guard=reset_guard)
+    return ResumeDecision([path], explicit=True, reset_guard=reset_guard)
 
 
-def _restart_plan(
+def _restart_decision(
     run_dir: Path, config_text: str, reset_guard: bool, skipped: list[str]
-) -> ResumePlan | None:
+) -> ResumeDecision | None:
     """No checkpoint: a fresh start in an unused RUN_DIR (None), or a restart at step 0 of a run
     of the same config that never wrote one (killed or preempted early). A run whose final model
     exists, or whose config is unknown, is refused."""
@@ -187,15 +187,17 @@ def _restart_plan(
     if (run_dir / "model").exists() or saved is None:  # an export, or not known to be ours
         raise _holds_a_run(run_dir, found, skipped)
     check_config(saved, config_text, f"cannot restart the run in {run_dir}")
-    return ResumePlan([], restart=True, reset_guard=reset_guard, skipped=skipped)
+    return ResumeDecision([], restart=True, reset_guard=reset_guard, skipped=skipped)
 
 
-def restart_plan(run_dir: Path) -> tuple[ResumePlan | None, bool]:
+def restart_decision(run_dir: Path) -> tuple[ResumeDecision | None, bool]:
     """After a lost worker: resume from the newest checkpoint, or start over without one; the
-    plan and whether RUN_DIR's files are overwritten."""
+    decision and whether RUN_DIR's files are overwritten."""
     skipped: list[str] = []
     found = resume_candidates(run_dir / "checkpoints", skipped)
-    return (ResumePlan([c.path for c in found], skipped=skipped), False) if found else (None, True)
+    return (
+        (ResumeDecision([c.path for c in found], skipped=skipped), False) if found else (None, True)
+    )
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
@@ -224,7 +226,7 @@ def check_run_dir_usable(run_dir: Path) -> None:
     """RUN_DIR is a directory Keel can write in, or can be created as one: RunDirError naming
     the path when it is a file, lies under a file, or its nearest existing folder refuses new
     files. Leaves nothing behind: a probe file is created and removed at once, and the folder's
-    modification time put back. (A rerun that plan_resume refuses never gets here.)"""
+    modification time put back. (A rerun that decide_resume refuses never gets here.)"""
     parents = (run_dir, *run_dir.parents)
     existing = next((p for p in parents if p.exists() or p.is_symlink()), Path("."))
     if not existing.is_dir():

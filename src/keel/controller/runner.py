@@ -31,11 +31,11 @@ from keel.controller.preference import DPOController, RewardModelController
 from keel.controller.protocol import Controller, ControllerFactory
 from keel.controller.restore import note_restarts, restore_run
 from keel.controller.resume import (
-    ResumePlan,
+    ResumeDecision,
     check_run_dir_usable,
-    plan_resume,
+    decide_resume,
     prepare_run_dir,
-    restart_plan,
+    restart_decision,
 )
 from keel.controller.rl import RLController
 from keel.controller.sft import SFTController
@@ -83,9 +83,9 @@ def run_training(
     cfg = resolve_input_paths(cfg, config_dir)  # a no-op for a config from load_config
     spec = build_spec(cfg)
     run_dir = Path(cfg.run_dir)
-    plan = plan_resume(run_dir, resume, overwrite, cfg, reset_guard)  # refusals write nothing
-    if plan is not None and plan.finished is not None:
-        return finished_result(run_dir, plan.finished)
+    decision = decide_resume(run_dir, resume, overwrite, cfg, reset_guard)  # refusals write nothing
+    if decision is not None and decision.finished is not None:
+        return finished_result(run_dir, decision.finished)
     check_run_dir_usable(run_dir)
     check_monitor_config(cfg)
     check_context_length(cfg, spec)
@@ -98,14 +98,14 @@ def run_training(
     while True:
         roles = assemble_roles(run, scorer)
         try:
-            return _run(run, roles, data, plan, overwrite, title, stop_after, note)
+            return _run(run, roles, data, decision, overwrite, title, stop_after, note)
         except WorkerLostError as exc:
             if restarts >= cfg.resources.max_restarts:
                 raise
             restarts += 1
             lost_at = exc.step or 0
             note = (lost_at, f"restart {restarts}/{cfg.resources.max_restarts}: {exc}")
-            plan, overwrite = restart_plan(run_dir)
+            decision, overwrite = restart_decision(run_dir)
             seed_everything(cfg.seed)
         finally:
             roles.close()
@@ -115,7 +115,7 @@ def _run(
     run: ResolvedRun,
     roles: Roles,
     data: Datasets,
-    plan: ResumePlan | None,
+    decision: ResumeDecision | None,
     overwrite: bool,
     title: str,
     stop_after: int | None,
@@ -128,20 +128,20 @@ def _run(
     # The handlers hold from the first write to RUN_DIR until its files are closed: a signal
     # stops the run after the step-0 evaluation or the current step (keel.controller.preemption).
     with Preemption() as preemption:
-        prepare_run_dir(run_dir, overwrite and plan is None)
+        prepare_run_dir(run_dir, overwrite and decision is None)
         set_aside = [
             line
             for name in JSONL_FILES
             for line in set_aside_bad_lines(run_dir / name, run_dir / (name + BAD_LINES))
         ]
-        fresh = plan is None or plan.restart
+        fresh = decision is None or decision.restart
         if fresh:  # first, so that a run killed at any later moment can be restarted
             write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
         loop = TrainingLoop(cfg, run_dir, roles, controller, title)
         try:
             if note:
                 loop.events.emit(note[0], "restart", note[1], reason="worker_lost")
-            start = loop.resume(plan, set_aside) if plan else loop.notes(0, set_aside)
+            start = loop.resume(decision, set_aside) if decision else loop.notes(0, set_aside)
             if not fresh:
                 write_text_atomically(run_dir / "config.yaml", dump_config(cfg))
             if data.bad_rows:
@@ -253,10 +253,10 @@ class TrainingLoop:
         self.monitor.log(step, metrics)
         self.monitor.log_devices(step, self.roles.device_readings)  # the exporter's, if on
 
-    def resume(self, plan: ResumePlan, notes: list[str]) -> int:
-        """Restore the loop as `plan` says (keel.controller.restore); the step it resumes at."""
+    def resume(self, decision: ResumeDecision, notes: list[str]) -> int:
+        """Restore the loop as `decision` says (keel.controller.restore); the step it resumes at."""
         start, pushed = restore_run(
-            plan, notes, cfg=self.cfg, run_dir=self.run_dir, keeping=self.keeping,
+            decision, notes, cfg=self.cfg, run_dir=self.run_dir, keeping=self.keeping,
             actions=self.actions, monitor=self.monitor, events=self.events,
             push_weights=self.roles.push_weights,
         )  # fmt: skip
