@@ -65,7 +65,7 @@ def vllm_seconds(model_dir: Path, actor: ActorWorker, rank: int, pushes: int) ->
         load_copy=lambda: load_causal_lm(model_dir),
         lora_rank=rank,
     )
-    config = RolloutConfig(engine="vllm", vllm={"kv_cache_space_gb": 0.25})
+    config = RolloutConfig(engine="vllm", vllm={"kv_cache_space_gb": 0.25, "max_model_len": 512})
     engine = build_rollout_engine(config, inputs)
     adapter_s, merged_s = [], []
     try:
