@@ -2,7 +2,7 @@
 model, run as a user runs it; its JSON line read back. (Its `--vllm` timing makes the calls
 tests/rollout/test_vllm_lora.py checks; not run again here.)"""
 
-from tests.bench.smoke import json_lines, positive, run_bench
+from tests.bench.smoke import json_lines, run_bench
 
 
 def test_the_adapter_push_of_the_tiny_model_is_a_tenth_of_the_merged_one():
@@ -12,4 +12,3 @@ def test_the_adapter_push_of_the_tiny_model_is_a_tenth_of_the_merged_one():
     assert row["adapter_bytes"] == 4 * row["adapter_params"]
     assert row["merged_bytes_fp32"] > 10 * row["adapter_bytes"]
     assert row["merged_bytes_bf16"] == row["merged_bytes_fp32"] // 2
-
