@@ -56,15 +56,21 @@ class Roles(Generic[A]):
     teacher: WorkerGroup[TeacherRole] | None = None  # the distillation teacher
     # separate rollout workers: pushes the actor's weights to them ({} metrics when colocated)
     push_weights: Callable[[], dict[str, float]] = lambda: {}
-    close: Callable[[], None] = lambda: None  # frees the workers (Ray actors, placement groups)
+    # frees the workers (Ray actors, placement groups); what it returns is not read
+    close: Callable[[], object] = lambda: None
     # the device readings of the Ray workers ([] when every role runs in this process)
     device_readings: Callable[[], list[DeviceReading]] = lambda: []
 
 
 def roles_from_groups(
-    tokenizer: Tokenizer, groups: Mapping[str, WorkerGroup[Any]], **hooks: Any
+    tokenizer: Tokenizer,
+    groups: Mapping[str, WorkerGroup[Any]],
+    *,
+    push_weights: Callable[[], dict[str, float]] = lambda: {},
+    close: Callable[[], object] = lambda: None,
+    device_readings: Callable[[], list[DeviceReading]] = lambda: [],
 ) -> Roles[Any]:
-    """`Roles` over the role groups by name (absent roles are None); hooks: push_weights, close.
+    """`Roles` over the role groups by name (absent roles are None) and their hooks (`Roles`).
     The groups' workers were built by the stage's plan (keel.workers.build.build_workers), which
     is what ties each role to its class: Any here, declared by the controller that drives them."""
     return Roles(
@@ -75,5 +81,7 @@ def roles_from_groups(
         tokenizer=tokenizer,
         critic=groups.get("critic"),
         teacher=groups.get("teacher"),
-        **hooks,
+        push_weights=push_weights,
+        close=close,
+        device_readings=device_readings,
     )
