@@ -31,6 +31,7 @@ from keel.data.tool_calls import (
     parse_tool_calls,
     tool_call_format_for,
 )
+from keel.types import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ChatTools:
     renders_tools: bool
 
     @classmethod
-    def of(cls, tokenizer: Any, name: str = "auto") -> ChatTools:
+    def of(cls, tokenizer: Tokenizer, name: str = "auto") -> ChatTools:
         """The format `name` names (`auto`: the one the chat template writes)."""
         return cls(tool_call_format_for(tokenizer, name), template_renders_tools(tokenizer))
 
@@ -51,7 +52,7 @@ class ChatTools:
 
 
 def chat_prompt(
-    req: ChatCompletionRequest, tools: ChatTools, tokenizer: Any
+    req: ChatCompletionRequest, tools: ChatTools, tokenizer: Tokenizer
 ) -> list[dict[str, Any]]:
     """The request's messages for the chat template (assistant tool calls written in the
     model's format); 400s naming `tools` when the template cannot show them, or naming the
@@ -76,7 +77,7 @@ def chat_prompt(
 
 
 def check_tool_results(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> None:
     """A 400 naming the message when the chat template drops a tool message's content (a
     template without a 'tool' role would hide the result from the model)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -40,6 +40,7 @@ from keel.engine.distributed import (
     sharded_state_dict,
     world_size,
 )
+from keel.engine.update import GradientStep
 
 SHARDS = "dcp"
 TRAINER_STATE = "trainer_state.pt"
@@ -56,13 +57,13 @@ class ShardableWorker(Protocol):
     workers' TrainableWorker): `step.optimizer` is its optimizer."""
 
     model: torch.nn.Module
-    step: Any
+    step: GradientStep
 
     def trainer_state(self) -> dict[str, Any]: ...
     def load_trainer_state(self, state: dict[str, Any]) -> None: ...
 
 
-def shardable(worker: object) -> bool:
+def shardable(worker: object) -> TypeGuard[ShardableWorker]:
     """Whether `worker`'s state goes into DCP shards (not a LoRA adapter: that is small and is
     saved whole)."""
     return isinstance(worker, ShardableWorker) and not getattr(worker, "adapter_only", False)
@@ -73,6 +74,7 @@ def is_sharded_folder(folder: Path) -> bool:
     return (folder / SHARDS / ".metadata").is_file()
 
 
+# Any: a role worker (keel.workers, a layer above): a ShardableWorker or any with a state_dict
 def save_role_sharded(worker: Any, folder: Path, background: bool) -> None:
     """This rank's part of saving a role into `folder` (every rank of the group calls it);
     `wait_role` says whether the shards were written. background: stage a CPU copy and write
@@ -110,7 +112,7 @@ def save_role_sharded(worker: Any, folder: Path, background: bool) -> None:
     _PENDING[str(folder)] = (future, error)
 
 
-def wait_role(worker: Any, folder: Path) -> str | None:
+def wait_role(worker: object, folder: Path) -> str | None:
     """Join this rank's write into `folder`: None when it succeeded (or there was none), else
     what failed (every rank returns, so that no rank is left waiting)."""
     future, error = _PENDING.pop(str(folder), (None, None))
@@ -123,13 +125,13 @@ def wait_role(worker: Any, folder: Path) -> str | None:
     return error
 
 
-def role_written(worker: Any, folder: Path) -> bool:
+def role_written(worker: object, folder: Path) -> bool:
     """Whether this rank's background write into `folder` has finished (or there is none)."""
     future, _ = _PENDING.get(str(folder), (None, None))
     return future is None or future.done()
 
 
-def load_role_sharded(worker: Any, folder: Path, state: dict[str, Any]) -> None:
+def load_role_sharded(worker: ShardableWorker, folder: Path, state: dict[str, Any]) -> None:
     """This rank's part of loading a sharded role folder: DCP reads the shards this rank holds
     in the current world (any world size), into copies first, so that a failed read leaves the
     model and optimizer as they were; then `state` (the folder's trainer_state.pt, read by the

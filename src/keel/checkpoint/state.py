@@ -69,6 +69,13 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """A worker that writes its model as an HF folder (the trained roles)."""
+
+    def save_pretrained(self, folder: Path) -> None: ...
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be used (incomplete, damaged, or not a checkpoint)."""
 
@@ -96,7 +103,7 @@ def save_checkpoint(
     root: str | Path,
     step: int,
     *,
-    roles: Mapping[str, Any],
+    roles: Mapping[str, Any],  # Any: WorkerGroups (keel.workers, a layer above)
     components: Mapping[str, Stateful],
     config_text: str,
     healthy: bool,
@@ -146,7 +153,10 @@ def seal_folder(tmp: Path, meta: dict[str, Any]) -> None:
 
 
 def load_checkpoint(
-    path: str | Path, *, roles: Mapping[str, Any], components: Mapping[str, Stateful]
+    path: str | Path,
+    *,
+    roles: Mapping[str, Any],  # Any: WorkerGroups (keel.workers, a layer above)
+    components: Mapping[str, Stateful],
 ) -> CheckpointInfo:
     """Load every role, component and the RNG states from a complete checkpoint, full-state or
     sharded (each role folder says which: keel.checkpoint.sharded; its ranks read their own
@@ -181,12 +191,8 @@ def validate_checkpoint(path: Path) -> CheckpointInfo:
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     meta = read_meta(path)
-    files, digests = meta.get("files"), meta.get("sha256", {})
-    for key, value in (("files", files), ("sha256", digests)):
-        if value is None:
-            raise CheckpointError(f"checkpoint {path}: meta.json lacks {key}")
-        if not isinstance(value, dict):
-            raise CheckpointError(f"checkpoint {path}: meta.json {key} is not an object")
+    files = _meta_object(path, meta, "files")
+    digests = _meta_object(path, meta, "sha256", {})
     for rel, size in files.items():
         file = path / rel
         if not file.is_file() or file.stat().st_size != size:
@@ -206,6 +212,16 @@ _META_KEYS: dict[str, tuple[str, Any]] = {
     "time": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
     "metrics": ("an object", lambda v: isinstance(v, dict)),
 }
+
+
+def _meta_object(path: Path, meta: dict[str, Any], key: str, default: Any = None) -> dict[str, Any]:
+    """meta.json's `key`, which must be a JSON object (a CheckpointError naming it if not)."""
+    value = meta.get(key, default)
+    if value is None:
+        raise CheckpointError(f"checkpoint {path}: meta.json lacks {key}")
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint {path}: meta.json {key} is not an object")
+    return value
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -314,7 +330,7 @@ def read_latest(root: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ roles
-def save_role(worker: Any, folder: Path) -> None:
+def save_role(worker: Stateful, folder: Path) -> None:
     """One rank's part of saving a role: every rank gathers (collectives), rank 0 writes. In a
     Ray group `folder` must be reachable from rank 0's node (the same machine, or shared). A
     worker whose state holds a LoRA adapter rather than the model (`adapter_only`) is saved
@@ -323,7 +339,7 @@ def save_role(worker: Any, folder: Path) -> None:
     if first:
         folder.mkdir(parents=True)
     state = worker.state_dict()
-    if hasattr(worker, "save_pretrained") and not getattr(worker, "adapter_only", False):
+    if isinstance(worker, SavesPretrained) and not getattr(worker, "adapter_only", False):
         worker.save_pretrained(folder)
         state = {k: v for k, v in state.items() if k != "model"}
         name = TRAINER_STATE
@@ -333,7 +349,7 @@ def save_role(worker: Any, folder: Path) -> None:
         torch.save(state, folder / name)
 
 
-def load_role(worker: Any, state: dict[str, Any]) -> None:
+def load_role(worker: Stateful, state: dict[str, Any]) -> None:
     worker.load_state_dict(state)
 
 
@@ -360,7 +376,9 @@ def _torch_load(path: Path) -> Any:
 # -------------------------------------------------------------------------------------- RNG
 def capture_rng() -> dict[str, Any]:
     """The python, numpy and torch (CPU and CUDA) random states, as plain values/tensors."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple), "numpy's global RandomState is an MT19937"
+    kind, keys, pos, has_gauss, gauss = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],

@@ -48,7 +48,7 @@ class CheckpointStates:
     """What a checkpoint holds: `roles` (name → WorkerGroup of workers with state), the
     `components` (controller, guard, …) and the run's resolved config as YAML."""
 
-    roles: Mapping[str, Any]
+    roles: Mapping[str, Any]  # Any: WorkerGroups (keel.workers, a layer above)
     components: Mapping[str, Stateful]
     config_text: str
 
@@ -139,7 +139,7 @@ class FullStateWriter:
 class _InFlight:
     handle: SaveHandle
     tmp: Path
-    roles: Mapping[str, Any]
+    roles: Mapping[str, Any]  # Any: WorkerGroups (keel.workers, a layer above)
     meta: dict[str, Any]
 
 
@@ -222,6 +222,7 @@ class ShardedWriter:
         return load_checkpoint(path, roles=states.roles, components=states.components)
 
 
+# Any: WorkerGroups (keel.workers, a layer above)
 def _join(roles: Mapping[str, Any], tmp: Path) -> list[str]:
     """Wait for every rank's background write of each role into `tmp`; what failed."""
     errors = []

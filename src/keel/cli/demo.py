@@ -16,11 +16,12 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from keel.config.loading import ENV_PREFIX, env_overrides, parse_override, set_path, validate
+from keel.config.schema import KeelConfig
 
 DEMO_GRPO: dict[str, Any] = {
     "seed": 0,
@@ -179,7 +180,7 @@ def demo(
     )
 
 
-def _run_and_report(cfg: Any, *, held_out: str, start_label: str, run_files: str) -> int:
+def _run_and_report(cfg: KeelConfig, *, held_out: str, start_label: str, run_files: str) -> int:
     """Run the demo's GRPO and print held-out accuracy at step 0 and after the last step."""
     from keel.controller import run_training
 
@@ -201,7 +202,7 @@ def _run_and_report(cfg: Any, *, held_out: str, start_label: str, run_files: str
     return 0
 
 
-def _demo_smollm2(cfg: Any, say: Any) -> int:
+def _demo_smollm2(cfg: KeelConfig, say: Callable[[str], None]) -> int:
     say(
         f"keel demo --model smollm2: GRPO on {cfg.models.actor}, single-digit arithmetic "
         "(`What is 7 * 8?` → a response whose last number is 56), answered in "

@@ -20,7 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import what they use when they run
+    from keel.checkpoint.policy import PolicySource
+    from keel.config.schema import KeelConfig
+    from keel.controller.saved_policy import EvalJob
 
 EVAL_FOLDER = "eval"  # RUN_DIR/eval/…
 LOOSE_FOLDER = Path("keel-eval")  # ./keel-eval/NAME-TIME for a model outside a run
@@ -70,7 +75,7 @@ def eval_model(model: str, options: EvalOptions, overrides: Sequence[str] = ()) 
     return 0
 
 
-def policy_source(model: str) -> Any:
+def policy_source(model: str) -> PolicySource:
     """MODEL → its PolicySource (keel.checkpoint.policy.resolve_policy); a `builtin:NAME`
     model (`builtin:tiny`, the warm starts `builtin:tiny-calc`, …) is its folder in the Keel
     cache, built there on first use, outside any run."""
@@ -84,7 +89,9 @@ def policy_source(model: str) -> Any:
     return PolicySource(resolve_model_path(str(model)))
 
 
-def eval_config(source: Any, options: EvalOptions, overrides: Sequence[str] = ()) -> Any:
+def eval_config(
+    source: PolicySource, options: EvalOptions, overrides: Sequence[str] = ()
+) -> KeelConfig:
     """The KeelConfig of the evaluation. Without --config: the policy's run's config.yaml (a
     plain HF folder: the defaults), KEEL__* and `--set` overrides, then the command's flags
     (keel.controller.saved_policy.policy_config). With --config FILE: the same layering on
@@ -132,7 +139,7 @@ def reward_spec(text: str) -> str:
     )
 
 
-def default_out_dir(source: Any, now: datetime | None = None) -> Path:
+def default_out_dir(source: PolicySource, now: datetime | None = None) -> Path:
     """RUN_DIR/eval/step_NNNNNN for a checkpoint, RUN_DIR/eval/model for a run's exported
     model, else ./keel-eval/<model folder name>-<YYYYmmdd-HHMMSS> (a new folder)."""
     from keel.checkpoint.export import step_folder_name
@@ -150,7 +157,11 @@ def default_out_dir(source: Any, now: datetime | None = None) -> Path:
 
 
 def _summary(
-    source: Any, cfg: Any, job: Any, metrics: dict[str, float], config: Path | None = None
+    source: PolicySource,
+    cfg: KeelConfig,
+    job: EvalJob,
+    metrics: dict[str, float],
+    config: Path | None = None,
 ) -> dict[str, Any]:
     """metrics.json: the eval/* metrics and what produced them (`config`: --config)."""
     from keel.controller.evaluation import eval_sampling
@@ -194,7 +205,7 @@ def write_results(out: Path, summary: dict[str, Any], predictions: list[dict[str
     write_text_atomically(out / METRICS_FILE, json.dumps(summary, indent=2) + "\n")
 
 
-def _print(summary: dict[str, Any], out: Path, job: Any) -> None:
+def _print(summary: dict[str, Any], out: Path, job: EvalJob) -> None:
     step = f" (step {summary['step']})" if summary["step"] is not None else ""
     print(f"model: {summary['model']}{step}")
     print(f"data: {summary['data']} ({summary['examples']} examples)  reward: {summary['reward']}")

@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from keel.cli.convert_cmd import add_convert_parser
 from keel.cli.plan_cmd import add_plan_parser
@@ -30,7 +29,8 @@ def _quiet_libraries() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
+    summary = __doc__.splitlines()[0] if __doc__ else None  # None under python -OO
+    parser = argparse.ArgumentParser(prog="keel", description=summary)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -97,7 +97,7 @@ MODEL_HELP = (
 )
 
 
-def _add_eval(sub: Any) -> None:
+def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser(
         "eval", help="held-out evaluation of a saved policy: metrics and every prediction"
     )
@@ -140,7 +140,7 @@ def _add_eval(sub: Any) -> None:
     _add_overrides(ev)
 
 
-def _add_generate(sub: Any) -> None:
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="the policy's responses to prompts (greedy by default)")
     gen.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     gen.add_argument(
@@ -180,7 +180,7 @@ def _add_generate(sub: Any) -> None:
     _add_overrides(gen)
 
 
-def _add_env(sub: Any) -> None:
+def _add_env(sub: argparse._SubParsersAction) -> None:
     env = sub.add_parser("env", help="environments")
     esub = env.add_subparsers(dest="env_command", required=True)
     es = esub.add_parser("serve", help="serve an environment over HTTP (keel-env protocol; "

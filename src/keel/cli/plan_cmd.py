@@ -13,7 +13,10 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported when the command runs
+    from keel.engine.memory.fit import GPUPlan
 
 UNITS = {
     "": 1 << 30, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -41,7 +44,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_plan_parser(sub: Any) -> None:
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="estimate memory per role and GPU: does the run fit?")
     p.add_argument("config", type=Path)
     p.add_argument(
@@ -245,7 +248,7 @@ COLUMNS = ("params", "weights", "grads", "optimizer", "activations", "ckpt off/o
            "KV cache")  # fmt: skip
 
 
-def _print_gpu(gpu: Any, gpu_memory: int, cpu: bool = False) -> None:
+def _print_gpu(gpu: GPUPlan, gpu_memory: int, cpu: bool = False) -> None:
     if not any(r.resident or r.kv_cache or r.activations for r in gpu.roles):
         names = ", ".join(r.role for r in gpu.roles)
         print(f"\n{gpu.group}: {names}: no model to hold")
@@ -257,7 +260,7 @@ def _print_gpu(gpu: Any, gpu_memory: int, cpu: bool = False) -> None:
         f"{'s' if not cpu and gpu.workers > 1 else ''}{shard}; each holds "
         f"{', '.join(r.role for r in gpu.roles)}"
     )
-    rows = [("role", *COLUMNS)]
+    rows: list[tuple[str, ...]] = [("role", *COLUMNS)]
     for r in gpu.roles:
         trained = r.trained_parameters
         params = count(r.parameters)

@@ -375,6 +375,8 @@ def encode_conversations(
     for ex in examples:
         # a chat row's turns end as its template ends them (the rollout stops on that token)
         end = turn_end if chat or isinstance(ex.prompt, list) else eos
+        if end is None:
+            raise DataError("the tokenizer has no EOS token, which ends every SFT answer")
         if isinstance(ex, Conversation):
             turns: Sequence[dict[str, Any]] = ex.turns
         elif ex.response is None:
@@ -449,7 +451,7 @@ def defined_tools(example: Example) -> set[str]:
     return names
 
 
-def warn_undefined_tools(examples: Sequence[Any]) -> str | None:
+def warn_undefined_tools(examples: Sequence[object]) -> str | None:
     """The warning (also issued as an UndefinedToolsWarning; call it once per dataset) when
     rows call tools that no row defines: the model learns calls to a tool its prompts never
     describe. Names the first such row, counts the rows, lists the tools. None when every

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from keel.data.errors import DataError
 from keel.data.examples import Example
-from keel.types import Batch
+from keel.types import Batch, Prompt
 
 _PROBE_TOOL = {
     "type": "function",
@@ -32,6 +32,16 @@ _PROBE_TOOL = {
     },
 }
 _TEMPLATES_WITH_TOOLS: dict[str, bool] = {}  # chat template text -> it renders `tools`
+
+
+class PromptRow(Protocol):
+    """What encode_prompts reads of a row: an Example, or a preference pair."""
+
+    @property
+    def prompt(self) -> Prompt: ...
+
+    @property
+    def source(self) -> str: ...
 
 
 class ToolsIgnoredWarning(UserWarning):
@@ -75,7 +85,7 @@ def template_renders_tools(tokenizer: Any) -> bool:
     return _TEMPLATES_WITH_TOOLS[key]
 
 
-def warn_ignored_tools(tokenizer: Any, examples: Sequence[Any], chat: bool) -> str | None:
+def warn_ignored_tools(tokenizer: Any, examples: Sequence[PromptRow], chat: bool) -> str | None:
     """The warning (also issued as a ToolsIgnoredWarning; call it once per dataset) when an
     example has tool definitions (data.columns.tools / data.tools) that its prompt will not show:
     text prompts without data.apply_chat_template, or a chat template that renders the same
@@ -125,7 +135,7 @@ def encode_prompt_text(tokenizer: Any, text: str, start: list[int] | None = None
 
 def encode_prompts(
     tokenizer: Any,
-    examples: Sequence[Example],
+    examples: Sequence[PromptRow],
     *,
     chat: bool,
     max_prompt_length: int | None,

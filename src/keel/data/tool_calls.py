@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from keel.types import Tokenizer
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -341,7 +343,7 @@ def format_from_template(template: str | None) -> str:
     return "hermes"
 
 
-def tool_call_format_for(tokenizer: Any, name: str = "auto") -> ToolCallFormat:
+def tool_call_format_for(tokenizer: Tokenizer | None, name: str = "auto") -> ToolCallFormat:
     """The tool-call format `name` names (`data.tool_format`), or with "auto" the one the
     tokenizer's chat template writes (format_from_template; a tokenizer of None or without a
     template: hermes). Raises ValueError naming data.tool_format for an unknown name."""

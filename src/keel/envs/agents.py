@@ -45,7 +45,7 @@ from keel.envs.episodes import FAILED, EpisodesFailedError, too_many_failed
 from keel.envs.gateway import WAIT_S, Gateway, Session
 from keel.envs.loading import EnvLoadError, load_object
 from keel.rollout.protocol import RolloutEngine, SamplingParams
-from keel.types import Batch
+from keel.types import Batch, Tokenizer
 
 AGENT_FIELD = "rollout.env.agent"
 AGENT_ENV = "agent"  # rollout.env.name of an agent over the gateway
@@ -118,7 +118,7 @@ class AgentRunner:
     def __init__(
         self,
         engine: RolloutEngine,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         agent: str,
         *,
         eos_ids: Sequence[int],

@@ -22,6 +22,7 @@ from keel.envs.tools import (
     tool_call_format_for,
     tool_schemas,
 )
+from keel.types import Tokenizer
 
 
 class SingleTurnEnvironment:
@@ -144,7 +145,7 @@ TOOLS_ENV = ("builtin:tools", "tools")
 
 
 def run_tool_format(
-    env: str | None, env_kwargs: Mapping[str, Any], tokenizer: Any, tool_format: str
+    env: str | None, env_kwargs: Mapping[str, Any], tokenizer: Tokenizer, tool_format: str
 ) -> dict[str, Any]:
     """The kwargs a run builds its environment with: for builtin:tools, `tool_format` resolved
     to a ToolCallFormat (rollout.env.kwargs.tool_format when set, else data.tool_format;

@@ -83,8 +83,9 @@ def _describe(node: ast.AST) -> str:
 def _check_power(base: int | float, exponent: int | float) -> None:
     if exponent > MAX_EXPONENT:
         raise ToolError(f"exponents above {MAX_EXPONENT} are not allowed")
-    exact = isinstance(base, int) and isinstance(exponent, int)
-    if exact and exponent > 0 and (abs(base).bit_length() - 1) * exponent > _MAX_BITS:
+    if not (isinstance(base, int) and isinstance(exponent, int)):
+        return  # a float power overflows to an error of its own, it does not grow unbounded
+    if exponent > 0 and (abs(base).bit_length() - 1) * exponent > _MAX_BITS:
         raise ToolError(f"result would have more than {MAX_DIGITS} digits")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -24,7 +24,7 @@ from keel.envs.protocol import TERMINATIONS, Environment, Message, Observation, 
 from keel.envs.remote import EnvServerError
 from keel.envs.rendering import ObservationEncoder
 from keel.rollout.protocol import Completions, RolloutEngine, SamplingParams
-from keel.types import Batch, GroupedBatch
+from keel.types import Batch, GroupedBatch, Tokenizer
 
 
 class ResetError(ValueError):
@@ -45,7 +45,7 @@ class Episode:
     """One row while it is played: the response columns so far (`tokens`, `mask` 1 on the
     policy's tokens, `logprobs` 0 on observations) and what is counted about it."""
 
-    env: Environment
+    env: Environment | None  # None: its environment failed to open (a failed episode)
     prompt_ids: list[int]
     example: Example | None = None  # what a retry resets its fresh environment on
     tokens: list[int] = field(default_factory=list)
@@ -109,7 +109,7 @@ class EpisodeRunner:
     def __init__(
         self,
         engine: RolloutEngine,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         make_env: EnvFactory,
         *,
         eos_ids: Sequence[int],
@@ -356,8 +356,10 @@ class EpisodeRunner:
             episodes[i].messages.append({"role": "assistant", "content": text})
 
     def _step(self, episode: Episode) -> StepResult:
+        env = episode.env
+        assert env is not None, "an episode whose environment failed to open is not stepped"
         try:
-            result = episode.env.step(episode.last_text)
+            result = env.step(episode.last_text)
         except Exception as exc:
             raise RuntimeError(f"{self.name}: step failed: {exc!r}") from exc
         if not isinstance(result, StepResult):
@@ -482,7 +484,7 @@ def drop_failed_groups(batch: Batch) -> tuple[Batch, dict[str, float]]:
     return batch.select(keep), metrics
 
 
-def _raise(exc: BaseException) -> Any:
+def _raise(exc: BaseException) -> NoReturn:
     raise exc
 
 

@@ -14,7 +14,7 @@ import difflib
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from keel.envs.protocol import Environment
 from keel.rewards.loading import load_file_module, load_module
@@ -65,7 +65,8 @@ def resolve_environment(
     cls = load_object(spec, "rollout.env")
     if not callable(cls):
         raise EnvLoadError(f"rollout.env: {spec} is not a class or a callable")
-    return cls
+    # a user's class: an Environment by the protocol's contract, which its calls then check
+    return cast(Callable[..., Environment], cls)
 
 
 def load_environment(

@@ -570,7 +570,7 @@ def _run(config):
         _install_hook(home, roots, fd_bound, frozenset(config["unchecked_fds"]))
     main = types.ModuleType("__main__")
     main.__file__ = config["code"]
-    main.__builtins__ = builtins
+    main.__dict__["__builtins__"] = builtins  # the attribute (ModuleType's stub lacks it)
     sys.modules["__main__"] = main
     sys.argv = [config["code"]]
     mine = globals()

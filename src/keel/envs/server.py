@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 from keel.envs.protocol import Environment, StepResult
 from keel.envs.remote import PROTOCOL, VERSION, example_from_json
@@ -194,7 +194,10 @@ class EnvServer:
                 )
 
 
-def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
+T = TypeVar("T")
+
+
+def _field(body: Mapping[str, Any], key: str, kind: type[T]) -> T:
     value = body.get(key)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise ProtocolError(
@@ -203,14 +206,14 @@ def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def _parsed(parse: Callable[[], Any]) -> Any:
+def _parsed(parse: Callable[[], T]) -> T:
     try:
         return parse()
     except (TypeError, ValueError) as exc:
         raise ProtocolError(400, "bad_request", str(exc)) from None
 
 
-def _environment_call(call: Callable[[], Any], what: str) -> Any:
+def _environment_call(call: Callable[[], T], what: str) -> T:
     """`call()`; the environment's own exception as a 422 naming `what`."""
     try:
         return call()

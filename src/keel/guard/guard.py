@@ -119,7 +119,7 @@ class Guard:
                 verdict.trips.append(Trip(rule, action, message, preset))
             if verdict.trips:
                 self.trips += len(verdict.trips)
-                verdict.action = max((t.action for t in verdict.trips), key=SEVERITY.get)
+                verdict.action = max((t.action for t in verdict.trips), key=SEVERITY.__getitem__)
             verdict.sliding = self.sliding
             if verdict.action == "rollback" and self.rollbacks >= self.cfg.max_rollbacks:
                 cap = f"max_rollbacks ({self.cfg.max_rollbacks}) reached"

@@ -4,10 +4,10 @@ tokenizer's EOS)."""
 
 from __future__ import annotations
 
-from typing import Any
+from keel.types import Tokenizer
 
 
-def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+def eos_token_ids(model: object, tokenizer: Tokenizer) -> tuple[int, ...]:
     """Every EOS id, without repeats: the tokenizer's `eos_token_id` first, then the model's
     `generation_config.eos_token_id` (an int, a list of ints, or None) in its order.
 

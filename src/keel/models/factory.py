@@ -33,10 +33,10 @@ def build_tiny_model(
 ) -> LlamaForCausalLM:
     """A float32 LlamaForCausalLM with random weights drawn from spec.seed; global RNG untouched."""
     spec = spec if spec is not None else TinyModelSpec()
-    if tokenizer.eos_token_id is None:
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if not isinstance(eos_id, int):
         raise ValueError("build_tiny_model needs a tokenizer with an eos token")
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    pad_id = pad_id if isinstance(pad_id, int) else eos_id
     bos_id = eos_id  # the char tokenizer has no BOS; generation may start from <eos>
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -56,7 +56,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)
-    model = model.to(torch.float32)
+    model.float()  # in place (transformers' `to` wrapper hides Module.to's signature)
     gen = model.generation_config
     gen.pad_token_id = pad_id
     gen.bos_token_id = bos_id

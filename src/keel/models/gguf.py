@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.models.loading import ModelLoadError, build_atomically, keel_cache_dir
+from keel.types import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 1  # a new version converts into a folder of its own
@@ -173,8 +174,8 @@ def convert_gguf(
     _fix_tokenizer(tokenizer, facts)
 
     config = quantised.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    if hasattr(config, "quantization_config"):  # set by the GGUF loader, not a declared field
+        delattr(config, "quantization_config")
     config.bos_token_id, config.eos_token_id = facts.bos_id, facts.eos_id
     config.pad_token_id = facts.pad_id if facts.pad_id is not None else facts.eos_id
     config.dtype = dtype
@@ -208,7 +209,7 @@ def convert_gguf(
     return facts
 
 
-def _fix_tokenizer(tokenizer: Any, facts: GGUFFacts) -> None:
+def _fix_tokenizer(tokenizer: Tokenizer, facts: GGUFFacts) -> None:
     """Set the tokenizer's special tokens and chat template to the GGUF file's own."""
     for attr, token_id in (
         ("bos_token", facts.bos_id),

@@ -265,7 +265,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
         if not offline and not any(folder.glob("*.safetensors*")):
             folder = Path(
                 snapshot_download(
-                    repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_FILES
+                    repo_id, revision=revision, cache_dir=cache, allow_patterns=list(_HUB_FILES)
                 )
             )
     except Exception as e:
@@ -577,7 +577,9 @@ def check_vocab(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike[str]
 ) -> None:
     """Raise ModelLoadError when the tokenizer can emit ids the model's embedding has no row for."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor), "an embedding's weight is a Parameter"
+    rows = weight.shape[0]
     n_tokens = len(tokenizer)
     if n_tokens > rows:
         raise ModelLoadError(

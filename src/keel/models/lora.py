@@ -21,8 +21,12 @@ import torch
 
 from keel.config.schema import ModelsConfig
 from keel.models.loading import BUILTIN_PREFIX, ModelLoadError, is_hub_id, resolve_model_path
+from keel.types import Tokenizer
 
 ADAPTER = "default"  # peft's name of the one adapter
+# `model: Any` below is a peft-wrapped model (peft is imported lazily, and its adapted layers,
+# peft_config and base_model are reached through peft's loosely typed module tree) or, where a
+# function says so, the plain model; `layer: Any` is one of peft's LoRA layers.
 
 
 def wrap_lora(
@@ -41,11 +45,13 @@ def wrap_lora(
     the experts' 3-D parameters and the router's weight as ParamWrappers, which need
     dropout 0)."""
     from peft import LoraConfig, get_peft_model
+    from transformers import PreTrainedModel
 
     config = LoraConfig(
         task_type="CAUSAL_LM",
         r=r,
-        lora_alpha=alpha,
+        # peft annotates an int, and divides it by r as a float: alpha may be any positive number
+        lora_alpha=alpha,  # pyright: ignore[reportArgumentType]
         lora_dropout=dropout,
         target_modules=target_modules,
     )
@@ -63,7 +69,7 @@ def wrap_lora(
             f"models.lora.target_modules ({target_modules!r}) adapts {tied}, tied to another "
             "weight: the merged model could not be written as a plain one; leave it out"
         )
-    if getattr(model, "is_gradient_checkpointing", False):
+    if isinstance(model, PreTrainedModel) and model.is_gradient_checkpointing:
         # reentrant checkpointing needs an input that requires grad (the embeddings are frozen)
         model.enable_input_require_grads()
     return wrapped
@@ -266,7 +272,7 @@ def _plain_key(key: str, adapted: dict[str, Any]) -> str | None:
 
 
 def save_merged(
-    model: Any, tokenizer: Any, path: str | Path, state: dict[str, torch.Tensor] | None = None
+    model: Any, tokenizer: Tokenizer, path: str | Path, state: dict[str, torch.Tensor] | None = None
 ) -> None:
     """A plain HF folder (safetensors, config, tokenizer) of the merged weights (`state`, or
     `merged_state_dict(model)`): it loads with `AutoModelForCausalLM.from_pretrained` and no

@@ -59,7 +59,7 @@ class TokenizerProblem:
 
 
 def _special_ids(tokenizer: Any) -> set[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    ids: set[int] = set(getattr(tokenizer, "all_special_ids", ()))
     for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
         if token.special:
             ids.add(int(i))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.models.loading import ModelLoadError
+from keel.types import Tokenizer
 
 
 class TokenizerMismatchError(ModelLoadError):
@@ -32,11 +33,11 @@ class TokenizerFingerprint:
         return {"vocab_size": self.size, "sha256": self.sha256}
 
 
-def _pairs(tokenizer: Any) -> list[tuple[int, str]]:
+def _pairs(tokenizer: Tokenizer) -> list[tuple[int, str]]:
     return sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items())
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> TokenizerFingerprint:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> TokenizerFingerprint:
     """The fingerprint of a transformers tokenizer's vocabulary."""
     pairs = _pairs(tokenizer)
     digest = hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode("utf-8")).hexdigest()
@@ -51,7 +52,9 @@ def _mismatch(student: str, teacher: str, detail: str) -> TokenizerMismatchError
     )
 
 
-def check_same_vocabulary(student_tok: Any, teacher_tok: Any, student: str, teacher: str) -> None:
+def check_same_vocabulary(
+    student_tok: Tokenizer, teacher_tok: Tokenizer, student: str, teacher: str
+) -> None:
     """A TokenizerMismatchError naming both models (and the first id that differs) unless
     the two tokenizers map every id to the same token."""
     a, b = _pairs(student_tok), _pairs(teacher_tok)
@@ -67,7 +70,7 @@ def check_same_vocabulary(student_tok: Any, teacher_tok: Any, student: str, teac
 
 
 def check_fingerprint(
-    student_tok: Any, teacher: TokenizerFingerprint, student: str, teacher_name: str
+    student_tok: Tokenizer, teacher: TokenizerFingerprint, student: str, teacher_name: str
 ) -> None:
     """As check_same_vocabulary, against a remote teacher's fingerprint."""
     mine = tokenizer_fingerprint(student_tok)

@@ -165,6 +165,7 @@ class WandbSink:
     ):
         require("wandb", "monitor.wandb")
         import wandb
+        from wandb.errors import CommError, UsageError
 
         env = os.environ if environ is None else environ
         self.run_dir, self.final_step = run_dir, final_step
@@ -186,7 +187,7 @@ class WandbSink:
             )  # fmt: skip
         except BaseException as exc:
             wandb.teardown()  # the service process it started
-            if isinstance(exc, (wandb.errors.CommError, wandb.errors.UsageError)):
+            if isinstance(exc, (CommError, UsageError)):
                 raise TrackerError(
                     f"monitor.wandb: W&B did not start the run ({exc}); a server out of reach "
                     f"fails after {timeout:g}s (WANDB_INIT_TIMEOUT)"

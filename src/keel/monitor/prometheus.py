@@ -107,7 +107,7 @@ class PrometheusSink:
         labels = {**self.base, "role": spec.role} if spec.role else self.base
         value *= spec.scale
         child = family.labels(**labels)
-        if spec.kind == "gauge":
+        if isinstance(child, Gauge):  # spec.kind == "gauge" (see _family)
             child.set(value)
         elif math.isfinite(value):
             delta = value if spec.kind == "increment" else value - self.totals.get(key, 0.0)

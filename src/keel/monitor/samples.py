@@ -68,13 +68,13 @@ class SamplesLog:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         if self.console is not None:
-            self._print(rows)
+            self._print(self.console, rows)
         return rows
 
-    def _print(self, rows: list[dict[str, Any]]) -> None:
+    def _print(self, console: Console, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             reward = f"{row['reward']:.3g}" if "reward" in row else "-"
-            self.console.print(
+            console.print(
                 f"[dim]sample step {row['step']}[/] reward={reward}  "
                 f"{escape(repr(row['prompt']))} → {escape(repr(row['response']))}",
                 soft_wrap=True,

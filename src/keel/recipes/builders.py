@@ -18,7 +18,6 @@ from keel.config.algorithms import (
     GRPOAlgorithm,
     PPOAlgorithm,
     ReinforcePPAlgorithm,
-    RewardKLAlgorithm,
     RLAlgorithm,
     RLOOAlgorithm,
     RMAlgorithm,
@@ -27,6 +26,10 @@ from keel.config.algorithms import (
 from keel.config.loading import ConfigError
 from keel.config.schema import KeelConfig
 from keel.recipes.correction import check_guard_corrections
+
+# the online algorithms by their config classes (each names itself: `name` is a Literal there)
+RewardKLAlgorithms = PPOAlgorithm | RLOOAlgorithm | ReinforcePPAlgorithm
+OnlineAlgorithm = GRPOAlgorithm | RewardKLAlgorithms
 
 
 def _sft(cfg: KeelConfig, algo: SFTAlgorithm) -> AlgorithmSpec:
@@ -67,7 +70,7 @@ def _grpo(cfg: KeelConfig, algo: GRPOAlgorithm) -> AlgorithmSpec:
     )
 
 
-def _ppo_clip_fields(cfg: KeelConfig, algo: RLAlgorithm, roles: set[str]) -> dict[str, Any]:
+def _ppo_clip_fields(cfg: KeelConfig, algo: OnlineAlgorithm, roles: set[str]) -> dict[str, Any]:
     """The spec fields every online algorithm shares (algorithm.policy_loss, the loss terms and
     the rollout correction)."""
     fields = dict(
@@ -135,7 +138,7 @@ def _clip_kwargs(algo: RLAlgorithm) -> dict[str, float]:
 
 def _reward_kl_spec(
     cfg: KeelConfig,
-    algo: RewardKLAlgorithm,
+    algo: RewardKLAlgorithms,
     advantage: str,
     extra_roles: frozenset[str] = frozenset(),
     **changes: Any,

@@ -8,6 +8,7 @@ import inspect
 import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import cast
 
 from keel.config.paths import missing_hint
 from keel.rewards.verifiers import even_answer, exact_match, math_equivalent, numeric_match, zero
@@ -67,7 +68,8 @@ def load_reward_fn(
         _check_trl_signature(fn, spec, keywords, field)
     else:
         _check_signature(fn, spec, field)
-    return fn
+    # a user's function: its signature is checked above, each score where it is called
+    return cast(RewardFn, fn)
 
 
 def load_module(name: str, field: str = "reward.fn", error: type[ValueError] = RewardLoadError):
@@ -103,7 +105,7 @@ def load_file_module(
     return module
 
 
-def _check_signature(fn: RewardFn, spec: str, field: str) -> None:
+def _check_signature(fn: Callable[..., object], spec: str, field: str) -> None:
     try:
         inspect.signature(fn).bind("prompt", "response", "answer")
     except TypeError:
@@ -114,7 +116,9 @@ def _check_signature(fn: RewardFn, spec: str, field: str) -> None:
         return
 
 
-def _check_trl_signature(fn: RewardFn, spec: str, keywords: Collection[str], field: str) -> None:
+def _check_trl_signature(
+    fn: Callable[..., object], spec: str, keywords: Collection[str], field: str
+) -> None:
     names = ["completions", "prompts", *keywords]
     try:
         inspect.signature(fn).bind(**{name: [] for name in names})

@@ -105,10 +105,12 @@ def build_app(served: Served, cfg: ServeConfig) -> FastAPI:
         check_model(served, model_id, param=None)
         return _json(_model_card(served, model_id))
 
-    if served.kind == "reward":
+    if isinstance(served, ServedReward):
         _score_route(app, served, cfg, token)
-    else:
+    elif isinstance(served, ServedPolicy):
         _generation_routes(app, served, cfg, token)
+    else:
+        raise TypeError(f"cannot serve a {type(served).__name__}: a policy or a reward model")
     return app
 
 
@@ -314,7 +316,7 @@ async def _body(request: Request, cfg: ServeConfig) -> bytes:
     return b"".join(chunks)
 
 
-def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     text = json.dumps(body, separators=(",", ":"))
     return Response(text, status_code=status, media_type="application/json", headers=headers)
 

@@ -29,8 +29,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+Key = TypeVar("Key", bound=Hashable)
 Row = TypeVar("Row")
 Result = TypeVar("Result")
+KeyIn = TypeVar("KeyIn", bound=Hashable, contravariant=True)
+RowIn = TypeVar("RowIn", contravariant=True)
+ResultOut = TypeVar("ResultOut", covariant=True)
+T = TypeVar("T")  # what a task run between batches gives
 
 
 class QueueFull(RuntimeError):
@@ -41,17 +46,17 @@ class QueueClosed(RuntimeError):
     """The queue is draining for shutdown and takes no new jobs (HTTP 503)."""
 
 
-class BatchRunner(Protocol[Row, Result]):
+class BatchRunner(Protocol[KeyIn, RowIn, ResultOut]):
     """Runs one batch: every row shares `key`; returns one result per row, in order."""
 
-    def __call__(self, key: Any, rows: Sequence[Row]) -> Sequence[Result]: ...
+    def __call__(self, key: KeyIn, rows: Sequence[RowIn]) -> Sequence[ResultOut]: ...
 
 
 @dataclass
-class Job(Generic[Row, Result]):
+class Job(Generic[Key, Row, Result]):
     """One request's rows; `future` resolves to their results (a list, in order)."""
 
-    key: Hashable
+    key: Key
     rows: list[Row]
     future: Future[list[Result]] = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
@@ -68,7 +73,17 @@ class BatchReport:
     error: BaseException | None = None
 
 
-class WorkQueue:
+class Queued(Protocol):
+    """What a `WorkQueue` needs of a job: the future its results resolve."""
+
+    @property
+    def future(self) -> Future[Any]: ...  # Any: each queue's jobs resolve to their own results
+
+
+QueuedJob = TypeVar("QueuedJob", bound=Queued)
+
+
+class WorkQueue(Generic[QueuedJob]):
     """What keel serve's two schedulers share (this module's `BatchingQueue` and
     `keel.serve.continuous.ContinuousScheduler`): jobs (each with a `future`) submitted from any
     thread, at most `max_pending` unfinished; work queued `between_batches`; `pause` / `resume`;
@@ -77,7 +92,8 @@ class WorkQueue:
 
     def __init__(self, max_pending: int, name: str):
         self.max_pending = max_pending
-        self._jobs: deque[Any] = deque()
+        self._jobs: deque[QueuedJob] = deque()
+        # Any: each task has a result type of its own (between_batches is generic in it)
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._pending = 0
         self._closed = False
@@ -85,7 +101,7 @@ class WorkQueue:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
 
-    def _enqueue(self, job: Any) -> None:
+    def _enqueue(self, job: QueuedJob) -> None:
         """Queue `job` (raises QueueClosed, QueueFull); it is pending until its future is done."""
         with self._cond:
             if self._closed:
@@ -97,10 +113,10 @@ class WorkQueue:
             self._cond.notify()
         job.future.add_done_callback(self._finished)
 
-    def between_batches(self, task: Callable[[], Any]) -> Future[Any]:
+    def between_batches(self, task: Callable[[], T]) -> Future[T]:
         """Run `task` on the worker thread between two batches (continuous batching: once no
         row is live, no row joining meanwhile); the future gives its result."""
-        done: Future[Any] = Future()
+        done: Future[T] = Future()
         with self._cond:
             self._tasks.append((task, done))
             self._cond.notify()
@@ -145,18 +161,18 @@ class WorkQueue:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    def _finished(self, _: Future[Any]) -> None:
+    def _finished(self, _: object) -> None:
         with self._cond:
             self._pending -= 1
 
-    def _row_count(self, job: Any) -> int:
+    def _row_count(self, job: QueuedJob) -> int:
         raise NotImplementedError
 
     def _work(self) -> None:
         raise NotImplementedError
 
 
-class BatchingQueue(WorkQueue, Generic[Row, Result]):
+class BatchingQueue(WorkQueue[Job[Key, Row, Result]], Generic[Key, Row, Result]):
     """Jobs in, batched runner calls on one worker thread, results out (see the module doc).
 
     max_rows: most rows in one call (a job larger than that runs alone). max_wait_s: longest the
@@ -165,7 +181,7 @@ class BatchingQueue(WorkQueue, Generic[Row, Result]):
 
     def __init__(
         self,
-        runner: BatchRunner[Row, Result],
+        runner: BatchRunner[Key, Row, Result],
         *,
         max_rows: int,
         max_wait_s: float,
@@ -178,17 +194,17 @@ class BatchingQueue(WorkQueue, Generic[Row, Result]):
         self.max_rows = max_rows
         self.max_wait_s = max_wait_s
         self.on_batch = on_batch
-        self._jobs: deque[Job[Row, Result]] = deque()
+        self._jobs: deque[Job[Key, Row, Result]] = deque()
         self._thread.start()
 
     # ------------------------------------------------------------------ the submitting side
-    def submit(self, key: Hashable, rows: list[Row]) -> Future[list[Result]]:
+    def submit(self, key: Key, rows: list[Row]) -> Future[list[Result]]:
         """Queue a job; its future gives the rows' results. Raises QueueFull, QueueClosed."""
-        job: Job[Row, Result] = Job(key, rows)
+        job: Job[Key, Row, Result] = Job(key, rows)
         self._enqueue(job)
         return job.future
 
-    def _row_count(self, job: Job[Row, Result]) -> int:
+    def _row_count(self, job: Job[Key, Row, Result]) -> int:
         return len(job.rows)
 
     # ------------------------------------------------------------------ the worker thread
@@ -209,7 +225,7 @@ class BatchingQueue(WorkQueue, Generic[Row, Result]):
             elif batch:
                 self._run(batch)
 
-    def _take_batch(self) -> list[Job[Row, Result]]:
+    def _take_batch(self) -> list[Job[Key, Row, Result]]:
         """The oldest job and the later ones with its key that fit, after waiting (lock held)
         until the rows reach max_rows or the oldest job has waited max_wait_s."""
         first = self._jobs[0]
@@ -228,7 +244,7 @@ class BatchingQueue(WorkQueue, Generic[Row, Result]):
         # A job whose caller gave up while it waited (asyncio cancelled it) is dropped here.
         return [job for job in chosen if job.future.set_running_or_notify_cancel()]
 
-    def _fitting(self, first: Job[Row, Result]) -> list[Job[Row, Result]]:
+    def _fitting(self, first: Job[Key, Row, Result]) -> list[Job[Key, Row, Result]]:
         chosen, rows = [first], len(first.rows)
         for job in self._jobs:
             if job is not first and job.key == first.key and rows + len(job.rows) <= self.max_rows:
@@ -236,7 +252,7 @@ class BatchingQueue(WorkQueue, Generic[Row, Result]):
                 rows += len(job.rows)
         return chosen
 
-    def _run(self, batch: list[Job[Row, Result]]) -> None:
+    def _run(self, batch: list[Job[Key, Row, Result]]) -> None:
         """One runner call for the batch's rows; each job gets its share (or the error)."""
         rows = [row for job in batch for row in job.rows]
         start = time.monotonic()
@@ -260,7 +276,7 @@ class BatchingQueue(WorkQueue, Generic[Row, Result]):
             offset += len(job.rows)
 
 
-def _run_task(task: Callable[[], Any], done: Future[Any]) -> None:
+def _run_task(task: Callable[[], T], done: Future[T]) -> None:
     if not done.set_running_or_notify_cancel():
         return
     try:

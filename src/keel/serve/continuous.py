@@ -32,7 +32,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +214,7 @@ class _Row:
         )
 
 
-class ContinuousScheduler(WorkQueue):
+class ContinuousScheduler(WorkQueue[_Job]):
     """Jobs in, one decoder stepped on one thread, rows joining and leaving per token (see
     the module doc).
 
@@ -242,7 +242,7 @@ class ContinuousScheduler(WorkQueue):
         self.on_first_token = on_first_token
         self._decoder: Decoder | None = None  # opened on the scheduler thread
         self._jobs: deque[_Job] = deque()
-        self._rows: dict[int, _Row] = {}  # the live rows by key (the scheduler thread's)
+        self._rows: dict[Hashable, _Row] = {}  # the live rows by key (the scheduler thread's)
         self._live_jobs: list[_Job] = []
         self._keys = itertools.count()
         self._since_join = 0  # decode steps since the last join

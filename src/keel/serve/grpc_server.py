@@ -23,11 +23,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from keel.chatapi.errors import APIError, bad_request
 from keel.chatapi.responses import Answer, Reply, fingerprint, usage
@@ -56,6 +58,9 @@ STATUS = {
 }
 
 
+R = TypeVar("R")  # what an RPC's work gives
+
+
 class KeelServicer(pb_grpc.KeelServicer):
     """The Keel service over one served model (a policy, or a reward model with --reward)."""
 
@@ -65,7 +70,9 @@ class KeelServicer(pb_grpc.KeelServicer):
         self.token = cfg.bearer_token()
 
     # ------------------------------------------------------------------ the RPCs
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Any:
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> pb.GenerateResponse:
         def run() -> pb.GenerateResponse:
             reply, plan, answered = self._generate(request, context)
             choices = [
@@ -85,7 +92,9 @@ class KeelServicer(pb_grpc.KeelServicer):
 
         return self._answer("Generate", request, context, run)
 
-    def GenerateStream(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Any:
+    def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateChunk]:
         policy = self.served
         if isinstance(policy, ServedPolicy) and policy.streams:
             return self._stream(policy, request, context)
@@ -97,8 +106,8 @@ class KeelServicer(pb_grpc.KeelServicer):
                 pieces = a.pieces if a.pieces is not None else [a.text]
                 logprobs = a.logprobs if request.logprobs and a.logprobs is not None else None
                 for k, piece in enumerate(pieces):
-                    lp = {"logprob": logprobs[k]} if logprobs is not None else {}
-                    chunks.append(pb.GenerateChunk(id=reply.id, index=i, text=piece, **lp))
+                    lp = logprobs[k] if logprobs is not None else None  # None: not set
+                    chunks.append(pb.GenerateChunk(id=reply.id, index=i, text=piece, logprob=lp))
                 chunks.append(pb.GenerateChunk(id=reply.id, index=i, finish_reason=a.finish_reason))
             last = pb.Usage(**usage(plan.prompt_tokens, answered))
             chunks.append(pb.GenerateChunk(id=reply.id, usage=last))
@@ -109,7 +118,10 @@ class KeelServicer(pb_grpc.KeelServicer):
         return iter(self._answer("GenerateStream", request, context, run))
 
     def _stream(
-        self, policy: ServedPolicy, request: Any, context: grpc.ServicerContext
+        self,
+        policy: ServedPolicy,
+        request: pb.GenerateRequest | Undecodable,
+        context: grpc.ServicerContext,
     ) -> Iterator[pb.GenerateChunk]:
         """GenerateStream with continuous batching: each token's chunk leaves as it is decoded
         (the scheduler thread puts the rows' `Delta`s on a queue this call's thread reads);
@@ -121,7 +133,7 @@ class KeelServicer(pb_grpc.KeelServicer):
         failure: tuple[str, str] | None = None
         finished = False
         try:
-            authorize(dict(context.invocation_metadata()).get("authorization"), self.token)
+            authorize(_authorization(context), self.token)
             if isinstance(request, Undecodable):
                 raise bad_request(str(request), code="invalid_message")
             plan, prefix = self._plan(policy, request, stream=True)
@@ -129,12 +141,12 @@ class KeelServicer(pb_grpc.KeelServicer):
             future = policy.submit(plan.prompts, plan.n, plan.sampling, stops=plan.stops,
                                    on_delta=deltas.put)  # fmt: skip
             future.add_done_callback(lambda _: deltas.put(None))
-            context.add_callback(future.cancel)  # a cancelled call leaves the decoder
+            _cancel_with_call(context, future)  # a cancelled call leaves the decoder
             reply = Reply.new(prefix, policy.name, policy.step)
             while (delta := deltas.get()) is not None:
                 for piece, logprob in zip(delta.pieces, delta.logprobs, strict=True):
-                    lp = {"logprob": logprob} if request.logprobs else {}
-                    yield pb.GenerateChunk(id=reply.id, index=delta.index, text=piece, **lp)
+                    lp = logprob if request.logprobs else None  # None: not set
+                    yield pb.GenerateChunk(id=reply.id, index=delta.index, text=piece, logprob=lp)
                 if delta.finish is not None:
                     yield pb.GenerateChunk(id=reply.id, index=delta.index,
                                            finish_reason=delta.finish)  # fmt: skip
@@ -158,7 +170,7 @@ class KeelServicer(pb_grpc.KeelServicer):
             metrics.error(failure[0])
             context.abort(code, failure[1])  # raises
 
-    def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> Any:
+    def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         def run() -> pb.ScoreResponse:
             reward = self.served
             if not isinstance(reward, ServedReward):
@@ -172,7 +184,7 @@ class KeelServicer(pb_grpc.KeelServicer):
             check_score_model(reward, req.model)
             rows = reward.rows(req)
             future = reward.submit(rows)
-            context.add_callback(future.cancel)  # a call cancelled while queued is not scored
+            _cancel_with_call(context, future)  # a call cancelled while queued is not scored
             scores = reward.wait(future)
             reward.count(rows)
             return pb.ScoreResponse(scores=scores)
@@ -181,8 +193,8 @@ class KeelServicer(pb_grpc.KeelServicer):
 
     # ------------------------------------------------------------------ the shared parts
     def _answer(
-        self, method: str, request: Any, context: grpc.ServicerContext, run: Callable[[], Any]
-    ) -> Any:
+        self, method: str, request: object, context: grpc.ServicerContext, run: Callable[[], R]
+    ) -> R:
         """run() after the token check (and, for a request that did not decode, a 400); an
         APIError becomes its status code (the call ends), and the call is counted like an HTTP
         request."""
@@ -191,7 +203,7 @@ class KeelServicer(pb_grpc.KeelServicer):
         start = time.perf_counter()
         metrics.in_flight.inc()
         try:
-            authorize(dict(context.invocation_metadata()).get("authorization"), self.token)
+            authorize(_authorization(context), self.token)
             if isinstance(request, Undecodable):
                 raise bad_request(str(request), code="invalid_message")
             return run()
@@ -218,7 +230,7 @@ class KeelServicer(pb_grpc.KeelServicer):
                            code="unimplemented")  # fmt: skip
         plan, prefix = self._plan(policy, request, stream)
         future = policy.submit(plan.prompts, plan.n, plan.sampling, stops=plan.stops)
-        context.add_callback(future.cancel)  # a call cancelled while queued is not generated
+        _cancel_with_call(context, future)  # a call cancelled while queued is not generated
         gens = policy.wait(future)
         answered = answers(policy, plan, gens)
         reply = Reply.new(prefix, policy.name, gens[0].step if gens else policy.step)
@@ -241,19 +253,36 @@ class KeelServicer(pb_grpc.KeelServicer):
             chat: ChatCompletionRequest = validate(
                 {**data, "logprobs": request.logprobs}, ChatCompletionRequest
             )
-            req, prompts, param = chat, [chat.template_messages], "messages"
+            prompts: list[Prompt] = [chat.template_messages]
+            req, param = chat, "messages"
             budget = chat.token_budget(self.cfg.max_new_tokens)
             prefix = "chatcmpl"
         else:
             data["prompt"] = request.prompt
             text: CompletionRequest = validate(data, CompletionRequest)
             req, param = text, "prompt"
-            prompts: list[Prompt] = list(text.prompts)
+            prompts = list(text.prompts)
             budget, prefix = text.max_tokens, "cmpl"
         check_model(policy, req.model)
         plan = plan_generation(policy, self.cfg, req, prompts, budget,
                                request.logprobs or stream, prompt_param=param)  # fmt: skip
         return plan, prefix
+
+
+def _authorization(context: grpc.ServicerContext) -> str | None:
+    """The call's authorization metadata (a text key: never bytes, which only -bin keys carry)."""
+    value = dict(context.invocation_metadata()).get("authorization")
+    return value if isinstance(value, str) else None
+
+
+def _cancel_with_call(context: grpc.ServicerContext, future: Future[R]) -> None:
+    """`future` is cancelled when the call ends: a call cancelled (or its client gone) while
+    queued or decoding stops its work."""
+
+    def cancel() -> None:
+        future.cancel()
+
+    context.add_callback(cancel)
 
 
 def _token_logprobs(a: Answer) -> list[pb.TokenLogprob]:
@@ -266,7 +295,7 @@ def _token_logprobs(a: Answer) -> list[pb.TokenLogprob]:
 def _score_item(item: pb.ScoreItem, i: int) -> dict[str, Any]:
     if item.prompt and item.messages:
         raise bad_request(f"items.{i}: give one of prompt and messages", param=f"items.{i}")
-    prompt: Any = item.prompt
+    prompt: Prompt = item.prompt
     if item.messages:
         prompt = [{"role": m.role, "content": m.content} for m in item.messages]
     answer = item.answer if item.HasField("answer") else None
@@ -286,8 +315,8 @@ class Undecodable:
         return f"the request is not a {self.message} message: {self.error}"
 
 
-def _decoder(message: Any) -> Callable[[bytes], Any]:
-    def decode(data: bytes) -> Any:
+def _decoder(message: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def decode(data: bytes) -> Message | Undecodable:
         try:
             return message.FromString(data)
         except Exception as exc:  # DecodeError: malformed, or nested past the depth limit
@@ -315,7 +344,8 @@ def add_servicer(servicer: KeelServicer, server: grpc.Server) -> None:
     }  # fmt: skip
     service = pb.DESCRIPTOR.services_by_name["Keel"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
+    # grpcio has this method since 1.63; typeshed's grpcio stubs lack it
+    server.add_registered_method_handlers(service, handlers)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def start_grpc(served: Served, cfg: ServeConfig, host: str, port: int) -> grpc.Server:

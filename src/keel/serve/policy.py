@@ -26,9 +26,7 @@ from keel.serve.config import ServeFileConfig
 from keel.serve.continuous import ContinuousScheduler, OnDelta
 from keel.serve.generation import Generation, GenerationRunner
 from keel.serve.served import Served
-from keel.types import Tokenizer
-
-Prompt = str | list[dict[str, Any]]  # text, or chat messages (through the chat template)
+from keel.types import Prompt, Tokenizer
 
 
 def load_frozen_model(folder: Path, cfg: ServeFileConfig, tokenizer: Tokenizer) -> torch.nn.Module:

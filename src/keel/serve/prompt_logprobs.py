@@ -38,7 +38,7 @@ class PromptLogprobsRequest(BaseModel):
 
     model: str | None = None
     token_ids: list[list[int]] = Field(min_length=1)
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
 
 
 def parse_request(body: bytes) -> PromptLogprobsRequest:

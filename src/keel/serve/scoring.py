@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,10 +23,9 @@ from keel.checkpoint.policy import PolicySource
 from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.serve.config import ServeFileConfig
 from keel.serve.served import Served
+from keel.types import Prompt
 from keel.workers.build import frozen_reward_model
 from keel.workers.reward_model import ModelRewardWorker
-
-Prompt = str | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class ScoreRunner:
         self.worker = worker
         self.step = step
 
-    def __call__(self, key: Any, rows: Sequence[ScoreRow]) -> list[float]:
+    def __call__(self, key: None, rows: Sequence[ScoreRow]) -> list[float]:
         prompts = [row.prompt for row in rows]
         responses = [row.response for row in rows]
         return self.worker.model_scores(prompts, responses).tolist()

@@ -22,6 +22,9 @@ from keel.serve.config import ServeFileConfig
 from keel.serve.metrics import ServeMetrics
 
 
+# `Any` in Served: the runner, and the rows and results of its queue, are the subclass's own
+# (ServedPolicy: a GenerationRunner, Examples → Generations; ServedReward: a ScoreRunner,
+# ScoreRows → floats), and the queue is a BatchingQueue or a ContinuousScheduler (same surface).
 class Served:
     """A model behind the endpoints. `runner` runs one batch (and has `step`, the training
     step of its weights, and `close`); `enqueue` queues a job of rows for it, `result` /

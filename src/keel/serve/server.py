@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import uvicorn
 
@@ -24,6 +25,9 @@ from keel.serve.follow import CheckpointFollower
 from keel.serve.policy import ServedPolicy, read_weights
 from keel.serve.scoring import ServedReward
 from keel.serve.served import Served
+
+if TYPE_CHECKING:
+    import grpc  # the gRPC server is started only with --grpc-port (keel.serve.grpc_server)
 
 BUILTIN = "builtin:"
 log = logging.getLogger(__name__)
@@ -54,7 +58,14 @@ def model_name(model: str, cfg: ServeFileConfig) -> str:
     return Path(model).expanduser().resolve().name
 
 
-def check_tls(cfg: ServeFileConfig) -> dict[str, str]:
+class TLSFiles(TypedDict, total=False):
+    """uvicorn.Config's ssl options: both or neither."""
+
+    ssl_certfile: str
+    ssl_keyfile: str
+
+
+def check_tls(cfg: ServeFileConfig) -> TLSFiles:
     """uvicorn's ssl options; the files must exist."""
     s = cfg.serve
     if s.tls_certfile is None or s.tls_keyfile is None:
@@ -70,12 +81,14 @@ class DrainingServer(uvicorn.Server):
     (new calls refused, running ones finish) as shutdown begins, says where it listens once it
     does, and exits 0 after a graceful SIGTERM instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, policy: Served, grpc_server: Any = None):
+    def __init__(
+        self, config: uvicorn.Config, policy: Served, grpc_server: grpc.Server | None = None
+    ):
         super().__init__(config)
         self.policy = policy
         self.grpc_server = grpc_server
 
-    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         for server in self.servers:
             for sock in server.sockets:
@@ -141,7 +154,9 @@ def serve(
             follower.start()
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-            timeout_graceful_shutdown=cfg.serve.drain_timeout_s, **tls,
+            # uvicorn annotates int but hands it to asyncio.wait_for, which takes a float
+            timeout_graceful_shutdown=cfg.serve.drain_timeout_s,  # pyright: ignore[reportArgumentType]
+            **tls,
         )  # fmt: skip
         server = DrainingServer(config, served, grpc_server)
         server.run()
