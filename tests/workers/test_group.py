@@ -68,6 +68,9 @@ class Actor:
     def export_weights(self):
         return self.model.state_dict(), self.weight_version, 0  # (state, version, lineage)
 
+    def adapter_config(self):
+        return None  # a plain model: the sync pushes full weights, never an adapter
+
 
 class Engine:
     def __init__(self):
