@@ -29,9 +29,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.rewards.scoring import RewardScorer, checked_scores
+
+if TYPE_CHECKING:  # keel.types imports torch; scoring needs only the standard library
+    from keel.types import Prompt
 
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -64,14 +67,14 @@ class RemoteRewardScorer(RewardScorer):
         self.api_key = api_key
 
     def score(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         rows = list(zip(prompts, responses, answers, strict=True))
         chunks = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
         calls = [partial(self._request, chunk) for chunk in chunks]
         return self._score_calls(rows, calls, [len(c) for c in chunks], lists=True)
 
-    def _request(self, rows: list[tuple[Any, str, Any]]) -> list[float | BaseException]:
+    def _request(self, rows: list[tuple[Prompt, str, Any]]) -> list[float | BaseException]:
         """One request for `rows`, retried on transient failures; a score per row (an
         exception for a row whose value is unusable)."""
         deadline = time.monotonic() + self.timeout_s if self.timeout_s else math.inf

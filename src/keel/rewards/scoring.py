@@ -34,7 +34,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # keel.types imports torch; scoring needs only the standard library
+    from keel.types import Prompt
+
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: scores are float32 tensors
 log = logging.getLogger(__name__)
@@ -48,11 +52,11 @@ class Scorer(Protocol):
     last call as (rule, message), and the timed-out calls still running."""
 
     def score(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]: ...
 
     def score_parts(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int, dict[str, float]]: ...
 
     def pop_warnings(self) -> list[tuple[str, str]]: ...
@@ -188,7 +192,7 @@ class RewardScorer:
         self._warnings: list[tuple[str, str]] = []  # (rule, message) since pop_warnings
 
     def score(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         """(one score per row, number of rows that errored)."""
         rows = list(zip(prompts, responses, answers, strict=True))
@@ -196,7 +200,7 @@ class RewardScorer:
         return self._score_calls(rows, calls, [1] * len(rows), lists=False)
 
     def score_parts(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int, dict[str, float]]:
         """`score` and the metrics of its parts: {} for one function (WeightedRewardScorer
         has one `reward/<name>` mean per function)."""
@@ -215,7 +219,7 @@ class RewardScorer:
 
     def _score_calls(
         self,
-        rows: list[tuple[Any, str, Any]],
+        rows: list[tuple[Prompt, str, Any]],
         calls: list[Callable[[], Any]],
         sizes: list[int],
         *,
@@ -248,7 +252,7 @@ class RewardScorer:
         return self._apply_policy(rows, flat)
 
     def _apply_policy(
-        self, rows: list[tuple[Any, str, Any]], outcomes: Sequence[float | BaseException]
+        self, rows: list[tuple[Prompt, str, Any]], outcomes: Sequence[float | BaseException]
     ) -> tuple[list[float], int]:
         """The error policy over one outcome per row: fallback scores, error count, the rate."""
         scores, errors = [], 0
@@ -272,7 +276,7 @@ class RewardScorer:
         self._hung = [call for call in self._hung if not call.done.is_set()]
         return len(self._hung)
 
-    def _checked(self, prompt: Any, response: str, answer: Any) -> float:
+    def _checked(self, prompt: Prompt, response: str, answer: Any) -> float:
         return checked_score(self.fn(prompt, response, answer, **self.kwargs), self.max_abs)
 
     def _run_calls(
@@ -385,7 +389,7 @@ class RewardScorer:
             )
 
     def _raise_unless_fallback(
-        self, i: int, prompt: Any, response: str, exc: BaseException
+        self, i: int, prompt: Prompt, response: str, exc: BaseException
     ) -> None:
         if self.on_error == "raise":
             raise RewardError(
@@ -413,7 +417,7 @@ class BatchRewardScorer(RewardScorer):
         self.answer_key = answer_key
 
     def score(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         rows = list(zip(prompts, responses, answers, strict=True))
         if not rows:
@@ -435,7 +439,7 @@ class BatchRewardScorer(RewardScorer):
             return self._apply_policy(rows, [outcome] * len(rows))
         return self._apply_policy(rows, outcome)
 
-    def _call(self, rows: list[tuple[Any, str, Any]]) -> list[float | BaseException]:
+    def _call(self, rows: list[tuple[Prompt, str, Any]]) -> list[float | BaseException]:
         prompts = [p for p, _, _ in rows]
         completions = [
             [{"role": "assistant", "content": r}] if isinstance(p, list) else r for p, r, _ in rows

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.rewards.scoring import RewardScorer
+
+if TYPE_CHECKING:  # keel.types imports torch; scoring needs only the standard library
+    from keel.types import Prompt
 
 
 @dataclass
@@ -38,14 +41,14 @@ class WeightedRewardScorer:
         self.parts = list(parts)
 
     def score(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int]:
         """(Σ weight · score per row [B], failed rows summed over the functions)."""
         scores, errors, _ = self.score_parts(prompts, responses, answers)
         return scores, errors
 
     def score_parts(
-        self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any]
+        self, prompts: Sequence[Prompt], responses: Sequence[str], answers: Sequence[Any]
     ) -> tuple[list[float], int, dict[str, float]]:
         """(weighted sums [B], failed rows summed over the functions, {"reward/<name>": the
         function's mean score over the B rows, fallback scores included, before its weight})."""
