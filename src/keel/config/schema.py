@@ -356,6 +356,17 @@ class VLLMConfig(Section):
         "the adapter only (megabytes), where vLLM can apply it (else the merged weights, the "
         "reason logged once); off: the merged weights, always",
     )
+    engines: int = Field(
+        default=1,
+        ge=1,
+        description="vLLM engines, each in a process of its own behind a router "
+        "(keel.rollout.pool); 1: one engine in the rollout worker's process",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="devices each engine's model is split over (vLLM's tensor parallelism)",
+    )
 
 
 class EnvConfig(Section):

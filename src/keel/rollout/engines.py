@@ -75,7 +75,13 @@ def hf_decode(decode: str | None, on_cuda: bool) -> tuple[str, bool]:
 
 
 def vllm_engine(rollout: RolloutConfig, inputs: EngineInputs) -> RolloutEngine:
-    """vLLM (imported here only: the `keel[vllm]` extra)."""
+    """vLLM (imported here only: the `keel[vllm]` extra): one engine in this process, or
+    with rollout.vllm.engines > 1 or tensor_parallel_size > 1 an `EnginePool` of engines in
+    processes of their own behind a router (keel.rollout.pool)."""
+    if rollout.vllm.engines > 1 or rollout.vllm.tensor_parallel_size > 1:
+        from keel.rollout.pool import EnginePool
+
+        return EnginePool.build(rollout, inputs)
     from keel.rollout.vllm import VLLMRolloutEngine
 
     return VLLMRolloutEngine.build(rollout, inputs)

@@ -329,6 +329,9 @@ def engine_args(
     }
     if cfg.max_model_len is not None:
         args["max_model_len"] = cfg.max_model_len
+    if cfg.tensor_parallel_size > 1:  # vLLM's own worker processes (in an engine pool's child)
+        args["tensor_parallel_size"] = cfg.tensor_parallel_size
+        args["distributed_executor_backend"] = "mp"
     if inputs.device.type == "cpu":  # vLLM's CPU backend does not size its KV cache itself
         args["kv_cache_memory_bytes"] = int(cfg.kv_cache_space_gb * 2**30)
     if lora:
@@ -441,20 +444,31 @@ class VLLMRolloutEngine:
     def generate_ids(
         self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> Completions:
-        llm = self._engine()
+        self._engine()
         self._check_idle("generate_ids")
         if self.step_hook is not None:
             return self._stepped(prompt_ids, sampling, self.step_hook)
-        self._check_length(prompt_ids, sampling.max_new_tokens)
-        greedy = sampling.temperature == 0
         # One request per row (vLLM's prefix cache shares a prompt's KV blocks between its n
         # rows). Row i samples with its own generator, seeded seed + i, whatever vLLM's
         # batching; seed is drawn from torch's generator (seeded by Keel), which vLLM's sampler
         # also draws from (as HF generate does), so a run is reproducible from its seed.
         rows = [list(ids) for ids in prompt_ids for _ in range(sampling.n)]
         seed = int(torch.randint(0, 2**31 - 1 - len(rows), ()).item())
-        params = [self._sampling_params(sampling, greedy, seed + i) for i in range(len(rows))]
-        prompts = [{"prompt_token_ids": ids} for ids in rows]
+        return self.generate_rows(rows, sampling, [seed + i for i in range(len(rows))])
+
+    def generate_rows(
+        self, rows: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int]
+    ) -> Completions:
+        """One response per row (sampling.n is ignored), row i sampled with its own generator
+        seeded `seeds[i]` (unused by greedy rows): what `generate_ids` runs once it has drawn
+        the seeds, and what an engine pool (keel.rollout.pool) asks each of its engines, the
+        seeds drawn by the pool, so that a row samples the same tokens on any engine."""
+        llm = self._engine()
+        self._check_idle("generate_ids")
+        self._check_length(rows, sampling.max_new_tokens)
+        greedy = sampling.temperature == 0
+        params = [self._sampling_params(sampling, greedy, seed) for seed in seeds]
+        prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
         with eager_helpers(self.eager):
             outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter)
         responses = [list(out.outputs[0].token_ids) for out in outputs]

@@ -3,8 +3,9 @@ stamped with a weight version."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +15,7 @@ from keel.data.examples import Example
 from keel.engine.distributed import rank
 from keel.envs.agents import AgentRunner
 from keel.envs.episodes import EpisodeRunner
+from keel.rollout.pool import EnginesLostError
 from keel.rollout.protocol import (
     AdapterEngine,
     AdapterWeights,
@@ -23,6 +25,7 @@ from keel.rollout.protocol import (
     StreamedWeightsEngine,
 )
 from keel.types import Batch
+from keel.workers.group import WorkerLostError
 from keel.workers.weight_sync import (
     BucketChannel,
     ChannelSpec,
@@ -80,7 +83,8 @@ class RolloutWorker:
         version held when generation began) and meta["weight_version"], the oldest of them."""
         source = self.engine if self.episodes is None else self.episodes
         start = self.weight_version
-        batch = source.generate(examples, sampling, group_offset=group_offset)
+        with engines_lost():
+            batch = source.generate(examples, sampling, group_offset=group_offset)
         mask = batch.response_mask
         if mask is None:  # nothing generated to record
             batch.meta["weight_version"] = start
@@ -148,10 +152,11 @@ class RolloutWorker:
 
     def _apply(self, weights: dict[str, torch.Tensor] | AdapterWeights, tag: WeightTag) -> None:
         """Load full weights or a LoRA adapter into the engine; the worker then holds `tag`."""
-        if isinstance(weights, AdapterWeights):
-            self._adapter_engine().load_adapter(weights, tag.version)
-        else:
-            self.engine.update_weights(weights, tag.version)
+        with engines_lost():
+            if isinstance(weights, AdapterWeights):
+                self._adapter_engine().load_adapter(weights, tag.version)
+            else:
+                self.engine.update_weights(weights, tag.version)
         self._version, self._lineage = tag.version, tag.lineage
 
     def load_weights(
@@ -205,8 +210,10 @@ class RolloutWorker:
         return WeightTag(self._lineage, self._version)
 
     def weight_target(self) -> tuple[str, str]:
-        """(dtype, device type) of the engine's weights: what a collective push sends."""
-        return engine_target(self.engine)
+        """(dtype, device type) of the engine's weights: what a collective push sends (an
+        engine pool answers for its engines)."""
+        pooled: Callable[[], tuple[str, str]] | None = getattr(self.engine, "weight_target", None)
+        return pooled() if pooled is not None else engine_target(self.engine)
 
     def open_weight_sync(self, spec: ChannelSpec) -> None:
         """Join the collective weight sync as sync rank 1 + this rank."""
@@ -219,18 +226,19 @@ class RolloutWorker:
         at once; another gets the whole state at the end."""
         if self.weight_channel is None:
             raise RuntimeError("receive_weights before open_weight_sync")
-        engine = self.engine
-        if isinstance(engine, StreamedWeightsEngine):
-            # bucket by bucket into the engine as they arrive: no full copy on this side
-            tag = self.weight_channel.receive_stream(
-                self.weight_tag,
-                lambda _: engine.begin_weight_update(),
-                engine.load_weight_bucket,
-            )
-            engine.finish_weight_update(tag.version)
-        else:
-            state, tag = self.weight_channel.receive(self.weight_tag)
-            engine.update_weights(state, tag.version)
+        engine, channel = self.engine, self.weight_channel
+        with engines_lost():
+            if isinstance(engine, StreamedWeightsEngine):
+                # bucket by bucket into the engine as they arrive: no full copy on this side
+                tag = channel.receive_stream(
+                    self.weight_tag,
+                    lambda _: engine.begin_weight_update(),
+                    engine.load_weight_bucket,
+                )
+                engine.finish_weight_update(tag.version)
+            else:
+                state, tag = channel.receive(self.weight_tag)
+                engine.update_weights(state, tag.version)
         self._version, self._lineage = tag.version, tag.lineage
         return tag.version
 
@@ -251,6 +259,12 @@ class RolloutWorker:
         (state,) = states
         restore_rng(state)
 
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's own figures since the last call (an engine pool's rollout/engine{i}/...,
+        keel.rollout.pool); empty for an engine that has none."""
+        metrics: Callable[[], dict[str, float]] | None = getattr(self.engine, "metrics", None)
+        return dict(metrics()) if metrics is not None else {}
+
     def needs_weights(self) -> bool:
         """True when the engine holds its own copy of the policy (pushed after each update)."""
         return self.weights_from is None
@@ -269,3 +283,13 @@ def oldest_version(versions: torch.Tensor, mask: torch.Tensor, default: int) -> 
     mask [B, R] (the response tokens); `default` when no token is masked in."""
     kept = versions[mask != 0]
     return int(kept.min()) if kept.numel() else default
+
+
+@contextlib.contextmanager
+def engines_lost() -> Iterator[None]:
+    """Every engine of an engine pool died (keel.rollout.pool.EnginesLostError): a lost worker,
+    which the run answers with its group restart (resources.max_restarts)."""
+    try:
+        yield
+    except EnginesLostError as e:
+        raise WorkerLostError(f"the rollout worker lost its engines: {e}") from e

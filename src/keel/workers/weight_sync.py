@@ -366,6 +366,7 @@ class WeightReceiver(WeightEnd, Protocol):
     ) -> None: ...
     def weight_target(self) -> tuple[str, str]: ...
     def receive_weights(self) -> int: ...
+    def engine_metrics(self) -> dict[str, float]: ...
 
 
 class WeightSync(Protocol):
@@ -376,6 +377,15 @@ class WeightSync(Protocol):
     def __call__(self) -> dict[str, float]: ...
     def push(self) -> dict[str, float]: ...
     def close(self) -> None: ...
+
+
+def engine_figures(rollout: WorkerGroup[WeightReceiver]) -> dict[str, float]:
+    """The rollout engines' own figures since the last push (an engine pool's
+    rollout/engine{i}/..., `RolloutWorker.engine_metrics`), averaged over the rollout ranks
+    that have any; logged with the push's."""
+    ranks = [m for m in rollout.call_all(WeightReceiver.engine_metrics) if m]
+    keys = sorted({k for m in ranks for k in m})
+    return {k: sum(m.get(k, 0.0) for m in ranks) / len(ranks) for k in keys}
 
 
 class ObjectStoreSync:
@@ -400,6 +410,7 @@ class ObjectStoreSync:
             "timing/weight_push_s": time.perf_counter() - start,
             "rollout/weight_version": float(version),
             "weight_sync/bytes": float(nbytes),
+            **engine_figures(self.rollout),
         }
 
     __call__ = push
@@ -479,6 +490,7 @@ class CollectiveSync:
             "timing/weight_push_s": time.perf_counter() - start,
             "rollout/weight_version": float(received[0]),
             **sent[0],
+            **engine_figures(self.rollout),
         }
 
     __call__ = push

@@ -1,0 +1,736 @@
+"""Several vLLM engines behind a router (`rollout.vllm.engines` > 1, or
+`rollout.vllm.tensor_parallel_size` > 1): an `EnginePool` is a `RolloutEngine` whose engines
+each run a `VLLMRolloutEngine` in an OS process of their own.
+
+Processes. Each engine is a child started with multiprocessing's `spawn` and one pipe (this
+module's `engine_main`), which serves the pool's requests in order: a method name and its
+arguments in, the result (or the exception) out. On a CPU each engine is pinned to its own
+cores (`os.sched_setaffinity` of the child itself, and vLLM's `VLLM_CPU_OMP_THREADS_BIND` in its
+environment: engine i takes the i-th share of the cores the parent may run on; cores are
+shared only when there are fewer than engines × tensor_parallel_size). No engine outlives the
+pool: a child checks its parent every `WATCH_S` and exits when it is gone (a parent killed
+by SIGKILL included), `close()` asks each to shut vLLM down and joins it, then kills what is
+left, and a pool collected or left unclosed at the interpreter's exit kills its engines.
+With `tensor_parallel_size` > 1 vLLM starts its own worker processes inside the child (its
+multiprocessing executor; on a CPU each rank gets its own share of the engine's cores).
+
+Generation. `generate_ids` draws one sampling seed per row in this process (as the single
+engine does: from torch's generator), asks the router (`keel.rollout.router`) which engine
+serves which prompt (a prompt's n rows together; a prompt that extends an earlier one, e.g.
+an episode's next turn, on that prompt's engine), and runs every engine's share at once
+(`VLLMRolloutEngine.generate_rows` with the rows' own seeds, so a row samples the same tokens
+whichever engine serves it). Pushes and generation never overlap (one lock).
+
+Weights. A push is broadcast: `begin_weight_update`, each bucket (`load_weight_bucket`)
+sent to every live engine as it arrives, `finish_weight_update(version)`, each returning
+once every live engine has answered; `finish_weight_update` checks that every engine reports
+the pushed version, so no engine generates with older weights once a push has returned. A
+bucket crosses the pipe as raw bytes (`pack_bucket`: one copy of the bucket in this
+process, the tensors rebuilt in the child over one buffer of the bucket's size, which the
+engine's layerwise reload copies from). `update_weights(state, version)` streams the state
+in buckets of `BUCKET_BYTES`.
+
+Failure. An engine whose process dies (its pipe closes) is dropped: the router no longer
+sends it anything, and the rows it was generating are generated again on the live engines
+(with their seeds: the same tokens). A push goes on to the engines left. The run continues
+on fewer engines (`rollout/engine_failures`, `rollout/engines_live`); only when no engine
+is left does the pool raise `EnginesLostError`, which the rollout worker reports as a lost
+worker (the run's group restart). A dead engine is not restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from keel.config.loading import ConfigError
+from keel.data.examples import Example
+from keel.rollout.protocol import Completions, Decoder, SamplingParams
+from keel.rollout.responses import generate_examples
+from keel.rollout.router import Router
+from keel.types import Batch, Tokenizer
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from keel.config.schema import RolloutConfig
+    from keel.rollout.protocol import EngineInputs
+
+ALIGN_BYTES = 16  # every tensor of a bucket starts at a multiple of this (any dtype's size)
+BUCKET_BYTES = 64 * 2**20  # update_weights(state): the state streamed in buckets of this size
+# the engine methods after which an engine answers the weight version it holds
+VERSIONED = ("finish_weight_update", "load_adapter")
+WATCH_S = 0.5  # how often an engine's process checks that the pool's process is alive
+START_TIMEOUT_S = 600.0  # for an engine to start (vLLM's import and build)
+CLOSE_TIMEOUT_S = 30.0  # for an engine to shut down before it is killed
+
+
+class EnginesLostError(RuntimeError):
+    """Every engine of the pool died: nothing is left to generate with."""
+
+
+class EngineDied(Exception):
+    """One engine's process is gone (its pipe closed)."""
+
+
+# ------------------------------------------------------------------- buckets over a pipe
+def pack_bucket(
+    weights: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], torch.Tensor]:
+    """(header, payload): every tensor's bytes one after the other in one uint8 tensor (the
+    bucket's one copy), each at an offset aligned to ALIGN_BYTES (so that the receiver views
+    them in their dtype), and per tensor (name, dtype, shape, offset, byte count)."""
+    header = []
+    offset = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        header.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                       offset, nbytes))  # fmt: skip
+        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    payload = torch.zeros(offset, dtype=torch.uint8)
+    for (_, tensor), (_, _, _, start, nbytes) in zip(weights, header, strict=True):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        payload[start : start + nbytes] = flat
+    return header, payload
+
+
+def unpack_bucket(
+    header: Sequence[tuple[str, str, tuple[int, ...], int, int]], payload: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """`pack_bucket`'s tensors, as views of `payload` (no copy)."""
+    out = []
+    for name, dtype, shape, offset, nbytes in header:
+        raw = payload[offset : offset + nbytes]
+        out.append((name, raw.view(getattr(torch, dtype)).reshape(shape)))
+    return out
+
+
+# ------------------------------------------------------------------- the engine's process
+def engine_cores(index: int, engines: int, tp: int, allowed: Sequence[int]) -> list[list[int]]:
+    """The cores of engine `index`, one list per tensor-parallel rank: the `allowed` cores cut
+    in `engines` shares (at least one core each, shared round-robin when there are fewer
+    cores than engines × tp), each share cut in `tp`."""
+    cores = sorted(allowed)
+    per_engine = max(len(cores) // engines, tp)
+    start = index * per_engine
+    mine = [cores[(start + k) % len(cores)] for k in range(per_engine)]
+    per_rank = len(mine) // tp
+    return [mine[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
+
+
+def engine_gpus(engines: int, tp: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each engine: `tp` of the visible GPUs each, in order; a
+    ConfigError naming the keys when there are fewer than engines × tp (built, not run here:
+    no GPU on the machine that wrote it)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = ([d for d in visible.split(",") if d.strip()] if visible is not None
+           else [str(i) for i in range(torch.cuda.device_count())])  # fmt: skip
+    if len(ids) < engines * tp:
+        raise ConfigError(
+            f"rollout.vllm.engines ({engines}) × rollout.vllm.tensor_parallel_size ({tp}) GPUs "
+            f"are needed, {len(ids)} are visible"
+        )
+    return [",".join(ids[i * tp : (i + 1) * tp]) for i in range(engines)]
+
+
+def omp_bind(ranks: Sequence[Sequence[int]]) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for these ranks' cores: "0,1|2,3"."""
+    return "|".join(",".join(str(c) for c in cores) for cores in ranks)
+
+
+def _watch_parent(parent: int) -> None:
+    """End this process when the pool's process is gone (its parent changes)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(WATCH_S)
+
+
+def _no_copy() -> torch.nn.Module:
+    raise RuntimeError("a vLLM engine of a pool loads its own weights")
+
+
+def engine_main(
+    conn: Connection,
+    rollout: RolloutConfig,
+    inputs: EngineInputs,
+    ranks: list[list[int]] | None,
+    gpus: str | None,
+    parent: int,
+) -> None:
+    """An engine's process: build a VLLMRolloutEngine, answer ("ready", facts) or ("error",
+    exception), then serve (method, args) requests until "close"; ("bucket", header) is
+    followed by the bucket's bytes."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # a daemonic process may start no process of its own: vLLM's tensor-parallel workers are
+    # this one's (the pool still ends this process at its exit)
+    multiprocessing.current_process().daemon = False
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    if ranks is not None:  # on a CPU
+        from keel.engine.devices import return_freed_memory
+
+        return_freed_memory()  # as every Keel worker process on a CPU (keel.plan.inputs)
+        cores = sorted({c for rank in ranks for c in rank})
+        with contextlib.suppress(OSError):  # this process's own affinity, where allowed
+            os.sched_setaffinity(0, cores)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(ranks)
+        os.environ["OMP_NUM_THREADS"] = str(len(ranks[0]))
+        torch.set_num_threads(len(ranks[0]))
+    from keel.rollout.vllm import VLLMRolloutEngine
+
+    try:
+        engine = VLLMRolloutEngine.build(rollout, inputs)
+        dtype = str(engine._engine().llm_engine.model_config.dtype).removeprefix("torch.")
+        target = (dtype, "cuda" if engine.on_gpu else "cpu")
+        conn.send(("ready", {"target": target, "max_model_len": engine.max_model_len}))
+    except BaseException as e:
+        _send_error(conn, e)
+        return
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:  # the pool is gone
+            break
+        try:
+            if op == "bucket":
+                header, nbytes = args
+                payload = torch.empty(nbytes, dtype=torch.uint8)
+                if nbytes:
+                    conn.recv_bytes_into(payload.numpy().data)
+                engine.load_weight_bucket(unpack_bucket(header, payload))
+                del payload
+                result = None
+            elif op == "weight_version":
+                result = engine.weight_version
+            elif op == "peak_rss_kib":  # (VmRSS, VmHWM) of this process; reset: HWM := RSS
+                (reset,) = args
+                if reset:  # Linux: 5 into the process's own clear_refs
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")
+                result = (_status_kib("VmRSS"), _status_kib("VmHWM"))
+            elif op == "close":
+                engine.close()
+                conn.send(("ok", None))
+                break
+            else:
+                result = getattr(engine, op)(*args)
+                if op in VERSIONED:
+                    result = engine.weight_version
+            conn.send(("ok", result))
+        except BaseException as e:
+            _send_error(conn, e)
+    conn.close()
+
+
+def _status_kib(field: str) -> int:
+    """This process's /proc/self/status field (VmRSS, VmHWM) in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _send_error(conn: Connection, error: BaseException) -> None:
+    text = "".join(traceback.format_exception(error))
+    try:
+        conn.send(("error", (error, text)))
+    except Exception:  # an exception that does not pickle
+        conn.send(("error", (RuntimeError(f"{error!r}"), text)))
+
+
+# ------------------------------------------------------------------- the pool's side
+@dataclasses.dataclass
+class EngineHandle:
+    """One engine's process and pipe; `lock` serialises the pipe's request/answer pairs."""
+
+    index: int
+    process: Any  # multiprocessing's SpawnProcess
+    conn: Connection
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    alive: bool = True
+    requests: int = 0  # rows served since the last metrics()
+    tokens: int = 0  # tokens generated since the last metrics()
+    busy_s: float = 0.0  # seconds spent generating since the last metrics()
+    queue_max: int = 0  # the most rows given to it at once since the last metrics()
+
+
+class EnginePool:
+    """A `RolloutEngine` over several vLLM engines in processes of their own (module
+    docstring). Built by `EnginePool.build`; `metrics()` are its per-engine figures
+    (rollout/engine{i}/...), `rollout/engine_failures` and `rollout/engines_live`."""
+
+    shares_module = False
+    step_hook = None  # an interruptible rollout's hook is not called: rows finish as begun
+
+    def __init__(
+        self,
+        handles: list[EngineHandle],
+        tokenizer: Tokenizer,
+        *,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        chat: bool,
+        max_prompt_length: int,
+        truncation: str,
+        target: tuple[str, str],
+        max_model_len: int | None,
+    ):
+        self.handles = handles
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.pad_id = pad_id
+        self.chat = chat
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.max_model_len = max_model_len
+        self._target = target
+        self.router = Router(len(handles))
+        self.weight_version = 0
+        self.failures = 0
+        self._lock = threading.Lock()  # generation and pushes, one at a time
+        self._updating = False
+        self._closed = False
+        self._executor = ThreadPoolExecutor(len(handles), thread_name_prefix="keel-engine-pool")
+        # the engines are killed when the pool is collected or the interpreter exits unclosed
+        self._finalizer = weakref.finalize(self, _kill_all, handles)
+
+    @classmethod
+    def build(cls, rollout: RolloutConfig, inputs: EngineInputs) -> EnginePool:
+        """Start `rollout.vllm.engines` engines (at once: their starts overlap), each a
+        `VLLMRolloutEngine` of `rollout` with one engine, in a process of its own."""
+        from keel.data.encoding import stop_ids
+        from keel.models.eos import eos_token_ids
+        from keel.rollout.responses import pad_token_id
+        from keel.rollout.vllm import SimpleGenerationConfig, check_head_size, import_vllm
+
+        check_head_size(inputs.model_path)
+        import_vllm()  # a missing vLLM is a ConfigError here, not in every child
+        cfg = rollout.vllm
+        one = rollout.model_copy(update={"vllm": cfg.model_copy(update={"engines": 1})})
+        child_inputs = dataclasses.replace(inputs, actor_module=None, load_copy=_no_copy)
+        allowed = sorted(os.sched_getaffinity(0)) if inputs.device.type == "cpu" else None
+        context = multiprocessing.get_context("spawn")
+        handles: list[EngineHandle] = []
+        try:
+            tp = cfg.tensor_parallel_size
+            gpus = engine_gpus(cfg.engines, tp) if inputs.device.type == "cuda" else None
+            for i in range(cfg.engines):
+                ranks = None if allowed is None else engine_cores(i, cfg.engines, tp, allowed)
+                visible = None if gpus is None else gpus[i]
+                mine, theirs = context.Pipe()
+                process = context.Process(
+                    target=engine_main,
+                    args=(theirs, one, child_inputs, ranks, visible, os.getpid()),
+                    name=f"keel-vllm-engine-{i}",
+                    daemon=True,  # ended at this interpreter's exit (engine_main: its own)
+                )
+                process.start()
+                theirs.close()
+                handles.append(EngineHandle(i, process, mine))
+            facts = [_answer(h, START_TIMEOUT_S) for h in handles]
+        except BaseException:
+            for h in handles:
+                _kill(h)
+            raise
+        generation = SimpleGenerationConfig.from_folder(inputs.model_path)
+        eos = stop_ids(
+            eos_token_ids(generation, inputs.tokenizer),
+            inputs.tokenizer,
+            inputs.chat if inputs.stop_on_turn_end is None else inputs.stop_on_turn_end,
+        )
+        return cls(
+            handles,
+            inputs.tokenizer,
+            eos_ids=eos,
+            pad_id=pad_token_id(inputs.tokenizer, eos),
+            chat=inputs.chat,
+            max_prompt_length=inputs.max_prompt_length,
+            truncation=inputs.truncation,
+            target=tuple(facts[0]["target"]),
+            max_model_len=facts[0]["max_model_len"],
+        )
+
+    # -- the RolloutEngine surface ---------------------------------------------------------
+
+    @property
+    def interruptible(self) -> bool:
+        """No: the engines' step loops are in other processes (rows finish as they began)."""
+        return False
+
+    @property
+    def live(self) -> list[int]:
+        """The indices of the engines still alive."""
+        return [h.index for h in self.handles if h.alive]
+
+    def pids(self) -> list[int | None]:
+        """Each engine's process id (engine i at i)."""
+        return [h.process.pid for h in self.handles]
+
+    def generate(
+        self, examples: Sequence[Example], sampling: SamplingParams, group_offset: int = 0
+    ) -> Batch:
+        return generate_examples(self, examples, sampling, group_offset)
+
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> Completions:
+        """Each prompt's n rows on the engine the router picks (module docstring); the rows of
+        an engine that dies are generated again on the engines left."""
+        self._check_open()
+        prompts = [list(p) for p in prompt_ids]
+        n = sampling.n
+        longest = max((len(p) for p in prompts), default=0)
+        limit = self.max_model_len
+        if limit is not None and longest + sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {longest} tokens + max_new_tokens {sampling.max_new_tokens} exceed "
+                f"the vLLM engines' max_model_len {limit} (rollout.vllm.max_model_len)"
+            )
+        # the seeds the single engine would draw (VLLMRolloutEngine.generate_ids)
+        base = int(torch.randint(0, 2**31 - 1 - len(prompts) * n, ()).item())
+        one = dataclasses.replace(sampling, n=1)
+        done: dict[int, Completions] = {}  # prompt index → its n rows
+        with self._lock:
+            pending = list(range(len(prompts)))
+            while pending:
+                try:
+                    plan = self.router.assign([prompts[i] for i in pending], n,
+                                              sampling.max_new_tokens)  # fmt: skip
+                except RuntimeError as e:
+                    raise EnginesLostError(
+                        "every vLLM engine of the pool died (rollout.vllm.engines)"
+                    ) from e
+                shares = {e: [pending[j] for j in local] for e, local in plan.items()}
+                jobs = {
+                    e: self._executor.submit(self._generate_share, e, prompts, share, n, one, base)
+                    for e, share in shares.items()
+                }
+                retry: list[int] = []
+                for e, job in jobs.items():
+                    try:
+                        done.update(job.result())
+                    except EngineDied:
+                        self._lose(e)
+                        retry.extend(shares[e])
+                    finally:
+                        self.router.done(e, [prompts[i] for i in shares[e]], n,
+                                         sampling.max_new_tokens)  # fmt: skip
+                pending = sorted(retry)
+        ordered = [done[i] for i in range(len(prompts))]
+        return Completions(
+            token_ids=[t for c in ordered for t in c.token_ids],
+            logprobs=[lp for c in ordered for lp in (c.logprobs or [])],
+            finish_reasons=[f for c in ordered for f in c.finish_reasons],
+        )
+
+    def _generate_share(
+        self,
+        engine: int,
+        prompts: list[list[int]],
+        share: list[int],
+        n: int,
+        sampling: SamplingParams,
+        base: int,
+    ) -> dict[int, Completions]:
+        rows = [prompts[i] for i in share for _ in range(n)]
+        seeds = [base + i * n + j for i in share for j in range(n)]
+        handle = self.handles[engine]
+        start = time.perf_counter()
+        out: Completions = self._call(handle, "generate_rows", rows, sampling, seeds)
+        handle.busy_s += time.perf_counter() - start
+        handle.requests += len(rows)
+        handle.tokens += sum(len(t) for t in out.token_ids)
+        handle.queue_max = max(handle.queue_max, len(rows))
+        logps = out.logprobs or [[] for _ in rows]
+        return {
+            i: Completions(
+                out.token_ids[k * n : (k + 1) * n],
+                logps[k * n : (k + 1) * n],
+                out.finish_reasons[k * n : (k + 1) * n],
+            )
+            for k, i in enumerate(share)
+        }
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """The full state, streamed to every engine in buckets of BUCKET_BYTES."""
+        self.begin_weight_update()
+        try:
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, tensor in state.items():
+                bucket.append((name, tensor))
+                size += tensor.numel() * tensor.element_size()
+                if size >= BUCKET_BYTES:
+                    self.load_weight_bucket(bucket)
+                    bucket, size = [], 0
+            if bucket:
+                self.load_weight_bucket(bucket)
+        except BaseException:
+            self._end_update()
+            raise
+        self.finish_weight_update(version)
+
+    def begin_weight_update(self) -> None:
+        """Open a streamed update on every live engine (generation waits until it is done)."""
+        self._check_open()
+        self._lock.acquire()
+        self._updating = True
+        try:
+            self._broadcast("begin_weight_update")
+        except BaseException:
+            self._end_update()
+            raise
+
+    def load_weight_bucket(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """One bucket to every live engine: packed once, its bytes sent down each pipe."""
+        if not self._updating:
+            raise RuntimeError("load_weight_bucket before begin_weight_update")
+        header, payload = pack_bucket(weights)
+        try:
+            self._broadcast("bucket", header, payload=payload)
+        except BaseException:
+            self._end_update()
+            raise
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close the update on every live engine; each must report `version`."""
+        if not self._updating:
+            raise RuntimeError("finish_weight_update before begin_weight_update")
+        try:
+            self._check_versions(self._broadcast("finish_weight_update", int(version)), version)
+        finally:
+            self._end_update()
+
+    def load_adapter(self, adapter: Any, version: int) -> None:
+        """A LoRA actor's adapter (keel.rollout.protocol.AdapterEngine) to every live engine;
+        each must then report `version`."""
+        self._check_versions(self._forward("load_adapter", adapter, int(version)), version)
+
+    def adapters(self) -> set[int]:
+        """The LoRA adapter ids the engines hold (their union)."""
+        return set().union(*self._forward("adapters").values())
+
+    def adapter_refusal(self, config: Mapping[str, Any]) -> str | None:
+        """Why the engines cannot apply a LoRA adapter of `config` (the first engine's
+        reason), None when every one can."""
+        refusals = self._forward("adapter_refusal", dict(config))
+        return next((r for r in refusals.values() if r is not None), None)
+
+    def engine_versions(self) -> dict[int, int]:
+        """{engine: the weight version it holds} over the live engines (asked of each)."""
+        return self._forward("weight_version")
+
+    def peak_rss_kib(self, reset: bool = False) -> dict[int, tuple[int, int]]:
+        """{engine: (its process's resident memory, its peak since the last reset) in KiB}
+        (Linux); `reset` starts a new peak at the current size (bench/engine_pool.py measures
+        a streamed push's receiving side with it)."""
+        return self._forward("peak_rss_kib", bool(reset))
+
+    def decoder(self) -> Decoder:
+        """No step API across processes: a ConfigError naming the key."""
+        raise ConfigError(
+            "rollout.vllm.engines > 1 (or tensor_parallel_size > 1) runs the engines in other "
+            "processes, which have no Decoder (keel serve's continuous batching, the step API): "
+            "set rollout.vllm.engines: 1 and tensor_parallel_size: 1 for that"
+        )
+
+    def sleep(self) -> None:
+        self._forward("sleep")
+
+    def wake(self) -> None:
+        self._forward("wake")
+
+    def metrics(self) -> dict[str, float]:
+        """Per engine since the last call: rows served (`requests`), tokens generated,
+        tokens/s while generating, the most rows it held at once (`queue_max`); then the
+        engines lost since the start (`rollout/engine_failures`) and alive now."""
+        out: dict[str, float] = {}
+        for h in self.handles:
+            key = f"rollout/engine{h.index}"
+            out[f"{key}/requests"] = float(h.requests)
+            out[f"{key}/tokens"] = float(h.tokens)
+            out[f"{key}/tokens_per_s"] = h.tokens / h.busy_s if h.busy_s > 0 else 0.0
+            out[f"{key}/queue_max"] = float(h.queue_max)
+            h.requests, h.tokens, h.busy_s, h.queue_max = 0, 0, 0.0, 0
+        out["rollout/engine_failures"] = float(self.failures)
+        out["rollout/engines_live"] = float(len(self.live))
+        return out
+
+    def weight_target(self) -> tuple[str, str]:
+        """(dtype, device type) of the engines' weights: what a collective push sends."""
+        return self._target
+
+    def close(self) -> None:
+        """Shut every engine down and join its process (killed past CLOSE_TIMEOUT_S);
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self.handles:
+            if h.alive:
+                with contextlib.suppress(Exception):
+                    h.conn.send(("close", ()))
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for h in self.handles:
+            h.process.join(max(0.0, deadline - time.monotonic()))
+            _kill(h)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._finalizer.detach()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this vLLM engine pool is closed")
+
+    def _forward(self, op: str, *args: Any) -> dict[int, Any]:
+        """The engines' method `op` called with `args` on every live engine, between
+        generations and pushes: {engine: its result} (`_broadcast`)."""
+        self._check_open()
+        with self._lock:
+            return self._broadcast(op, *args)
+
+    def _check_versions(self, held: Mapping[int, Any], version: int) -> None:
+        """Every engine that answered holds `version`, which the pool then reports."""
+        wrong = {e: v for e, v in held.items() if v != int(version)}
+        if wrong:
+            raise RuntimeError(
+                f"engines of the pool hold other weight versions ({wrong}, engine: version) "
+                f"than the pushed {version}"
+            )
+        self.weight_version = int(version)
+
+    def _end_update(self) -> None:
+        if self._updating:
+            self._updating = False
+            self._lock.release()
+
+    def _call(self, handle: EngineHandle, op: str, *args: Any) -> Any:
+        """One request to one engine and its answer (EngineDied when its process is gone)."""
+        with handle.lock:
+            _send(handle, op, args)
+            return _answer(handle)
+
+    def _broadcast(
+        self, op: str, *args: Any, payload: torch.Tensor | None = None
+    ) -> dict[int, Any]:
+        """`op(*args)` on every live engine (sent to all, then every answer awaited): {engine:
+        result}. An engine that died is dropped; EnginesLostError when none is left; an engine's
+        own error is raised once every engine has answered."""
+        sent: list[EngineHandle] = []
+        for h in [h for h in self.handles if h.alive]:
+            h.lock.acquire()
+            try:
+                _send(h, op, args, payload)
+                sent.append(h)
+            except EngineDied:
+                h.lock.release()
+                self._lose(h.index)
+            except BaseException:
+                h.lock.release()
+                for other in sent:  # their answers are never read: the pipes are out of step
+                    self._lose(other.index)
+                    other.lock.release()
+                raise
+        results: dict[int, Any] = {}
+        error: BaseException | None = None
+        for h in sent:
+            try:
+                results[h.index] = _answer(h)
+            except EngineDied:
+                self._lose(h.index)
+            except Exception as e:
+                error = error or e
+            finally:
+                h.lock.release()
+        if error is not None:
+            raise error
+        if not self.live:
+            raise EnginesLostError("every vLLM engine of the pool died (rollout.vllm.engines)")
+        return results
+
+    def _lose(self, engine: int) -> None:
+        handle = self.handles[engine]
+        if handle.alive:
+            handle.alive = False
+            self.failures += 1
+            self.router.drop(engine)
+            _kill(handle)
+
+
+def _send(handle: EngineHandle, op: str, args: tuple[Any, ...], payload: Any = None) -> None:
+    """A request down the engine's pipe (a bucket: its header and byte count, then its bytes)."""
+    try:
+        if op == "bucket":
+            (header,) = args
+            handle.conn.send((op, (header, sum(entry[4] for entry in header))))
+            if payload is not None and payload.numel():
+                handle.conn.send_bytes(payload.numpy().data)
+        else:
+            handle.conn.send((op, args))
+    except (OSError, EOFError) as e:  # BrokenPipeError: the process is gone
+        raise EngineDied(f"vLLM engine {handle.index} is gone") from e
+
+
+def _answer(handle: EngineHandle, timeout: float | None = None) -> Any:
+    """The engine's answer to its current request: its result, or its error raised here."""
+    try:
+        if timeout is not None and not handle.conn.poll(timeout):
+            raise TimeoutError(f"vLLM engine {handle.index} did not start in {timeout:.0f} s")
+        kind, value = handle.conn.recv()
+    except (OSError, EOFError) as e:
+        raise EngineDied(f"vLLM engine {handle.index} is gone") from e
+    if kind == "error":
+        error, text = value
+        raise _with_note(error, f"in vLLM engine {handle.index}:\n{text}")
+    return value
+
+
+def _with_note(error: BaseException, note: str) -> BaseException:
+    error.add_note(note)
+    return error
+
+
+def _kill_all(handles: Sequence[EngineHandle]) -> None:
+    for handle in handles:
+        with contextlib.suppress(Exception):
+            _kill(handle)
+
+
+def _kill(handle: EngineHandle) -> None:
+    """End the engine's process (if still running) and reap it; its pipe is closed."""
+    handle.alive = False
+    process = handle.process
+    if process.is_alive():
+        process.kill()
+    process.join(5.0)
+    with contextlib.suppress(Exception):
+        handle.conn.close()
+
+
+__all__ = [
+    "ALIGN_BYTES",
+    "BUCKET_BYTES",
+    "EngineDied",
+    "EnginePool",
+    "EnginesLostError",
+    "engine_cores",
+    "engine_gpus",
+    "engine_main",
+    "omp_bind",
+    "pack_bucket",
+    "unpack_bucket",
+]
