@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from keel.chatapi.errors import APIError, bad_request
 from keel.data.conversation import CallWriter, assistant_text, assistant_turn, hermes_calls
+
+# `Any` in this module: JSON request bodies before pydantic checks them, and OpenAI's
+# free-form JSON fields (tool parameters, response_format), a score row's answer.
+
+M = TypeVar("M", bound=BaseModel)  # the request model a body is parsed into
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
@@ -286,7 +291,7 @@ class ScoreRequest(BaseModel):
     model: str | None = None
 
 
-def parse_body(body: bytes, model: type[BaseModel]) -> Any:
+def parse_body(body: bytes, model: type[M]) -> M:
     """The request `model` from a JSON body; malformed JSON, JSON past the parser's limits (an
     integer longer than Python's int-string limit, nesting deeper than its recursion limit)
     and invalid parameters are 400s naming the problem (and the parameter)."""
@@ -327,7 +332,7 @@ def _too_deep() -> APIError:
     )  # fmt: skip
 
 
-def validate(data: dict[str, Any], model: type[BaseModel]) -> Any:
+def validate(data: dict[str, Any], model: type[M]) -> M:
     """The request `model` from a decoded body (JSON, or a gRPC message as a dict); invalid
     parameters are 400s naming the problem and the parameter."""
     try:

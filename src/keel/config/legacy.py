@@ -20,6 +20,8 @@ from typing import Any
 
 from keel.config.legacy_guard import is_legacy_guard, legacy_guard
 
+# `Any` in this module: values of the raw config tree (YAML, before validation).
+
 # The release in which the old keys stop being read.
 REMOVED_IN = "0.3.0"
 

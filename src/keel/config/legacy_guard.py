@@ -18,6 +18,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+# `Any` in this module: values of the raw config tree (YAML, before validation).
+
 # The old collapse keys and their defaults.
 COLLAPSE_DEFAULTS: dict[str, Any] = {
     "monitor_metric": "reward/mean",

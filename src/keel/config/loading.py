@@ -25,6 +25,9 @@ from keel.config.paths import resolve_input_paths
 from keel.config.schema import KeelConfig
 from keel.config.section import BOOL_FOR_NUMBER
 
+# `Any` in this module: YAML values and overrides before the schema has checked them, and
+# PyYAML's loader nodes (PyYAML has no types).
+
 ENV_PREFIX = "KEEL__"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; more is a mistake or a YAML bomb's output
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

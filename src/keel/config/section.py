@@ -11,6 +11,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
+# `Any` in this module: a config value before pydantic has checked it, and a type annotation
+# (typing's forms, unions and generics have no common type).
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are checked on assignment,

@@ -35,6 +35,10 @@ from keel.data.examples import Example
 from keel.data.tool_calls import FORMATS, HERMES, ToolCall, ToolCallFormat, call_from_object
 from keel.types import Batch
 
+# `Any` in this module: chat messages and tool calls as a data file or a model wrote them,
+# before they are checked; the tokenizer: transformers types its ids and decode() wider than
+# they are.
+
 TRAIN_ON = ("last", "all_assistant")
 TEXT_OBSERVATION = "observation"  # the runner's role for a text observation (appended as is)
 

@@ -11,6 +11,9 @@ from keel.config.paths import missing_hint
 from keel.data.errors import DataError  # also keel.data.files.DataError, as before
 from keel.data.examples import Example
 
+# `Any` in this module: values read from a user's data file (a JSON line, a Parquet cell)
+# before the functions here have checked them.
+
 
 def load_examples(
     path: str | Path,

@@ -20,6 +20,9 @@ from keel.data.examples import Example
 from keel.data.files import DataError, _prompt, read_rows
 from keel.types import Batch
 
+# `Any` in this module: values read from a user's data file, before they are checked; the
+# tokenizer: transformers types its ids wider than they are.
+
 
 @dataclass(frozen=True)
 class PreferencePair:

@@ -26,6 +26,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from keel.types import Tokenizer
 
+# `Any` in this module: JSON values a model wrote (a tool call's arguments), before they are
+# checked.
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

@@ -47,6 +47,9 @@ from keel.envs.loading import EnvLoadError, load_object
 from keel.rollout.protocol import RolloutEngine, SamplingParams
 from keel.types import Batch, Tokenizer
 
+# `Any` in this module: the openai client (openai.OpenAI or AsyncOpenAI, imported only when an
+# agent runs) and what the user's agent returns, before reward_of checks it.
+
 AGENT_FIELD = "rollout.env.agent"
 AGENT_ENV = "agent"  # rollout.env.name of an agent over the gateway
 

@@ -10,6 +10,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+# `Any` in this module: the results of the environment calls it runs (resets, steps, closes:
+# each its own), or the exception a call raised.
+
 
 class DaemonPool:
     """`workers` daemon threads running submitted calls (concurrent.futures Futures): unlike

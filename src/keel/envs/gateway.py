@@ -53,6 +53,8 @@ from keel.data.conversation import ObservationEncoder
 from keel.data.encoding import encode_prompt_text, render_prompt
 from keel.rollout.protocol import Completions, RolloutEngine, SamplingParams
 
+# `Any` in this module: JSON bodies of the OpenAI API an agent sends, before they are checked.
+
 MODEL_NAME = "keel-policy"  # what GET /v1/models lists; requests may name any model
 MAX_BODY_BYTES = 8 << 20
 # The batcher answers the requests that wait once every running episode waits, or this long

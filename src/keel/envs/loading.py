@@ -19,6 +19,9 @@ from typing import Any, cast
 from keel.envs.protocol import Environment
 from keel.rewards.loading import load_file_module, load_module
 
+# `Any` in this module: the object a user's spec names and the kwargs of rollout.env, before
+# they are checked against the environment's signature.
+
 EnvFactory = Callable[[], Environment]
 TOOL_ENV = "builtin:tools"  # the environment whose `tools` keyword check_environment builds
 TOOLS_FIELD = "rollout.env.kwargs.tools"

@@ -44,6 +44,8 @@ from keel.data.examples import Example
 from keel.envs.protocol import Observation, StepResult
 from keel.rewards.remote import RETRIED_STATUS  # the statuses every Keel HTTP client retries
 
+# `Any` in this module: JSON bodies of the keel-env protocol, before they are checked.
+
 PROTOCOL = "keel-env"
 VERSION = 1
 

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 from keel.envs.protocol import Environment, StepResult
 from keel.envs.remote import PROTOCOL, VERSION, example_from_json
 
+# `Any` in this module: JSON bodies of the keel-env protocol, before they are checked.
+
 
 class ProtocolError(Exception):
     """A request the server answers with an error status; `code` goes in the reply."""
