@@ -14,6 +14,7 @@ parser) into OpenAI's `message.tool_calls`; `content` is the text outside the we
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -145,7 +146,7 @@ def _outside_hermes_blocks(text: str) -> str:
     return "".join(kept)
 
 
-def openai_tool_calls(calls: list[ToolCall], new_id: Any) -> list[dict[str, Any]]:
+def openai_tool_calls(calls: list[ToolCall], new_id: Callable[[], str]) -> list[dict[str, Any]]:
     """The calls as OpenAI's `message.tool_calls`: [{id, type: "function", function: {name,
     arguments: a JSON string}}]; `new_id()` gives each call its id."""
     return [

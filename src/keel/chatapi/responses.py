@@ -25,6 +25,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# `Any` here: the tokenizer (transformers types its ids and decode() wider than they are),
+# a stream's delta (keel.serve.continuous.Delta, a layer above), JSON bodies.
+
 DONE = b"data: [DONE]\n\n"
 
 

@@ -35,6 +35,8 @@ from keel.checkpoint.export import (
 from keel.checkpoint.state import LATEST, MARKER, CheckpointError, read_meta, validate_checkpoint
 from keel.durable import fsync_dir
 
+# `Any` here: an fsspec filesystem (fsspec is imported lazily; its classes have no types).
+
 CONNECT_TIMEOUT_S = 10  # S3 uploads' connect timeout unless storage_options set one
 MODELS = "models"  # URL/models/: the exported policies
 S3_SCHEMES = ("s3://", "s3a://")

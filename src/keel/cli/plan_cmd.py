@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported when the command runs
     from keel.engine.memory.fit import GPUPlan
 
+# `Any` here: JSON values of a model's config.json, before the planner reads them.
+
 UNITS = {
     "": 1 << 30, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,

@@ -23,6 +23,9 @@ from keel.data.errors import DataError
 from keel.data.examples import Example
 from keel.types import Batch, Prompt
 
+# `Any` here: the tokenizer (transformers types its ids, apply_chat_template and decode()
+# wider than they are: an int id is `int | list[int] | str | list[str] | None` there).
+
 _PROBE_TOOL = {
     "type": "function",
     "function": {

@@ -24,6 +24,9 @@ from keel.envs.tools import (
 )
 from keel.types import Tokenizer
 
+# `Any` here: rollout.env.kwargs and tool specs as the config gives them, before the
+# environment's signature and the tools check them.
+
 
 class SingleTurnEnvironment:
     """The episode ends after the first response; its reward is reward.fn's alone."""

@@ -11,6 +11,8 @@ from typing import Any
 
 from keel.envs.tool import ToolError
 
+# `Any` here: what Python's operators give for the parsed expression, before it is checked.
+
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 100
 MAX_DIGITS = 1000

@@ -26,6 +26,9 @@ from keel.envs.rendering import ObservationEncoder
 from keel.rollout.protocol import Completions, RolloutEngine, SamplingParams
 from keel.types import Batch, GroupedBatch, Tokenizer
 
+# `Any` here: what an environment call gave (an Environment, an opening, or the exception it
+# raised: keel.envs.calls returns each call's own result).
+
 
 class ResetError(ValueError):
     """An environment could not start an episode on an example (e.g. a row without the answer

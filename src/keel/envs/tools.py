@@ -35,6 +35,8 @@ from keel.envs.calculator import CalculatorTool, evaluate_arithmetic, format_num
 from keel.envs.python_tool import PythonTool, format_sandbox_result
 from keel.envs.tool import Tool, ToolError, ToolResult
 
+# `Any` here: tool specs as the config gives them, before they are checked.
+
 __all__ = [  # re-exported: the formats (keel.data.tool_calls), the tools' own modules
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",

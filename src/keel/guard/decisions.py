@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# `Any` here: values read from a decisions file, before they are checked.
+
 GUARD_STATE = "guard_state.json"
 
 
@@ -111,11 +113,11 @@ def read_decisions(path: str | Path) -> GuardDecisions | None:
 RESET_HINT = "pass --reset-guard to start the guard's decisions afresh"
 
 
-def _is_count(v: Any) -> bool:
+def _is_count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from keel.jsonlines import read_rows
 
+# `Any` here: an event's extra fields, any JSON value.
+
 
 class EventLog:
     def __init__(self, path: str | Path, *, echo: bool = True):

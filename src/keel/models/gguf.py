@@ -25,6 +25,9 @@ from typing import Any
 from keel.models.loading import ModelLoadError, build_atomically, keel_cache_dir
 from keel.types import Tokenizer
 
+# `Any` here: a GGUF field's value as the gguf reader gives it (untyped: a number, a string,
+# an array), before it is checked.
+
 GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 1  # a new version converts into a folder of its own
 SOURCE_FILE = "keel_gguf_source.json"  # what a converted folder was made from

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# `Any` here: the tokenizer (transformers types its ids and chat template's output wider than
+# they are).
+
 _SENTINEL = "keel-turn-end-sentinel"
 
 

@@ -10,6 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from keel.monitor.devices import DeviceReading
 
+# `Any` here: a logged metric's value (a float, an int, a tensor or numpy scalar), made a float.
+
 
 class Sink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...

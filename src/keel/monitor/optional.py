@@ -30,6 +30,8 @@ from keel.config.loading import ConfigError
 from keel.config.schema import MlflowConfig, WandbConfig
 from keel.durable import replace_file
 
+# `Any` here: a config value shown as a tracker's run parameter.
+
 TRACKERS_FILE = "trackers.json"
 # The record an export writes in RUN_DIR/model with its step (keel.checkpoint.export, a higher
 # layer, owns it; tests/monitor/test_optional.py checks the two agree).

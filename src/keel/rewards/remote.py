@@ -36,6 +36,9 @@ from keel.rewards.scoring import RewardScorer, checked_scores
 if TYPE_CHECKING:  # keel.types imports torch; scoring needs only the standard library
     from keel.types import Prompt
 
+# `Any` here: a row's answer (the user's value) and the reward service's JSON replies, before
+# they are checked.
+
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 
 

@@ -39,6 +39,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # keel.types imports torch; scoring needs only the standard library
     from keel.types import Prompt
 
+# `Any` here: a row's answer (the user's value, passed on as it is) and what a user's reward
+# function returned, before checked_score checks it.
+
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: scores are float32 tensors
 log = logging.getLogger(__name__)

@@ -17,6 +17,9 @@ from keel.rewards.answers import (
     split_percent,
 )
 
+# `Any` here: math-verify's parsed values (sympy expressions and numbers; math-verify is
+# imported lazily and has no types).
+
 
 def _math_verify() -> Any:
     """The math_verify module, imported on first use (it imports sympy: ~0.4 s). Its own

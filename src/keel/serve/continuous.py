@@ -43,6 +43,8 @@ from keel.rollout.protocol import Decoder, DecodingEngine, RowRequest, RowToken,
 from keel.serve.batching import BatchReport, WorkQueue, _run_task
 from keel.serve.generation import Generation, GenerationRunner
 
+# `Any` here: the tokenizer (transformers types its decode() wider than it is).
+
 # While PACED_ROWS or more rows are live, waiting jobs join every JOIN_EVERY steps (or sooner
 # once their rows are a quarter of the live ones): a join costs a prefill forward and a rebuild
 # of the batch's cache, as much as a decode step, so joining at every step halves the tokens

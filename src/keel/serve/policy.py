@@ -28,6 +28,8 @@ from keel.serve.generation import Generation, GenerationRunner
 from keel.serve.served import Served
 from keel.types import Prompt, Tokenizer
 
+# `Any` here: the queue and runner of Served (keel.serve.served says why).
+
 
 def load_frozen_model(folder: Path, cfg: ServeFileConfig, tokenizer: Tokenizer) -> torch.nn.Module:
     """The policy at `folder` for inference: models.dtype, eval mode, no gradients, on the
