@@ -141,8 +141,8 @@ def test_versions_agree_across_engines_after_pushes(single, pool, model_dir):
 @pytest.mark.vllm
 def test_an_engine_killed_mid_generation_costs_a_retry_not_the_call(single, pool, model_dir):
     """SIGKILL to engine 1 while it generates its share: the call still returns every row
-    (greedy: the single engine's tokens), the failure is counted, the process is reaped, and
-    pushes and generation go on with engine 0."""
+    (greedy: the single engine's tokens), the failure is counted, the process is reaped, and a
+    fresh engine 1 takes the next push in full before it takes requests."""
     prompts = prompts_of(model_dir, [f"{a}+{a + 30}=" for a in range(10, 26)])
     sampling = SamplingParams(n=2, temperature=0, max_new_tokens=48)
     victim = pool.handles[1]
@@ -162,22 +162,32 @@ def test_an_engine_killed_mid_generation_costs_a_retry_not_the_call(single, pool
     assert killed and two.token_ids == one.token_ids
     metrics = pool.metrics()
     assert metrics["rollout/engine_failures"] == 1 and metrics["rollout/engines_live"] == 1
+    assert metrics["rollout/engines_replaced"] == 1
     assert pool.live == [0] and not victim.process.is_alive()
+    assert pool.handles[1].process.pid != victim.process.pid  # the replacement, starting
+    one, two = both(single, pool, prompts[:4], SamplingParams(n=2, max_new_tokens=8), seed=10)
+    assert_same(one, two)  # on engine 0 alone: the replacement waits for the next push
+    assert pool.metrics()["rollout/engine1/requests"] == 0
     state = perturbed(model_dir, seed=30, scale=0.3).state_dict()
     single.update_weights(state, 4)
-    pool.update_weights(state, 4)
-    assert pool.engine_versions() == {0: 4}
-    one, two = both(single, pool, prompts[:4], SamplingParams(n=2, max_new_tokens=8), seed=11)
+    pool.update_weights(state, 4)  # waits for the replacement, which takes it in full
+    assert pool.engine_versions() == {0: 4, 1: 4} and pool.live == [0, 1]
+    fresh = prompts_of(model_dir, [f"{a}*{a}=" for a in range(20, 28)])  # no affinity yet
+    one, two = both(single, pool, fresh, SamplingParams(n=2, max_new_tokens=8), seed=11)
     assert_same(one, two)
+    metrics = pool.metrics()
+    assert metrics["rollout/engine1/requests"] > 0 and metrics["rollout/engines_live"] == 2
 
 
 @pytest.mark.vllm
 def test_when_no_engine_is_left_the_pool_raises_and_closes_clean(pool, model_dir):
+    """Both engines killed: their replacements cannot serve before a push, so the call has
+    no engine left."""
     from keel.workers.group import WorkerLostError
 
-    (last,) = [h for h in pool.handles if h.alive]
-    os.kill(last.process.pid, signal.SIGKILL)
-    last.process.join(10)
+    for h in [h for h in pool.handles if h.alive]:
+        os.kill(h.process.pid, signal.SIGKILL)
+        h.process.join(10)
     with pytest.raises(EnginesLostError, match="every vLLM engine"):
         pool.generate_ids(prompts_of(model_dir, ["1+1="]), SamplingParams(max_new_tokens=4))
     # the rollout worker reports it as a lost worker: the run's group restart

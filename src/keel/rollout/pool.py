@@ -30,12 +30,15 @@ process, the tensors rebuilt in the child over one buffer of the bucket's size, 
 engine's layerwise reload copies from). `update_weights(state, version)` streams the state
 in buckets of `BUCKET_BYTES`.
 
-Failure. An engine whose process dies (its pipe closes) is dropped: the router no longer
-sends it anything, and the rows it was generating are generated again on the live engines
-(with their seeds: the same tokens). A push goes on to the engines left. The run continues
-on fewer engines (`rollout/engine_failures`, `rollout/engines_live`); only when no engine
-is left does the pool raise `EnginesLostError`, which the rollout worker reports as a lost
-worker (the run's group restart). A dead engine is not restarted.
+Failure. An engine whose process dies (its pipe closes) leaves the router, and the rows it
+was generating are generated again on the live engines (with their seeds: the same tokens);
+a push goes on to the engines left. A fresh process is started in its place at once: it
+joins the next push (waited for at its start) and takes that push in full before the router
+gives it anything (while no push has happened yet, the folder's weights are current and it
+takes requests once started). `rollout/engine_failures`, `rollout/engines_replaced`,
+`rollout/engines_live`. Only when no engine can serve a call (every one dead, their
+replacements still without weights) does the pool raise `EnginesLostError`, which the rollout
+worker reports as a lost worker (the run's group restart).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -261,6 +264,8 @@ class EngineHandle:
     conn: Connection
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     alive: bool = True
+    joining: bool = False  # a replacement starting: it takes the next push, then requests
+    routed: bool = True  # the router gives it prompts (a replacement: once its push is done)
     requests: int = 0  # rows served since the last metrics()
     tokens: int = 0  # tokens generated since the last metrics()
     busy_s: float = 0.0  # seconds spent generating since the last metrics()
@@ -300,6 +305,9 @@ class EnginePool:
         self.router = Router(len(handles))
         self.weight_version = 0
         self.failures = 0
+        self.replaced = 0  # engines started in place of dead ones
+        self._spawn: Callable[[int], EngineHandle] | None = None  # build's: replaces the dead
+        self._pushed = False  # a push has happened (else the folder's weights are current)
         self._lock = threading.Lock()  # generation and pushes, one at a time
         self._updating = False
         self._closed = False
@@ -323,23 +331,28 @@ class EnginePool:
         child_inputs = dataclasses.replace(inputs, actor_module=None, load_copy=_no_copy)
         allowed = sorted(os.sched_getaffinity(0)) if inputs.device.type == "cpu" else None
         context = multiprocessing.get_context("spawn")
+        tp = cfg.tensor_parallel_size
+        gpus = engine_gpus(cfg.engines, tp) if inputs.device.type == "cuda" else None
+
+        def spawn(i: int) -> EngineHandle:
+            """Start engine i's process (its cores or GPUs as at the start)."""
+            ranks = None if allowed is None else engine_cores(i, cfg.engines, tp, allowed)
+            visible = None if gpus is None else gpus[i]
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=engine_main,
+                args=(theirs, one, child_inputs, ranks, visible, os.getpid()),
+                name=f"keel-vllm-engine-{i}",
+                daemon=True,  # ended at this interpreter's exit (engine_main: its own)
+            )
+            process.start()
+            theirs.close()
+            return EngineHandle(i, process, mine)
+
         handles: list[EngineHandle] = []
         try:
-            tp = cfg.tensor_parallel_size
-            gpus = engine_gpus(cfg.engines, tp) if inputs.device.type == "cuda" else None
             for i in range(cfg.engines):
-                ranks = None if allowed is None else engine_cores(i, cfg.engines, tp, allowed)
-                visible = None if gpus is None else gpus[i]
-                mine, theirs = context.Pipe()
-                process = context.Process(
-                    target=engine_main,
-                    args=(theirs, one, child_inputs, ranks, visible, os.getpid()),
-                    name=f"keel-vllm-engine-{i}",
-                    daemon=True,  # ended at this interpreter's exit (engine_main: its own)
-                )
-                process.start()
-                theirs.close()
-                handles.append(EngineHandle(i, process, mine))
+                handles.append(spawn(i))
             facts = [_answer(h, START_TIMEOUT_S) for h in handles]
         except BaseException:
             for h in handles:
@@ -351,7 +364,7 @@ class EnginePool:
             inputs.tokenizer,
             inputs.chat if inputs.stop_on_turn_end is None else inputs.stop_on_turn_end,
         )
-        return cls(
+        pool = cls(
             handles,
             inputs.tokenizer,
             eos_ids=eos,
@@ -362,6 +375,8 @@ class EnginePool:
             target=tuple(facts[0]["target"]),
             max_model_len=facts[0]["max_model_len"],
         )
+        pool._spawn = spawn
+        return pool
 
     # -- the RolloutEngine surface ---------------------------------------------------------
 
@@ -373,7 +388,7 @@ class EnginePool:
     @property
     def live(self) -> list[int]:
         """The indices of the engines still alive."""
-        return [h.index for h in self.handles if h.alive]
+        return [h.index for h in self.handles if h.alive and h.routed]
 
     def pids(self) -> list[int | None]:
         """Each engine's process id (engine i at i)."""
@@ -404,6 +419,8 @@ class EnginePool:
         one = dataclasses.replace(sampling, n=1)
         done: dict[int, Completions] = {}  # prompt index → its n rows
         with self._lock:
+            if not self._pushed:  # the folder's weights are current: a ready one joins now
+                self._admit(wait=False)
             pending = list(range(len(prompts)))
             while pending:
                 try:
@@ -489,6 +506,7 @@ class EnginePool:
         self._lock.acquire()
         self._updating = True
         try:
+            self._admit(wait=True)  # replacements take this push in full, then requests
             self._broadcast("begin_weight_update")
         except BaseException:
             self._end_update()
@@ -511,6 +529,11 @@ class EnginePool:
             raise RuntimeError("finish_weight_update before begin_weight_update")
         try:
             self._check_versions(self._broadcast("finish_weight_update", int(version)), version)
+            self._pushed = True
+            for h in self.handles:
+                if h.alive and not h.routed:  # a replacement, now at the pushed version
+                    h.routed = True
+                    self.router.live.add(h.index)
         finally:
             self._end_update()
 
@@ -566,6 +589,7 @@ class EnginePool:
             out[f"{key}/queue_max"] = float(h.queue_max)
             h.requests, h.tokens, h.busy_s, h.queue_max = 0, 0, 0.0, 0
         out["rollout/engine_failures"] = float(self.failures)
+        out["rollout/engines_replaced"] = float(self.replaced)
         out["rollout/engines_live"] = float(len(self.live))
         return out
 
@@ -583,6 +607,8 @@ class EnginePool:
             if h.alive:
                 with contextlib.suppress(Exception):
                     h.conn.send(("close", ()))
+            else:  # a replacement still starting
+                _kill(h)
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for h in self.handles:
             h.process.join(max(0.0, deadline - time.monotonic()))
@@ -628,8 +654,8 @@ class EnginePool:
         self, op: str, *args: Any, payload: torch.Tensor | None = None
     ) -> dict[int, Any]:
         """`op(*args)` on every live engine (sent to all, then every answer awaited): {engine:
-        result}. An engine that died is dropped; EnginesLostError when none is left; an engine's
-        own error is raised once every engine has answered."""
+        result}. An engine that died is lost (`_lose`); EnginesLostError when none is alive;
+        an engine's own error is raised once every engine has answered."""
         sent: list[EngineHandle] = []
         for h in [h for h in self.handles if h.alive]:
             h.lock.acquire()
@@ -658,17 +684,43 @@ class EnginePool:
                 h.lock.release()
         if error is not None:
             raise error
-        if not self.live:
+        if not any(h.alive for h in self.handles):
             raise EnginesLostError("every vLLM engine of the pool died (rollout.vllm.engines)")
         return results
 
     def _lose(self, engine: int) -> None:
+        """Engine `engine` died: out of the router, its process reaped, and a fresh one
+        started in its place, which takes the next push in full before any request."""
         handle = self.handles[engine]
         if handle.alive:
             handle.alive = False
             self.failures += 1
             self.router.drop(engine)
             _kill(handle)
+            if self._spawn is not None and not self._closed:
+                fresh = self._spawn(engine)
+                fresh.alive, fresh.joining, fresh.routed = False, True, False
+                self.handles[engine] = fresh  # in place: the finalizer's list
+                self.replaced += 1
+
+    def _admit(self, *, wait: bool) -> None:
+        """Replacements whose engine has started join the broadcasts (`wait`: each is waited
+        for, up to START_TIMEOUT_S; else only those already started); one that failed to
+        start is dropped. They take requests once a push has reached them (`finish_weight_
+        update`), or at once while no push has happened (the folder's weights are current)."""
+        for h in self.handles:
+            if not h.joining or (not wait and not h.conn.poll(0)):
+                continue
+            h.joining = False
+            try:
+                _answer(h, START_TIMEOUT_S)
+            except Exception:  # it did not start: the pool goes on without it
+                _kill(h)
+                continue
+            h.alive = True
+            if not self._pushed:
+                h.routed = True
+                self.router.live.add(h.index)
 
 
 def _send(handle: EngineHandle, op: str, args: tuple[Any, ...], payload: Any = None) -> None:
