@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -105,12 +105,12 @@ def build_app(served: Served, cfg: ServeConfig) -> FastAPI:
         check_model(served, model_id, param=None)
         return _json(_model_card(served, model_id))
 
-    if isinstance(served, ServedReward):
-        _score_route(app, served, cfg, token)
-    elif isinstance(served, ServedPolicy):
-        _generation_routes(app, served, cfg, token)
+    # by its kind, as each served model declares it (`Served.kind`); the casts name the class
+    # that kind belongs to
+    if served.kind == "reward":
+        _score_route(app, cast(ServedReward, served), cfg, token)
     else:
-        raise TypeError(f"cannot serve a {type(served).__name__}: a policy or a reward model")
+        _generation_routes(app, cast(ServedPolicy, served), cfg, token)
     return app
 
 
