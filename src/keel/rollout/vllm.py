@@ -440,7 +440,9 @@ class VLLMRolloutEngine:
         )
 
         extra = {"output_kind": RequestOutputKind.DELTA} if delta else {}
-        return VLLMSamplingParams(
+        # Any: pyright, where vLLM is not installed, resolves `vllm` to this very module
+        vllm_params: Any = VLLMSamplingParams
+        return vllm_params(
             n=1,
             temperature=0.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p,
