@@ -30,7 +30,8 @@ from tests.models.families import FAMILIES, build_family
 pytestmark = pytest.mark.vllm
 
 # OLMo 2 runs on vLLM's Transformers backend, which patches transformers' own classes
-# (keel.rollout.vllm.transformers_classes_kept): the trainer's model is loaded after the engine.
+# (keel.rollout.vllm_process.transformers_classes_kept): the trainer's model is loaded after the
+# engine.
 VLLM_FAMILIES = ["qwen2", "llama", "mistral", "gemma2", "olmo2"]
 PROMPTS = ["1+1=", "你好，世界。今天天气很好。", "What is 12+34? Answer with a number."]
 

@@ -20,14 +20,9 @@ from keel.data import Example
 from keel.models import create_tiny_model, load_tokenizer
 from keel.rollout import SamplingParams
 from keel.rollout.engines import build_rollout_engine
-from keel.rollout.pool import (
-    EnginePool,
-    EnginesLostError,
-    engine_cores,
-    omp_bind,
-    pack_bucket,
-    unpack_bucket,
-)
+from keel.rollout.pool import EnginePool, EnginesLostError
+from keel.rollout.pool_pipe import pack_bucket, unpack_bucket
+from keel.rollout.pool_process import engine_cores, omp_bind
 from keel.workers.rollout import RolloutWorker
 from tests.rollout.conformance import check_batch
 from tests.rollout.test_vllm import VLLM_SPEC, engine_inputs, perturbed

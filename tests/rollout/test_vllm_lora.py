@@ -17,7 +17,7 @@ from keel.models.lora import wrap_lora
 from keel.rollout import SamplingParams
 from keel.rollout.engines import build_rollout_engine
 from keel.rollout.protocol import RowRequest
-from keel.rollout.vllm import adapter_config_refusal, lora_rank_reserved, lora_refusal
+from keel.rollout.vllm_lora import adapter_config_refusal, lora_rank_reserved, lora_refusal
 from keel.workers.actor import ActorWorker
 from keel.workers.group import LocalWorkerGroup
 from keel.workers.rollout import RolloutWorker

@@ -1,5 +1,5 @@
 """vLLM behind `keel serve` (`rollout.engine: vllm`) and the vLLM engine's `Decoder`
-(keel.rollout.vllm.VLLMDecoder), in the vLLM environment (`make test-vllm`, marker vllm).
+(keel.rollout.vllm_decoder.VLLMDecoder), in the vLLM environment (`make test-vllm`, marker vllm).
 
 One engine for the decoder tests and one real `keel serve` process for the HTTP ones, both on a
 tiny Llama with vLLM-sized heads (head size 32) whose weights are perturbed so that greedy

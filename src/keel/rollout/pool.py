@@ -2,17 +2,18 @@
 `rollout.vllm.tensor_parallel_size` > 1): an `EnginePool` is a `RolloutEngine` whose engines
 each run a `VLLMRolloutEngine` in an OS process of their own.
 
-Processes. Each engine is a child started with multiprocessing's `spawn` and one pipe (this
-module's `engine_main`), which serves the pool's requests in order: a method name and its
-arguments in, the result (or the exception) out. On a CPU each engine is pinned to its own
-cores (`os.sched_setaffinity` of the child itself, and vLLM's `VLLM_CPU_OMP_THREADS_BIND` in its
-environment: engine i takes the i-th share of the cores the parent may run on; cores are
-shared only when there are fewer than engines × tensor_parallel_size). No engine outlives the
-pool: a child checks its parent every `WATCH_S` and exits when it is gone (a parent killed
-by SIGKILL included), `close()` asks each to shut vLLM down and joins it, then kills what is
-left, and a pool collected or left unclosed at the interpreter's exit kills its engines.
-With `tensor_parallel_size` > 1 vLLM starts its own worker processes inside the child (its
-multiprocessing executor; on a CPU each rank gets its own share of the engine's cores).
+Processes. Each engine is a child started with multiprocessing's `spawn` and one pipe
+(`engine_main`, keel.rollout.pool_process), which serves the pool's requests in order: a method
+name and its arguments in, the result (or the exception) out. On a CPU each engine is pinned to
+its own cores (`os.sched_setaffinity` of the child itself, and vLLM's
+`VLLM_CPU_OMP_THREADS_BIND` in its environment: engine i takes the i-th share of the cores the
+parent may run on; cores are shared only when there are fewer than engines ×
+tensor_parallel_size). No engine outlives the pool: a child checks its parent every `WATCH_S`
+and exits when it is gone (a parent killed by SIGKILL included), `close()` asks each to shut
+vLLM down and joins it, then kills what is left, and a pool collected or left unclosed at the
+interpreter's exit kills its engines. With `tensor_parallel_size` > 1 vLLM starts its own worker
+processes inside the child (its multiprocessing executor; on a CPU each rank gets its own share
+of the engine's cores).
 
 Generation. `generate_ids` draws one sampling seed per row in this process (as the single
 engine does: from torch's generator), asks the router (`keel.rollout.router`) which engine
@@ -25,9 +26,9 @@ Weights. A push is broadcast: `begin_weight_update`, each bucket (`load_weight_b
 sent to every live engine as it arrives, `finish_weight_update(version)`, each returning
 once every live engine has answered; `finish_weight_update` checks that every engine reports
 the pushed version, so no engine generates with older weights once a push has returned. A
-bucket crosses the pipe as raw bytes (`pack_bucket`: one copy of the bucket in this
-process, the tensors rebuilt in the child over one buffer of the bucket's size, which the
-engine's layerwise reload copies from). `update_weights(state, version)` streams the state
+bucket crosses the pipe as raw bytes (`pack_bucket`, keel.rollout.pool_pipe: one copy of the
+bucket in this process, the tensors rebuilt in the child over one buffer of the bucket's size,
+which the engine's layerwise reload copies from). `update_weights(state, version)` streams the state
 in buckets of `BUCKET_BYTES`.
 
 Failure. An engine whose process dies (its pipe closes) leaves the router, and the rows it
@@ -49,7 +50,6 @@ import multiprocessing
 import os
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,22 +59,26 @@ import torch
 
 from keel.config.loading import ConfigError
 from keel.data.examples import Example
+from keel.rollout.pool_pipe import (
+    EngineDied,
+    EngineHandle,
+    kill_engine,
+    kill_engines,
+    pack_bucket,
+    read_answer,
+    send_request,
+)
+from keel.rollout.pool_process import engine_cores, engine_gpus, engine_main
 from keel.rollout.protocol import Completions, Decoder, SamplingParams
 from keel.rollout.responses import generate_examples
 from keel.rollout.router import Router
 from keel.types import Batch, Tokenizer
 
 if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
-
     from keel.config.schema import RolloutConfig
     from keel.rollout.protocol import EngineInputs
 
-ALIGN_BYTES = 16  # every tensor of a bucket starts at a multiple of this (any dtype's size)
 BUCKET_BYTES = 64 * 2**20  # update_weights(state): the state streamed in buckets of this size
-# the engine methods after which an engine answers the weight version it holds
-VERSIONED = ("finish_weight_update", "load_adapter")
-WATCH_S = 0.5  # how often an engine's process checks that the pool's process is alive
 START_TIMEOUT_S = 600.0  # for an engine to start (vLLM's import and build)
 CLOSE_TIMEOUT_S = 30.0  # for an engine to shut down before it is killed
 
@@ -83,193 +87,8 @@ class EnginesLostError(RuntimeError):
     """Every engine of the pool died: nothing is left to generate with."""
 
 
-class EngineDied(Exception):
-    """One engine's process is gone (its pipe closed)."""
-
-
-# ------------------------------------------------------------------- buckets over a pipe
-def pack_bucket(
-    weights: Sequence[tuple[str, torch.Tensor]],
-) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], torch.Tensor]:
-    """(header, payload): every tensor's bytes one after the other in one uint8 tensor (the
-    bucket's one copy), each at an offset aligned to ALIGN_BYTES (so that the receiver views
-    them in their dtype), and per tensor (name, dtype, shape, offset, byte count)."""
-    header = []
-    offset = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        header.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                       offset, nbytes))  # fmt: skip
-        offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    payload = torch.zeros(offset, dtype=torch.uint8)
-    for (_, tensor), (_, _, _, start, nbytes) in zip(weights, header, strict=True):
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        payload[start : start + nbytes] = flat
-    return header, payload
-
-
-def unpack_bucket(
-    header: Sequence[tuple[str, str, tuple[int, ...], int, int]], payload: torch.Tensor
-) -> list[tuple[str, torch.Tensor]]:
-    """`pack_bucket`'s tensors, as views of `payload` (no copy)."""
-    out = []
-    for name, dtype, shape, offset, nbytes in header:
-        raw = payload[offset : offset + nbytes]
-        out.append((name, raw.view(getattr(torch, dtype)).reshape(shape)))
-    return out
-
-
-# ------------------------------------------------------------------- the engine's process
-def engine_cores(index: int, engines: int, tp: int, allowed: Sequence[int]) -> list[list[int]]:
-    """The cores of engine `index`, one list per tensor-parallel rank: the `allowed` cores cut
-    in `engines` shares (at least one core each, shared round-robin when there are fewer
-    cores than engines × tp), each share cut in `tp`."""
-    cores = sorted(allowed)
-    per_engine = max(len(cores) // engines, tp)
-    start = index * per_engine
-    mine = [cores[(start + k) % len(cores)] for k in range(per_engine)]
-    per_rank = len(mine) // tp
-    return [mine[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
-
-
-def engine_gpus(engines: int, tp: int) -> list[str]:
-    """CUDA_VISIBLE_DEVICES of each engine: `tp` of the visible GPUs each, in order; a
-    ConfigError naming the keys when there are fewer than engines × tp (built, not run here:
-    no GPU on the machine that wrote it)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = ([d for d in visible.split(",") if d.strip()] if visible is not None
-           else [str(i) for i in range(torch.cuda.device_count())])  # fmt: skip
-    if len(ids) < engines * tp:
-        raise ConfigError(
-            f"rollout.vllm.engines ({engines}) × rollout.vllm.tensor_parallel_size ({tp}) GPUs "
-            f"are needed, {len(ids)} are visible"
-        )
-    return [",".join(ids[i * tp : (i + 1) * tp]) for i in range(engines)]
-
-
-def omp_bind(ranks: Sequence[Sequence[int]]) -> str:
-    """vLLM's VLLM_CPU_OMP_THREADS_BIND for these ranks' cores: "0,1|2,3"."""
-    return "|".join(",".join(str(c) for c in cores) for cores in ranks)
-
-
-def _watch_parent(parent: int) -> None:
-    """End this process when the pool's process is gone (its parent changes)."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(1)
-        time.sleep(WATCH_S)
-
-
 def _no_copy() -> torch.nn.Module:
     raise RuntimeError("a vLLM engine of a pool loads its own weights")
-
-
-def engine_main(
-    conn: Connection,
-    rollout: RolloutConfig,
-    inputs: EngineInputs,
-    ranks: list[list[int]] | None,
-    gpus: str | None,
-    parent: int,
-) -> None:
-    """An engine's process: build a VLLMRolloutEngine, answer ("ready", facts) or ("error",
-    exception), then serve (method, args) requests until "close"; ("bucket", header) is
-    followed by the bucket's bytes."""
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    # a daemonic process may start no process of its own: vLLM's tensor-parallel workers are
-    # this one's (the pool still ends this process at its exit)
-    multiprocessing.current_process().daemon = False
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-    if ranks is not None:  # on a CPU
-        from keel.engine.devices import return_freed_memory
-
-        return_freed_memory()  # as every Keel worker process on a CPU (keel.plan.inputs)
-        cores = sorted({c for rank in ranks for c in rank})
-        with contextlib.suppress(OSError):  # this process's own affinity, where allowed
-            os.sched_setaffinity(0, cores)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(ranks)
-        os.environ["OMP_NUM_THREADS"] = str(len(ranks[0]))
-        torch.set_num_threads(len(ranks[0]))
-    from keel.rollout.vllm import VLLMRolloutEngine
-
-    try:
-        engine = VLLMRolloutEngine.build(rollout, inputs)
-        dtype = str(engine._engine().llm_engine.model_config.dtype).removeprefix("torch.")
-        target = (dtype, "cuda" if engine.on_gpu else "cpu")
-        conn.send(("ready", {"target": target, "max_model_len": engine.max_model_len}))
-    except BaseException as e:
-        _send_error(conn, e)
-        return
-    while True:
-        try:
-            op, args = conn.recv()
-        except EOFError:  # the pool is gone
-            break
-        try:
-            if op == "bucket":
-                header, nbytes = args
-                payload = torch.empty(nbytes, dtype=torch.uint8)
-                if nbytes:
-                    conn.recv_bytes_into(payload.numpy().data)
-                engine.load_weight_bucket(unpack_bucket(header, payload))
-                del payload
-                result = None
-            elif op == "weight_version":
-                result = engine.weight_version
-            elif op == "peak_rss_kib":  # (VmRSS, VmHWM) of this process; reset: HWM := RSS
-                (reset,) = args
-                if reset:  # Linux: 5 into the process's own clear_refs
-                    with open("/proc/self/clear_refs", "w") as f:
-                        f.write("5")
-                result = (_status_kib("VmRSS"), _status_kib("VmHWM"))
-            elif op == "close":
-                engine.close()
-                conn.send(("ok", None))
-                break
-            else:
-                result = getattr(engine, op)(*args)
-                if op in VERSIONED:
-                    result = engine.weight_version
-            conn.send(("ok", result))
-        except BaseException as e:
-            _send_error(conn, e)
-    conn.close()
-
-
-def _status_kib(field: str) -> int:
-    """This process's /proc/self/status field (VmRSS, VmHWM) in KiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _send_error(conn: Connection, error: BaseException) -> None:
-    text = "".join(traceback.format_exception(error))
-    try:
-        conn.send(("error", (error, text)))
-    except Exception:  # an exception that does not pickle
-        conn.send(("error", (RuntimeError(f"{error!r}"), text)))
-
-
-# ------------------------------------------------------------------- the pool's side
-@dataclasses.dataclass
-class EngineHandle:
-    """One engine's process and pipe; `lock` serialises the pipe's request/answer pairs."""
-
-    index: int
-    process: Any  # multiprocessing's SpawnProcess
-    conn: Connection
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    alive: bool = True
-    joining: bool = False  # a replacement starting: it takes the next push, then requests
-    routed: bool = True  # the router gives it prompts (a replacement: once its push is done)
-    requests: int = 0  # rows served since the last metrics()
-    tokens: int = 0  # tokens generated since the last metrics()
-    busy_s: float = 0.0  # seconds spent generating since the last metrics()
-    queue_max: int = 0  # the most rows given to it at once since the last metrics()
 
 
 class EnginePool:
@@ -313,7 +132,7 @@ class EnginePool:
         self._closed = False
         self._executor = ThreadPoolExecutor(len(handles), thread_name_prefix="keel-engine-pool")
         # the engines are killed when the pool is collected or the interpreter exits unclosed
-        self._finalizer = weakref.finalize(self, _kill_all, handles)
+        self._finalizer = weakref.finalize(self, kill_engines, handles)
 
     @classmethod
     def build(cls, rollout: RolloutConfig, inputs: EngineInputs) -> EnginePool:
@@ -322,7 +141,11 @@ class EnginePool:
         from keel.data.encoding import stop_ids
         from keel.models.eos import eos_token_ids
         from keel.rollout.responses import pad_token_id
-        from keel.rollout.vllm import SimpleGenerationConfig, check_head_size, import_vllm
+        from keel.rollout.vllm_process import (
+            SimpleGenerationConfig,
+            check_head_size,
+            import_vllm,
+        )
 
         check_head_size(inputs.model_path)
         import_vllm()  # a missing vLLM is a ConfigError here, not in every child
@@ -353,10 +176,10 @@ class EnginePool:
         try:
             for i in range(cfg.engines):
                 handles.append(spawn(i))
-            facts = [_answer(h, START_TIMEOUT_S) for h in handles]
+            facts = [read_answer(h, START_TIMEOUT_S) for h in handles]
         except BaseException:
             for h in handles:
-                _kill(h)
+                kill_engine(h)
             raise
         generation = SimpleGenerationConfig.from_folder(inputs.model_path)
         eos = stop_ids(
@@ -608,11 +431,11 @@ class EnginePool:
                 with contextlib.suppress(Exception):
                     h.conn.send(("close", ()))
             else:  # a replacement still starting
-                _kill(h)
+                kill_engine(h)
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for h in self.handles:
             h.process.join(max(0.0, deadline - time.monotonic()))
-            _kill(h)
+            kill_engine(h)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._finalizer.detach()
 
@@ -647,8 +470,8 @@ class EnginePool:
     def _call(self, handle: EngineHandle, op: str, *args: Any) -> Any:
         """One request to one engine and its answer (EngineDied when its process is gone)."""
         with handle.lock:
-            _send(handle, op, args)
-            return _answer(handle)
+            send_request(handle, op, args)
+            return read_answer(handle)
 
     def _broadcast(
         self, op: str, *args: Any, payload: torch.Tensor | None = None
@@ -660,7 +483,7 @@ class EnginePool:
         for h in [h for h in self.handles if h.alive]:
             h.lock.acquire()
             try:
-                _send(h, op, args, payload)
+                send_request(h, op, args, payload)
                 sent.append(h)
             except EngineDied:
                 h.lock.release()
@@ -675,7 +498,7 @@ class EnginePool:
         error: BaseException | None = None
         for h in sent:
             try:
-                results[h.index] = _answer(h)
+                results[h.index] = read_answer(h)
             except EngineDied:
                 self._lose(h.index)
             except Exception as e:
@@ -696,7 +519,7 @@ class EnginePool:
             handle.alive = False
             self.failures += 1
             self.router.drop(engine)
-            _kill(handle)
+            kill_engine(handle)
             if self._spawn is not None and not self._closed:
                 fresh = self._spawn(engine)
                 fresh.alive, fresh.joining, fresh.routed = False, True, False
@@ -713,9 +536,9 @@ class EnginePool:
                 continue
             h.joining = False
             try:
-                _answer(h, START_TIMEOUT_S)
+                read_answer(h, START_TIMEOUT_S)
             except Exception:  # it did not start: the pool goes on without it
-                _kill(h)
+                kill_engine(h)
                 continue
             h.alive = True
             if not self._pushed:
@@ -723,66 +546,8 @@ class EnginePool:
                 self.router.live.add(h.index)
 
 
-def _send(handle: EngineHandle, op: str, args: tuple[Any, ...], payload: Any = None) -> None:
-    """A request down the engine's pipe (a bucket: its header and byte count, then its bytes)."""
-    try:
-        if op == "bucket":
-            (header,) = args
-            handle.conn.send((op, (header, sum(entry[4] for entry in header))))
-            if payload is not None and payload.numel():
-                handle.conn.send_bytes(payload.numpy().data)
-        else:
-            handle.conn.send((op, args))
-    except (OSError, EOFError) as e:  # BrokenPipeError: the process is gone
-        raise EngineDied(f"vLLM engine {handle.index} is gone") from e
-
-
-def _answer(handle: EngineHandle, timeout: float | None = None) -> Any:
-    """The engine's answer to its current request: its result, or its error raised here."""
-    try:
-        if timeout is not None and not handle.conn.poll(timeout):
-            raise TimeoutError(f"vLLM engine {handle.index} did not start in {timeout:.0f} s")
-        kind, value = handle.conn.recv()
-    except (OSError, EOFError) as e:
-        raise EngineDied(f"vLLM engine {handle.index} is gone") from e
-    if kind == "error":
-        error, text = value
-        raise _with_note(error, f"in vLLM engine {handle.index}:\n{text}")
-    return value
-
-
-def _with_note(error: BaseException, note: str) -> BaseException:
-    error.add_note(note)
-    return error
-
-
-def _kill_all(handles: Sequence[EngineHandle]) -> None:
-    for handle in handles:
-        with contextlib.suppress(Exception):
-            _kill(handle)
-
-
-def _kill(handle: EngineHandle) -> None:
-    """End the engine's process (if still running) and reap it; its pipe is closed."""
-    handle.alive = False
-    process = handle.process
-    if process.is_alive():
-        process.kill()
-    process.join(5.0)
-    with contextlib.suppress(Exception):
-        handle.conn.close()
-
-
 __all__ = [
-    "ALIGN_BYTES",
     "BUCKET_BYTES",
-    "EngineDied",
     "EnginePool",
     "EnginesLostError",
-    "engine_cores",
-    "engine_gpus",
-    "engine_main",
-    "omp_bind",
-    "pack_bucket",
-    "unpack_bucket",
 ]
