@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
 
-from bench.engines import SIZES, build_model, workload
+from bench.engines import SIZES, build_model, fastest_call, workload
 
 CASES = ("one", "pool", "wide", "tp")
 DEFAULT_CASES = ("one", "pool", "wide")
@@ -74,25 +74,15 @@ def run_case(case: str, model_dir: Path, args: argparse.Namespace) -> dict:
     startup = time.perf_counter() - start
     examples = workload(args.prompts, args.prompt_tokens)
     sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.tokens)
-    engine.generate(examples[:2], SamplingParams(n=2, max_new_tokens=4))  # warm-up
-    best = None
-    for _ in range(args.repeats):
-        torch.manual_seed(0)
-        t = time.perf_counter()
-        batch = engine.generate(examples, sampling)
-        seconds = time.perf_counter() - t
-        tokens = int(batch.response_mask.sum())
-        if best is None or tokens / seconds > best[0] / best[1]:
-            best = (tokens, seconds)
-    assert best is not None
+    tokens, seconds = fastest_call(engine, examples, sampling, args.repeats)
     row = {
         "case": f"engine_pool/{case}",
         "engines": 2 if case == "pool" else 1,
         "cores": len(allowed) if case in ("wide", "tp") else (2 if case == "pool" else 1),
         "tensor_parallel_size": 2 if case == "tp" else 1,
-        "tokens": best[0],
-        "seconds": round(best[1], 3),
-        "tokens_per_s": round(best[0] / best[1], 1),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
         "startup_s": round(startup, 2),
         "workload": f"{args.prompts} prompts x {args.n} samples x {args.tokens} tokens",
     }
