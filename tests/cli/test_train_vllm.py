@@ -1,7 +1,7 @@
 """GRPO with `rollout.engine: vllm` through the real `keel train`, in the vLLM environment (marker
 vllm): a run that trains, one that crashes, one that gets SIGTERM (with asynchronous
-rollout, rollout.max_staleness 1) and one that trains a LoRA adapter (pushed as an adapter),
-started together (each is
+rollout, rollout.max_staleness 1), one that trains a LoRA adapter (pushed as an adapter) and one
+that repeats the first on two engines (rollout.vllm.engines: 2), started together (each is
 mostly one busy core waiting on imports and the engine's start). Each run's process tree is
 watched with psutil while it runs: the engine lives in the trainer's process, so no vLLM engine
 process (`VLLM::EngineCore`, `VLLM::Worker`) ever appears, and none of the run's descendants
@@ -114,6 +114,11 @@ def runs(tmp_path_factory):
                               cache),
         "lora": WatchedRun(root / "lora", [*base, f"{reward}:digit_fraction", "train.steps=2",
                                            "models.lora={r: 4, alpha: 8}"], cache),
+        # "trains" again on an engine pool of two engines in processes of their own
+        "pool": WatchedRun(root / "pool", [*base, f"{reward}:digit_fraction",
+                                           "train.steps=3", "eval.every=3",
+                                           f"algorithm.rollout_correction={CORRECTION}",
+                                           "rollout.vllm.engines=2"], cache),
     }  # fmt: skip
     term = started["sigterm"]
     deadline = time.monotonic() + 240
@@ -170,6 +175,32 @@ def test_a_lora_run_pushes_its_adapter_into_the_vllm_engine(runs):
     merged = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(
         runs["model"]).parameters())  # fmt: skip
     assert merged / 10 > 47104
+
+
+def test_two_engines_train_the_run_one_engine_trains(runs):
+    """rollout.vllm.engines: 2 (keel.rollout.pool: two engine processes behind the router) gives
+    the single in-process engine's run: every logged number but timings and the per-engine
+    figures equal within 1e-4 at every step (each row sampled with the seed one engine would
+    give it; the engine in the trainer's process leaves its torch generator as it found it),
+    both engines served rows, and no engine process is left once the run has ended."""
+    code, out = runs["results"]["pool"]
+    assert code == 0, out[-3000:]
+    one, two = runs["runs"]["trains"].metrics(), runs["runs"]["pool"].metrics()
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2, 3]
+    skipped = ("timing/", "perf/", "rollout/engine", "system/", "_seconds", "_s")
+    compared = 0
+    for a, b in zip(one, two, strict=True):
+        for key, value in a.items():
+            if key.startswith(skipped) or key.endswith(skipped) or "memory" in key:
+                continue
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-4), (a["step"], key)
+            compared += 1
+    assert compared > 100
+    served = [r for r in two if "rollout/engine0/requests" in r]
+    assert served and sum(r["rollout/engine0/requests"] for r in served) > 0
+    assert sum(r["rollout/engine1/requests"] for r in served) > 0
+    assert all(r["rollout/engines_live"] == 2 for r in served)
+    assert runs["runs"]["pool"].survivors() == []
 
 
 @pytest.mark.parametrize("name", ["trains", "crashes", "sigterm", "lora"])

@@ -110,6 +110,22 @@ def test_two_engines_give_the_single_engines_tokens_and_log_probs(single, pool, 
 
 
 @pytest.mark.vllm
+def test_the_engine_in_this_process_moves_torch_by_its_seed_draw_only(single, model_dir):
+    """vLLM's sampler draws from torch's generator; the engine puts it back (kept_rng), so the
+    trainer's random state after a generate is the one after the seed's draw, as with a pool,
+    whose engines draw in processes of their own: 1 or N engines, the same run."""
+    prompts = prompts_of(model_dir, ["1+1=", "7="])
+    for sampling in (SamplingParams(n=2, temperature=1.0, max_new_tokens=6),
+                     SamplingParams(n=2, temperature=0, max_new_tokens=6)):  # fmt: skip
+        torch.manual_seed(3)
+        single.generate_ids(prompts, sampling)
+        after = torch.rand(4)
+        torch.manual_seed(3)
+        torch.randint(0, 2**31 - 1 - 4, ())  # the seed of the call's 4 rows
+        assert torch.equal(after, torch.rand(4))
+
+
+@pytest.mark.vllm
 def test_versions_agree_across_engines_after_pushes(single, pool, model_dir):
     """Three pushes (the last one streamed in small buckets, as a collective push arrives):
     every engine reports each version once the push has returned, and the log-probs after

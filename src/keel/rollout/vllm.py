@@ -81,6 +81,7 @@ from keel.rollout.vllm_process import (
     engine_args,
     engine_env,
     import_vllm,
+    kept_rng,
     preserved_process_state,
     transformers_classes_kept,
 )
@@ -203,8 +204,10 @@ class VLLMRolloutEngine:
             return self._stepped(prompt_ids, sampling, self.step_hook)
         # One request per row (vLLM's prefix cache shares a prompt's KV blocks between its n
         # rows). Row i samples with its own generator, seeded seed + i, whatever vLLM's
-        # batching; seed is drawn from torch's generator (seeded by Keel), which vLLM's sampler
-        # also draws from (as HF generate does), so a run is reproducible from its seed.
+        # batching; seed is drawn from torch's generator (seeded by Keel), so a run is
+        # reproducible from its seed. vLLM's sampler also draws from that generator; kept_rng
+        # puts it back, so the engine moves it by the seed's draw only, as a pool of engines in
+        # processes of their own does (keel.rollout.pool: the same run for 1 or N engines).
         rows = [list(ids) for ids in prompt_ids for _ in range(sampling.n)]
         seed = int(torch.randint(0, 2**31 - 1 - len(rows), ()).item())
         return self.generate_rows(rows, sampling, [seed + i for i in range(len(rows))])
@@ -222,7 +225,7 @@ class VLLMRolloutEngine:
         greedy = sampling.temperature == 0
         params = [self._sampling_params(sampling, greedy, seed) for seed in seeds]
         prompts = [{"prompt_token_ids": list(ids)} for ids in rows]
-        with eager_helpers(self.eager):
+        with eager_helpers(self.eager), kept_rng():
             outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter)
         responses = [list(out.outputs[0].token_ids) for out in outputs]
         logps = [

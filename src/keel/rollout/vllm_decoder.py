@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from keel.rollout.protocol import RowRequest, RowToken
-from keel.rollout.vllm_process import eager_helpers
+from keel.rollout.vllm_process import eager_helpers, kept_rng
 
 if TYPE_CHECKING:
     from keel.rollout.vllm import VLLMRolloutEngine
@@ -99,7 +99,7 @@ class VLLMDecoder:
         if not self._rows:
             return []
         llm_engine = self._llm_engine()
-        with eager_helpers(self._owner.eager):
+        with eager_helpers(self._owner.eager), kept_rng():
             while any(not r.pending for r in self._rows.values()):
                 if not llm_engine.has_unfinished_requests():
                     raise RuntimeError("vLLM ended a live row without a token (an engine error)")

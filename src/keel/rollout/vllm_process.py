@@ -167,6 +167,19 @@ def eager_helpers(eager: bool) -> contextlib.AbstractContextManager:
     return torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def kept_rng() -> Iterator[None]:
+    """The process's torch generators as they were before the block: vLLM's sampler draws from
+    them while it generates (each row samples from its own seeded generator, but the engine
+    moves the global one too), so an engine in the trainer's process would otherwise move the
+    trainer's random state by an amount that depends on the engine, and a run with one engine
+    in the process would draw differently afterwards from a run whose engines are processes of
+    their own (keel.rollout.pool)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 def engine_env() -> dict[str, str]:
     """The variables vLLM reads while it starts (and caches then): its engine core in this
     process, and its V1 model runner, whose sampler `install_row_logprobs` wraps (vLLM's CPU
