@@ -35,9 +35,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import torch
 
-from bench.engines import SIZES, build_model, fastest_call, workload
+from bench.engines import SIZES, build_model, cpu_engine_inputs, fastest_call, workload
 
 CASES = ("one", "pool", "wide", "tp")
 DEFAULT_CASES = ("one", "pool", "wide")
@@ -45,14 +44,9 @@ DEFAULT_CASES = ("one", "pool", "wide")
 
 def build(model_dir: Path, engines: int, tp: int = 1):
     from keel.config.schema import RolloutConfig
-    from keel.models import load_tokenizer
-    from keel.rollout.engines import EngineInputs, build_rollout_engine
+    from keel.rollout.engines import build_rollout_engine
 
-    inputs = EngineInputs(
-        model_path=model_dir, tokenizer=load_tokenizer(model_dir), chat=False,
-        max_prompt_length=64, truncation="error", dtype="float32",
-        device=torch.device("cpu"), actor_module=None, autocast=None, load_copy=lambda: None,
-    )  # fmt: skip
+    inputs = cpu_engine_inputs(model_dir)
     vllm = {"engines": engines, "tensor_parallel_size": tp, "kv_cache_space_gb": 0.25,
             "max_model_len": 512}  # fmt: skip
     return build_rollout_engine(RolloutConfig.model_validate({"engine": "vllm", "vllm": vllm}),

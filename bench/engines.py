@@ -101,15 +101,14 @@ def fastest_call(engine, examples, sampling, repeats: int) -> tuple[int, float]:
     return best
 
 
-def build_engine(engine: str, model_dir: Path, dtype: str, eager: bool = True):
-    """A separate (not colocated) rollout engine, as keel.rollout.engines builds it; eager:
-    rollout.vllm.enforce_eager."""
-    from keel.config.schema import RolloutConfig
+def cpu_engine_inputs(model_dir: Path, dtype: str = "float32", **extra):
+    """The EngineInputs of a separate (not colocated) rollout engine on the CPU for `model_dir`,
+    as the benchmarks build their engines (`extra`: e.g. lora_rank)."""
     from keel.engine.devices import DTYPES as TORCH_DTYPES
     from keel.models import load_causal_lm, load_tokenizer
-    from keel.rollout.engines import EngineInputs, build_rollout_engine
+    from keel.rollout.engines import EngineInputs
 
-    inputs = EngineInputs(
+    return EngineInputs(
         model_path=model_dir,
         tokenizer=load_tokenizer(model_dir),
         chat=False,
@@ -120,7 +119,17 @@ def build_engine(engine: str, model_dir: Path, dtype: str, eager: bool = True):
         actor_module=None,
         autocast=None,
         load_copy=lambda: load_causal_lm(model_dir, dtype=TORCH_DTYPES[dtype]).eval(),
+        **extra,
     )
+
+
+def build_engine(engine: str, model_dir: Path, dtype: str, eager: bool = True):
+    """A separate (not colocated) rollout engine, as keel.rollout.engines builds it; eager:
+    rollout.vllm.enforce_eager."""
+    from keel.config.schema import RolloutConfig
+    from keel.rollout.engines import build_rollout_engine
+
+    inputs = cpu_engine_inputs(model_dir, dtype)
     # vLLM's enforce_eager is rollout.compile's opposite (keel.rollout.vllm); HF keeps its
     # default (no compile on the CPU)
     rollout = RolloutConfig(engine=engine, compile=None if engine == "hf" else not eager)

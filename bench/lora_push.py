@@ -48,23 +48,11 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 
 def vllm_seconds(model_dir: Path, actor: ActorWorker, rank: int, pushes: int) -> dict[str, float]:
     """Median seconds of an adapter push and of a merged push into one vLLM engine."""
+    from bench.engines import cpu_engine_inputs
     from keel.config.schema import RolloutConfig
-    from keel.models import load_tokenizer
-    from keel.rollout.engines import EngineInputs, build_rollout_engine
+    from keel.rollout.engines import build_rollout_engine
 
-    inputs = EngineInputs(
-        model_path=model_dir,
-        tokenizer=load_tokenizer(model_dir),
-        chat=False,
-        max_prompt_length=64,
-        truncation="error",
-        dtype="float32",
-        device=torch.device("cpu"),
-        actor_module=None,
-        autocast=None,
-        load_copy=lambda: load_causal_lm(model_dir),
-        lora_rank=rank,
-    )
+    inputs = cpu_engine_inputs(model_dir, lora_rank=rank)
     config = RolloutConfig(engine="vllm", vllm={"kv_cache_space_gb": 0.25, "max_model_len": 512})
     engine = build_rollout_engine(config, inputs)
     adapter_s, merged_s = [], []
