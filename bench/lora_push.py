@@ -53,7 +53,10 @@ def vllm_seconds(model_dir: Path, actor: ActorWorker, rank: int, pushes: int) ->
     from keel.rollout.engines import build_rollout_engine
 
     inputs = cpu_engine_inputs(model_dir, lora_rank=rank)
-    config = RolloutConfig(engine="vllm", vllm={"kv_cache_space_gb": 0.25, "max_model_len": 512})
+    # room for SmolLM2's prompts, within the model's positions (the tiny model has 256)
+    positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    vllm = {"kv_cache_space_gb": 0.25, "max_model_len": min(512, positions)}
+    config = RolloutConfig(engine="vllm", vllm=vllm)
     engine = build_rollout_engine(config, inputs)
     adapter_s, merged_s = [], []
     try:
